@@ -1,0 +1,38 @@
+"""Builds lowprec's quantization kernel (plain C, no torch headers) at install time.
+
+The kernel is optional: when no C compiler is available the build continues without it and
+lowprec uses its plain-torch path, which gives the same bits (only slower).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    def run(self):
+        try:
+            super().run()
+        except Exception as err:  # no compiler: fall back to the plain-torch path
+            print(f"lowprec: kernel not built ({err}); using the plain-torch path", file=sys.stderr)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as err:
+            print(f"lowprec: kernel not built ({err}); using the plain-torch path", file=sys.stderr)
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "lowprec._qkernel",
+            sources=["src/lowprec/_qkernel.c"],
+            # No -ffast-math: the kernel relies on exact IEEE multiplication and subnormals.
+            extra_compile_args=["-O3", "-fno-trapping-math", "-std=c11"],
+            extra_link_args=["-lpthread"],
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

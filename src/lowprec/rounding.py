@@ -1,0 +1,113 @@
+"""Rounding modes: an Enum, parsed from short names, with the random-bit budget of stochastic modes.
+
+The five deterministic modes are those of IEEE 754-2019 section 4.3. The two stochastic ones
+follow Gupta et al. (2015): a value x between neighbours lo < x < hi rounds up with probability
+p = (x - lo) / (hi - lo). ``STOCHASTIC`` draws 32 random bits per element, so p is exact to 2**-32;
+``STOCHASTIC_LIMITED`` draws only ``random_bits`` bits (8 by default), as hardware does: the
+discarded fraction is truncated to that many bits and added to the random integer, and the carry
+decides (p = floor(p * 2**r) / 2**r; Graphcore IPU and AMD MI300 work this way, and gfloat calls
+it ``StochasticFastest``).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+__all__ = ["Rounding", "parse_rounding", "DEFAULT_LIMITED_BITS"]
+
+DEFAULT_LIMITED_BITS = 8
+
+
+class Rounding(str, Enum):
+    NEAREST_EVEN = "nearest"
+    NEAREST_AWAY = "nearest_away"
+    TOWARD_ZERO = "toward_zero"
+    UP = "up"
+    DOWN = "down"
+    STOCHASTIC = "stochastic"
+    STOCHASTIC_LIMITED = "stochastic_limited"
+
+    @property
+    def is_stochastic(self) -> bool:
+        return self in (Rounding.STOCHASTIC, Rounding.STOCHASTIC_LIMITED)
+
+    @property
+    def short(self) -> str:
+        """Compact name used in policy specs (``e5m2:sr``)."""
+        return _SHORT[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_SHORT = {
+    Rounding.NEAREST_EVEN: "rn",
+    Rounding.NEAREST_AWAY: "rna",
+    Rounding.TOWARD_ZERO: "rz",
+    Rounding.UP: "ru",
+    Rounding.DOWN: "rd",
+    Rounding.STOCHASTIC: "sr",
+    Rounding.STOCHASTIC_LIMITED: "srN",
+}
+
+_NAMES = {
+    "nearest": Rounding.NEAREST_EVEN,
+    "nearest_even": Rounding.NEAREST_EVEN,
+    "rne": Rounding.NEAREST_EVEN,
+    "rn": Rounding.NEAREST_EVEN,
+    "nearest_away": Rounding.NEAREST_AWAY,
+    "rna": Rounding.NEAREST_AWAY,
+    "toward_zero": Rounding.TOWARD_ZERO,
+    "truncate": Rounding.TOWARD_ZERO,
+    "trunc": Rounding.TOWARD_ZERO,
+    "rz": Rounding.TOWARD_ZERO,
+    "up": Rounding.UP,
+    "ceil": Rounding.UP,
+    "ru": Rounding.UP,
+    "down": Rounding.DOWN,
+    "floor": Rounding.DOWN,
+    "rd": Rounding.DOWN,
+    "stochastic": Rounding.STOCHASTIC,
+    "sr": Rounding.STOCHASTIC,
+    "stochastic_limited": Rounding.STOCHASTIC_LIMITED,
+}
+
+_LIMITED_RE = re.compile(r"^(?:sr|stochastic_limited|stochastic)(\d+)$")
+
+
+def parse_rounding(rounding: str | Rounding, random_bits: int | None = None) -> tuple[Rounding, int]:
+    """Return ``(mode, random_bits)``.
+
+    ``"sr8"`` (or ``"stochastic_limited"`` with ``random_bits=8``) is stochastic rounding with
+    8 random bits; ``"sr"`` uses 32. Deterministic modes return ``random_bits=0``.
+    """
+    if isinstance(rounding, Rounding):
+        mode = rounding
+    elif isinstance(rounding, str):
+        key = rounding.strip().lower().replace("-", "_")
+        if key in _NAMES:
+            mode = _NAMES[key]
+        elif m := _LIMITED_RE.match(key):
+            mode, bits = Rounding.STOCHASTIC_LIMITED, int(m.group(1))
+            if random_bits is not None and random_bits != bits:
+                raise ValueError(f"rounding {rounding!r} conflicts with random_bits={random_bits}")
+            random_bits = bits
+        else:
+            accepted = ", ".join(sorted(_NAMES)) + ", srN (N random bits, 1..32)"
+            raise ValueError(f"unknown rounding mode {rounding!r}; accepted: {accepted}")
+    else:
+        raise TypeError(f"rounding must be a str or lowprec.Rounding, got {rounding!r}")
+
+    if mode is Rounding.STOCHASTIC:
+        if random_bits not in (None, 32):
+            return parse_rounding(Rounding.STOCHASTIC_LIMITED, random_bits)
+        return mode, 32
+    if mode is Rounding.STOCHASTIC_LIMITED:
+        bits = DEFAULT_LIMITED_BITS if random_bits is None else random_bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
+            raise ValueError(f"random_bits={bits!r} must be an int in [1, 32]")
+        return mode, bits
+    if random_bits not in (None, 0):
+        raise ValueError(f"random_bits={random_bits} is only meaningful for stochastic rounding")
+    return mode, 0
