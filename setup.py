@@ -30,8 +30,10 @@ setup(
             "lowprec._qkernel",
             sources=["src/lowprec/_qkernel.c"],
             # No -ffast-math: the kernel relies on exact IEEE multiplication and subnormals.
-            extra_compile_args=["-O3", "-fno-trapping-math", "-std=c11"],
-            extra_link_args=["-lpthread"],
+            extra_compile_args=["-O3", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-ffp-contract=off",
+                                "-fno-math-errno"],
+            # libgomp.so.1 resolves to the copy torch loads, so both share one thread pool
+            extra_link_args=["-lpthread", "-fopenmp"],
         )
     ],
     cmdclass={"build_ext": OptionalBuildExt},

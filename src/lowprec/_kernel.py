@@ -34,6 +34,34 @@ class LPParams(ctypes.Structure):
     ]
 
 
+class LPOpt(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "kind", "p_dtype", "g_dtype", "s_dtype", "nesterov", "first", "decoupled",
+        "sqrt_storage", "has_momentum")] + [(name, ctypes.c_float) for name in (
+        "lr", "momentum", "dampening", "wd", "beta1", "beta2", "eps", "step_size", "bc2_sqrt",
+        "grad_scale")] + [("p_is_bf16", ctypes.c_int32), ("s_is_bf16", ctypes.c_int32)]
+
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def opt_dtype_code(dtype: torch.dtype) -> int | None:
+    return _DT.get(dtype)
+
+
+def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
+             sq: ElementParams) -> None:
+    """Fused optimizer step on contiguous CPU tensors (see lp_opt_step in _qkernel.c)."""
+    from ._params import random_mask
+
+    pp = _params(pq, p_rounding, random_mask(32) if p_rounding == 5 else 0, seed)
+    sp = _params(sq, 0, 0, (0, 0))
+    dummy = p.data_ptr()
+    _lib().lp_opt_step(p.data_ptr(), g.data_ptr(), s1.data_ptr() if s1 is not None else dummy,
+                       s2.data_ptr() if s2 is not None else dummy, p.numel(), ctypes.byref(opt),
+                       ctypes.byref(pp), ctypes.byref(sp), torch.get_num_threads())
+
+
 @lru_cache(maxsize=1)
 def _lib():
     if os.environ.get("LOWPREC_KERNEL", "1") == "0":
@@ -45,7 +73,7 @@ def _lib():
         lib = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    if lib.lp_abi_version() != 1:
+    if lib.lp_abi_version() != 2:
         return None
     p = ctypes.c_void_p
     lib.lp_quantize_f32.argtypes = [p, p, ctypes.c_int64, ctypes.POINTER(LPParams), ctypes.c_int]
@@ -55,6 +83,9 @@ def _lib():
         ctypes.c_int,
     ]
     lib.lp_quantize_blocks_f32.restype = None
+    lib.lp_opt_step.argtypes = [p, p, p, p, ctypes.c_int64, ctypes.POINTER(LPOpt),
+                                ctypes.POINTER(LPParams), ctypes.POINTER(LPParams), ctypes.c_int]
+    lib.lp_opt_step.restype = None
     return lib
 
 

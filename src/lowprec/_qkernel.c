@@ -23,6 +23,7 @@
 #include <Python.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 enum { R_NE = 0, R_NA = 1, R_Z = 2, R_UP = 3, R_DOWN = 4, R_SR = 5 };
@@ -73,6 +74,8 @@ LP_INLINE int32_t imax(int32_t a, int32_t b) { return a > b ? a : b; }
 typedef struct {
     int32_t man, bemin, qsub, signed_zero;
     uint32_t maxpos, maxneg, special, rmask, saturate;
+    int32_t fast;                 /* float format with 1..23 discarded bits: fast path usable */
+    uint32_t fshift, fmask, fhalf; /* 23 - man, low-bit mask, 2**(fshift-1) - 1 */
 } lp_inv;
 
 LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
@@ -88,6 +91,10 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
     v.special = p->overflow == OV_INF ? 0x7f800000u : 0x7fc00000u;
     v.saturate = mask_if(p->overflow == OV_SAT);
     v.rmask = p->rmask;
+    v.fast = p->man < 23 && p->bemin + sh < 255 && p->bemin + sh > 0;
+    v.fshift = (uint32_t)(23 - (p->man < 23 ? p->man : 22));
+    v.fmask = (1u << v.fshift) - 1u;
+    v.fhalf = (1u << (v.fshift - 1)) - 1u;
     return v;
 }
 
@@ -166,13 +173,55 @@ LP_INLINE void lp_prefetch(const uint32_t *in, uint32_t *out, int64_t start, int
 }
 
 /* One loop per rounding mode, so that the mode is a constant and the loop vectorizes. */
+/* The fast path: in the normal range, without overflow, rounding to nearest even is the classic
+ * integer trick on the float32 pattern (add 2**(s-1) - 1 + lsb, clear the s low bits), and
+ * stochastic rounding with 32 random bits is "add the top s random bits, clear the s low bits"
+ * (the same carry as the general rule: (rem + R_hi) >= 2**s  <=>  t + R >= 2**32). A chunk of 16
+ * values takes it when every nonzero value is normal and within range; otherwise the whole chunk
+ * goes through quantize_one. Both give the same bits, so this is only a shortcut. */
+#define LP_CHUNK 16
+
+LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
+    return mix32(mix32(idx ^ k0) + k1);
+}
+
 #define LP_DEFINE_LOOP(NAME, MODE)                                                               \
     LP_CLONES static void NAME##_tile(const uint32_t *in, uint32_t *out, int64_t n, uint32_t lo0, \
                                       uint32_t k0, uint32_t k1, const lp_inv *pp) {              \
         const lp_inv p = *pp;                                                                     \
-        for (int64_t i = 0; i < n; ++i) {                                                         \
+        int64_t i = 0;                                                                            \
+        const int fast = (MODE == R_NE || (MODE == R_SR && p.rmask == 0xffffffffu)) && p.fast;   \
+        if (fast) {                                                                               \
+            for (; i + LP_CHUNK <= n; i += LP_CHUNK) {                                            \
+                uint32_t tmp[LP_CHUNK];                                                           \
+                uint32_t bad = 0;                                                                 \
+                for (int l = 0; l < LP_CHUNK; ++l) {                                              \
+                    const uint32_t u = in[i + l], sign = u & 0x80000000u, a = u & 0x7fffffffu;   \
+                    const int32_t field = (int32_t)(a >> 23);                                     \
+                    uint32_t add;                                                                 \
+                    if (MODE == R_NE) add = p.fhalf + ((a >> p.fshift) & 1u);                     \
+                    else add = lp_rand(lo0 + (uint32_t)(i + l), k0, k1) >> (32 - p.fshift);       \
+                    const uint32_t rf = (a + add) & ~p.fmask;                                     \
+                    const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
+                    bad |= (uint32_t)((field < p.bemin) & (a != 0)) | (uint32_t)(rf > lim);       \
+                    uint32_t res = rf | sign;                                                     \
+                    res &= ~mask_if((rf == 0) & (p.signed_zero == 0));                            \
+                    tmp[l] = res;                                                                 \
+                }                                                                                 \
+                if (bad) {                                                                        \
+                    for (int l = 0; l < LP_CHUNK; ++l) {                                          \
+                        uint32_t r = 0;                                                           \
+                        if (MODE == R_SR) r = lp_rand(lo0 + (uint32_t)(i + l), k0, k1);           \
+                        out[i + l] = quantize_one(in[i + l], r, &p, MODE);                        \
+                    }                                                                             \
+                } else {                                                                          \
+                    for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                       \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (; i < n; ++i) {                                                                      \
             uint32_t r = 0;                                                                       \
-            if (MODE == R_SR) r = mix32(mix32((lo0 + (uint32_t)i) ^ k0) + k1);                    \
+            if (MODE == R_SR) r = lp_rand(lo0 + (uint32_t)i, k0, k1);                             \
             out[i] = quantize_one(in[i], r, &p, MODE);                                            \
         }                                                                                         \
     }                                                                                             \
@@ -259,8 +308,34 @@ static void *run_job(void *arg) {
 }
 
 #define LP_MAX_THREADS 64
-#define LP_MIN_PER_THREAD (1 << 16)
+#define LP_MIN_PER_THREAD (1 << 15)
 
+#ifdef _OPENMP
+#include <omp.h>
+/* OpenMP, so that the kernel shares torch's thread pool: the library is linked by its soname
+ * libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded. Separate
+ * pthreads would compete with torch's spinning OpenMP workers for the same cores. */
+static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) {
+    int64_t by_size = (units * unit_elems) / LP_MIN_PER_THREAD;
+    if (by_size < nthreads) nthreads = by_size < 1 ? 1 : (int)by_size;
+    if (nthreads > units) nthreads = units < 1 ? 1 : (int)units;
+    if (nthreads <= 1) {
+        base.begin = 0;
+        base.end = units;
+        run_job(&base);
+        return;
+    }
+    const int64_t per = (units + nthreads - 1) / nthreads;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num();
+        lp_job job = base;
+        job.begin = t * per < units ? t * per : units;
+        job.end = (t + 1) * per < units ? (t + 1) * per : units;
+        if (job.begin < job.end) run_job(&job);
+    }
+}
+#else
 static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) {
     if (nthreads > LP_MAX_THREADS) nthreads = LP_MAX_THREADS;
     int64_t by_size = (units * unit_elems) / LP_MIN_PER_THREAD;
@@ -286,6 +361,7 @@ static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nth
             run_job(&jobs[t]); /* could not start a thread: do its share here */
     }
 }
+#endif
 
 /* Public entry points (called through ctypes). in may equal out. */
 void lp_quantize_f32(const uint32_t *in, uint32_t *out, int64_t n, const lp_params *p,
@@ -301,7 +377,195 @@ void lp_quantize_blocks_f32(const uint32_t *in, uint32_t *out, int64_t rows, int
     run_parallel(base, rows, row_len, nthreads);
 }
 
-int lp_abi_version(void) { return 1; }
+/* ---------------------------------------------------------------------------------------
+ * Fused optimizer step for low-precision storage: read the parameter, gradient and state in
+ * their storage dtype (float32, bfloat16 or float16), do the update in float32, and write each
+ * stored value back once, rounded onto its format with quantize_one. One pass instead of the ten
+ * tensor operations of the torch path (lowprec/optim.py), whose arithmetic it follows op by op.
+ */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+typedef struct {
+    int32_t kind; /* 0 SGD, 1 Adam */
+    int32_t p_dtype, g_dtype, s_dtype;
+    int32_t nesterov, first, decoupled, sqrt_storage, has_momentum;
+    float lr, momentum, dampening, wd, beta1, beta2, eps, step_size, bc2_sqrt, grad_scale;
+    int32_t p_is_bf16, s_is_bf16; /* the format is exactly IEEE bfloat16 (round by bit trick) */
+} lp_opt;
+
+/* float16 <-> float32 by integer operations, so that every clone vectorizes (no AVX512-FP16 or
+ * F16C needed). The store only ever sees values already on the float16 grid, so it is exact. */
+LP_INLINE float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, mag = h & 0x7fffu;
+    /* shifting the 15 magnitude bits into place and scaling by 2**112 is exact for normal and
+     * subnormal values; the all-ones exponent maps to Inf/NaN */
+    const uint32_t finite = f2u(u2f(mag << 13) * 0x1p112f);
+    const uint32_t special = 0x7f800000u | ((mag & 0x3ffu) << 13);
+    return u2f(sign | sel(mask_if(mag >= 0x7c00u), special, finite));
+}
+
+LP_INLINE uint16_t f32_to_f16_exact(uint32_t b) {
+    const uint32_t sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+    const uint32_t normal = ((a >> 13) - (112u << 10)) & 0x7fffu;
+    const uint32_t sub = (uint32_t)(int32_t)(u2f(a) * 0x1p24f); /* k of k * 2**-24 */
+    const uint32_t special = 0x7c00u | ((a & 0x7fffffu) ? 0x200u : 0u);
+    uint32_t h = sel(mask_if(a < 0x38800000u), sub, normal); /* below 2**-14: subnormal */
+    h = sel(mask_if(a >= 0x7f800000u), special, h);
+    h = sel(mask_if(a >= 0x477ff000u && a < 0x7f800000u), 0x7c00u, h); /* beyond fp16: Inf */
+    return (uint16_t)(sign | h);
+}
+
+LP_INLINE float load_as(const void *base, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)base)[i];
+    if (dt == DT_BF16) return u2f((uint32_t)((const uint16_t *)base)[i] << 16);
+    return f16_to_f32(((const uint16_t *)base)[i]);
+}
+
+/* vbits is already on the storage format's grid: the narrowing is exact. */
+LP_INLINE void store_as(void *base, int64_t i, int dt, uint32_t vbits) {
+    if (dt == DT_F32) ((uint32_t *)base)[i] = vbits;
+    else if (dt == DT_BF16) ((uint16_t *)base)[i] = (uint16_t)(vbits >> 16);
+    else ((uint16_t *)base)[i] = f32_to_f16_exact(vbits);
+}
+
+typedef struct {
+    void *p;
+    const void *g;
+    void *s1, *s2;
+    const lp_opt *o;
+    const lp_params *pq, *sq;
+} lp_opt_job;
+
+/* A tile pipeline: each stage is a plain loop over LP_OT elements in L1 (load and widen, the
+ * fp32 arithmetic of one state, rounding with the quantize tile loop, narrow and store), so every
+ * stage vectorizes and rounding takes the fast path of quantize. */
+#define LP_OT 256
+
+LP_CLONES static void load_tile(float *dst, const void *src, int dt, int64_t off, int n) {
+    if (dt == DT_F32) {
+        for (int l = 0; l < n; ++l) dst[l] = ((const float *)src)[off + l];
+    } else if (dt == DT_BF16) {
+        for (int l = 0; l < n; ++l) dst[l] = u2f((uint32_t)((const uint16_t *)src)[off + l] << 16);
+    } else {
+        for (int l = 0; l < n; ++l) dst[l] = f16_to_f32(((const uint16_t *)src)[off + l]);
+    }
+}
+
+LP_CLONES static void store_tile(void *dst, const uint32_t *src, int dt, int64_t off, int n) {
+    if (dt == DT_F32) {
+        for (int l = 0; l < n; ++l) ((uint32_t *)dst)[off + l] = src[l];
+    } else if (dt == DT_BF16) {
+        for (int l = 0; l < n; ++l) ((uint16_t *)dst)[off + l] = (uint16_t)(src[l] >> 16);
+    } else {
+        for (int l = 0; l < n; ++l) ((uint16_t *)dst)[off + l] = f32_to_f16_exact(src[l]);
+    }
+}
+
+/* Round to nearest even onto bfloat16 (IEEE: subnormals, overflow to Inf) by the integer trick;
+ * NaN stays NaN. The same bits as quantize_one with the bf16 format, in four operations. */
+LP_CLONES static void round_tile_bf16(const uint32_t *a, uint32_t *q, int n) {
+    for (int l = 0; l < n; ++l) {
+        const uint32_t b = a[l];
+        const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+        q[l] = sel(mask_if((b & 0x7fffffffu) > 0x7f800000u), b | 0x00400000u, r);
+    }
+}
+
+static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si, int is_bf16) {
+    if (is_bf16) round_tile_bf16(a, q, n);
+    else loop_ne_tile(a, q, n, 0, 0, 0, si);
+}
+
+static void opt_range(const lp_opt_job *j, int64_t begin, int64_t end) {
+    const lp_opt o = *j->o;
+    const lp_inv pi = make_inv(j->pq, 0), si = make_inv(j->sq, 0);
+    const uint32_t k0 = j->pq->k0, k1 = j->pq->k1;
+    const int sr = j->pq->rounding == R_SR;
+    float w[LP_OT], g[LP_OT], s1[LP_OT], s2[LP_OT];
+    uint32_t a[LP_OT], q1[LP_OT], q2[LP_OT];
+    for (int64_t t0 = begin; t0 < end; t0 += LP_OT) {
+        const int n = (int)(end - t0 < LP_OT ? end - t0 : LP_OT);
+        load_tile(w, j->p, o.p_dtype, t0, n);
+        load_tile(g, j->g, o.g_dtype, t0, n);
+        if (o.grad_scale != 1.0f)
+            for (int l = 0; l < n; ++l) g[l] = g[l] * o.grad_scale;
+        if (o.kind == 0) { /* SGD, torch.optim.SGD's rule */
+            if (o.wd != 0.0f)
+                for (int l = 0; l < n; ++l) g[l] = g[l] + o.wd * w[l];
+            if (o.has_momentum) {
+                if (o.first) {
+                    for (int l = 0; l < n; ++l) a[l] = f2u(g[l]);
+                } else {
+                    load_tile(s1, j->s1, o.s_dtype, t0, n);
+                    for (int l = 0; l < n; ++l)
+                        a[l] = f2u(s1[l] * o.momentum + (1.0f - o.dampening) * g[l]);
+                }
+                round_state(a, q1, n, &si, o.s_is_bf16);
+                store_tile(j->s1, q1, o.s_dtype, t0, n);
+                if (o.nesterov) {
+                    for (int l = 0; l < n; ++l) g[l] = g[l] + o.momentum * u2f(q1[l]);
+                } else {
+                    for (int l = 0; l < n; ++l) g[l] = u2f(q1[l]);
+                }
+            }
+            for (int l = 0; l < n; ++l) a[l] = f2u(w[l] + (-o.lr) * g[l]);
+        } else { /* Adam / AdamW, torch.optim.Adam's rule */
+            if (o.wd != 0.0f) {
+                if (o.decoupled) {
+                    for (int l = 0; l < n; ++l) w[l] = w[l] * (1.0f - o.lr * o.wd);
+                } else {
+                    for (int l = 0; l < n; ++l) g[l] = g[l] + o.wd * w[l];
+                }
+            }
+            load_tile(s1, j->s1, o.s_dtype, t0, n);
+            for (int l = 0; l < n; ++l) a[l] = f2u(s1[l] + (1.0f - o.beta1) * (g[l] - s1[l]));
+            round_state(a, q1, n, &si, o.s_is_bf16);
+            store_tile(j->s1, q1, o.s_dtype, t0, n);
+            load_tile(s2, j->s2, o.s_dtype, t0, n);
+            if (o.sqrt_storage) { /* sqrt(v) is stored: square it, update, store its root */
+                for (int l = 0; l < n; ++l)
+                    a[l] = f2u(sqrtf((s2[l] * s2[l]) * o.beta2 + (1.0f - o.beta2) * g[l] * g[l]));
+                round_state(a, q2, n, &si, o.s_is_bf16);
+                for (int l = 0; l < n; ++l) s2[l] = u2f(q2[l]);
+            } else {
+                for (int l = 0; l < n; ++l)
+                    a[l] = f2u(s2[l] * o.beta2 + (1.0f - o.beta2) * g[l] * g[l]);
+                round_state(a, q2, n, &si, o.s_is_bf16);
+                for (int l = 0; l < n; ++l) s2[l] = sqrtf(u2f(q2[l]));
+            }
+            store_tile(j->s2, q2, o.s_dtype, t0, n);
+            for (int l = 0; l < n; ++l)
+                a[l] = f2u(w[l] + (-o.step_size) * (u2f(q1[l]) / (s2[l] / o.bc2_sqrt + o.eps)));
+        }
+        if (sr)
+            loop_sr_tile(a, q1, n, (uint32_t)t0, k0, k1, &pi);
+        else
+            round_state(a, q1, n, &pi, o.p_is_bf16);
+        store_tile(j->p, q1, o.p_dtype, t0, n);
+    }
+}
+
+void lp_opt_step(void *p, const void *g, void *s1, void *s2, int64_t n, const lp_opt *o,
+                 const lp_params *pq, const lp_params *sq, int nthreads) {
+    lp_opt_job j = {p, g, s1, s2, o, pq, sq};
+    int nt = (int)(n / LP_MIN_PER_THREAD);
+    if (nt > nthreads) nt = nthreads;
+    if (nt < 1) nt = 1;
+#ifdef _OPENMP
+    /* thread shares aligned to tiles, so that a tile never straddles two threads */
+    const int64_t per = ((n + nt - 1) / nt + LP_OT - 1) / LP_OT * LP_OT;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = omp_get_thread_num();
+        const int64_t b = t * per < n ? t * per : n, e = (t + 1) * per < n ? (t + 1) * per : n;
+        if (b < e) opt_range(&j, b, e);
+    }
+#else
+    opt_range(&j, 0, n);
+#endif
+}
+
+int lp_abi_version(void) { return 2; }
 
 static struct PyModuleDef lp_module = {PyModuleDef_HEAD_INIT, "_qkernel",
                                        "lowprec quantization kernel (called through ctypes)", -1,

@@ -1,0 +1,100 @@
+"""Time per training step and ledger bytes of every policy, relative to 32-true, in one run.
+
+Two models on MNIST-shaped batches: a LeNet-5-style CNN and an MLP (784-512-512-10). Policies
+are measured in interleaved rounds (every policy once per round, the median over rounds), so a
+slow moment of the machine hits all of them alike.
+
+    python benchmarks/train_step.py [--batch 256] [--rounds 7] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import lowprec
+from lowprec import POLICIES, Precision
+from lowprec.optim import SGD
+
+
+def lenet():
+    return nn.Sequential(
+        nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(),
+        nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512),
+                         nn.ReLU(), nn.Linear(512, 10))
+
+
+class Runner:
+    def __init__(self, make, policy: str, batch: int) -> None:
+        torch.manual_seed(0)
+        model = make()
+        self.prec = Precision(policy, seed=0)
+        self.model, self.opt = self.prec.setup(model, SGD(model.parameters(), lr=0.01,
+                                                          momentum=0.9))
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(batch, 1, 28, 28, generator=g)
+        self.y = torch.randint(0, 10, (batch,), generator=g)
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        with self.prec.autocast():
+            loss = self.loss_fn(self.model(self.x).float(), self.y)
+        self.prec.backward(loss)
+        self.prec.step(self.opt)
+
+    def time(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter() - t0) / steps
+
+    def ledger(self):
+        return self.prec.memory(self.model, (self.x, self.y), self.loss_fn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    print(f"lowprec {lowprec.__version__}, torch {torch.__version__}, "
+          f"{platform.machine()}, {torch.get_num_threads()} threads, batch {args.batch}, "
+          f"median of {args.rounds} interleaved rounds of {args.steps} steps")
+    for model_name, make in [("LeNet-5 CNN", lenet), ("MLP 784-512-512-10", mlp)]:
+        runners = {name: Runner(make, name, args.batch) for name in POLICIES}
+        for r in runners.values():  # warm-up: oneDNN primitives, allocator
+            r.time(3)
+        times = {name: [] for name in runners}
+        for _ in range(args.rounds):
+            for name, r in runners.items():
+                times[name].append(r.time(args.steps))
+        base_t = statistics.median(times["32-true"])
+        base_m = runners["32-true"].ledger()
+        print(f"\n{model_name}: 32-true step {1000 * base_t:.2f} ms, ledger "
+              f"{base_m.total / 1e6:.2f} MB")
+        print(f"{'policy':<12} {'backend':<9} {'ms/step':>8} {'time/fp32':>9} {'ledger MB':>9} "
+              f"{'mem/fp32':>8}  params/grads/state/master/activations (KB)")
+        for name, r in runners.items():
+            t = statistics.median(times[name])
+            led = r.ledger()
+            parts = "/".join(f"{v / 1e3:.0f}" for v in (led.params, led.grads,
+                                                         led.optimizer_state, led.master,
+                                                         led.activations))
+            print(f"{name:<12} {r.prec.backend:<9} {1000 * t:8.2f} {t / base_t:9.2f} "
+                  f"{led.total / 1e6:9.2f} {led.ratio_to(base_m):8.2f}  {parts}")
+
+
+if __name__ == "__main__":
+    main()

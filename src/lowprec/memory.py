@@ -1,0 +1,130 @@
+"""The memory ledger: exact bytes of one training step, by role.
+
+Parameters and gradients are counted at the parameter format's width; optimizer state and master
+weights from the optimizer's own layout; activations are the tensors autograd saves for backward
+during one forward pass and loss, caught with ``torch.autograd.graph.saved_tensors_hooks`` and
+counted once per storage (a tensor saved by two layers is stored once), parameters excluded.
+
+Under emulation values are carried in fp32, but a tensor whose values all lie on the compute
+format's grid would be stored in that format: it is counted at that width. That is what the
+regime costs on hardware that has the format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .formats import FP32, Format
+from .optim import format_bytes
+from .quantize import quantize
+
+__all__ = ["MemoryLedger", "measure_memory", "saved_activation_bytes"]
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    params: int
+    grads: int
+    optimizer_state: int
+    master: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.master + self.activations
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+    def ratio_to(self, other: "MemoryLedger") -> float:
+        return self.total / other.total if other.total else float("nan")
+
+
+def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format | None = None
+                           ) -> int:
+    """Bytes of the tensors autograd saves while ``run()`` executes.
+
+    ``exclude``: tensors (parameters) whose storage is not counted. ``compute``: with emulation,
+    float32 tensors lying on this format's grid are counted at its width.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in skip or key in seen or storage.nbytes() == 0:
+            return t
+        nbytes = storage.nbytes()
+        if compute is not None and compute != FP32 and t.dtype == torch.float32:
+            with torch.no_grad():
+                whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+                on_grid = torch.equal(torch.nan_to_num(quantize(whole, compute)),
+                                      torch.nan_to_num(whole))
+            if on_grid:
+                nbytes = format_bytes(compute, whole.numel())
+        seen[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(seen.values())
+
+
+def measure_memory(model: torch.nn.Module, batch, loss_fn, *, param_format: Format,
+                   optimizer=None, compute: Format | None = None,
+                   autocast=contextlib.nullcontext) -> MemoryLedger:
+    """The ledger of one training step of ``model`` on ``batch`` (inputs, targets)."""
+    params = [p for p in model.parameters()]
+    n_params = sum(p.numel() for p in params)
+    n_grad = sum(p.numel() for p in params if p.requires_grad)
+    pbytes = format_bytes(param_format, n_params)
+    gbytes = format_bytes(param_format, n_grad)
+    state = master = 0
+    if optimizer is not None:
+        if hasattr(optimizer, "state_bytes"):
+            state, master = optimizer.state_bytes()
+        else:
+            state = _torch_optimizer_state_bytes(optimizer, param_format)
+    inputs, targets = batch
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    try:
+        def run():
+            with autocast():
+                return loss_fn(model(inputs), targets)
+
+        act = saved_activation_bytes(run, exclude=params, compute=compute)
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])  # the forward pass must not move BatchNorm statistics
+    return MemoryLedger(pbytes, gbytes, state, master, act)
+
+
+def _torch_optimizer_state_bytes(opt: torch.optim.Optimizer, param_format: Format) -> int:
+    """State of a torch optimizer: counted if it exists, else from its known layout."""
+    if any(opt.state.values()):
+        total = 0
+        for s in opt.state.values():
+            for v in s.values():
+                if torch.is_tensor(v):
+                    total += v.numel() * v.element_size()
+        return total
+    per_param = 0
+    if isinstance(opt, torch.optim.SGD):
+        per_param = 1 if opt.defaults.get("momentum", 0) else 0
+    elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        per_param = 3 if opt.defaults.get("amsgrad") else 2
+    total = 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            total += per_param * p.numel() * p.element_size()
+            if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                total += 4  # the 0-dim float32 step counter
+    return total
