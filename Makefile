@@ -10,7 +10,11 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean system-deps
+
+# Debian packages the tests use: Chromium + ChromeDriver (the report is checked in a real
+# headless browser) and the Fashion-MNIST files. Installed once when apt-get can run.
+SYSTEM_STAMP := $(VENV)/.system-deps
 
 $(STAMP): pyproject.toml setup.py src/lowprec/_qkernel.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,16 +23,28 @@ $(STAMP): pyproject.toml setup.py src/lowprec/_qkernel.c
 	$(PIP) install -q --no-build-isolation -e ".[data,test]"
 	touch $(STAMP)
 
+$(SYSTEM_STAMP): | $(STAMP)
+	@if command -v chromedriver >/dev/null 2>&1 && [ -d /usr/share/datasets/fashion-mnist ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get install -y -q chromium chromium-driver dataset-fashion-mnist >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver \
+		  dataset-fashion-mnist >/dev/null)) || echo "warning: could not install chromium"; \
+	else echo "note: chromium/chromedriver not installed; the browser test will be skipped"; fi
+	touch $(SYSTEM_STAMP)
+
+system-deps: $(SYSTEM_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lowprec demo
+	$(VENV)/bin/lowprec compare --out runs/demo --resume
 
-test: $(STAMP)
+test: $(STAMP) $(SYSTEM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/quantize.py
+	$(PY) benchmarks/train_step.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/lowprec/*.so

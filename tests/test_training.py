@@ -430,3 +430,14 @@ def test_fused_cpu_kernel_agrees_with_the_torch_path(cls, kw, dtype, pf, sf):
     # a one-unit difference in an Adam moment changes that element's later steps by up to ~lr
     bound = 2 * ulp + (4 * kw["lr"] if issubclass(cls, Adam) else 0.0)
     assert ((res[0] - res[1]).abs() <= bound).all()
+
+
+def test_ledger_counts_a_slice_of_a_large_input_as_the_slice():
+    model = small_mlp(0)
+    prec = Precision("32-true")
+    model, _ = prec.setup(model)
+    big = torch.randn(10_000, 20)
+    y = torch.randint(0, 5, (8,))
+    a = prec.memory(model, (big[:8], y), nn.functional.cross_entropy).activations
+    b = prec.memory(model, (big[:8].clone(), y), nn.functional.cross_entropy).activations
+    assert a == b

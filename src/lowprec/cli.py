@@ -19,10 +19,10 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
 
 
-def _user(fn, *args):
+def _user(fn, *args, **kwargs):
     """Call a parser of user input; its ValueError/TypeError becomes a one-line UserError."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
         raise UserError(str(err)) from None
 
@@ -74,17 +74,112 @@ def cmd_quantize(args, console: Console) -> int:
     return 0
 
 
-def cmd_demo(args, console: Console) -> int:
-    """The embedded default job until the experiment runner exists: formats and quantize."""
-    cmd_formats(argparse.Namespace(formats=None), console)
-    demo = argparse.Namespace(
-        values=["0.1", "1.0009765625", "65504", "65519", "65520", "1e-8", "-0", "480", "inf", "nan"],
-        format=["fp16", "bf16", "e4m3fn", "e4m3fn-sat", "fp4_e2m1", "q2.14"],
-        rounding="nearest", seed=0)
-    cmd_quantize(demo, console)
-    console.print("65520 overflows fp16 to inf (ties to even, IEEE 754); e4m3fn has no inf: "
-                  "480 is NaN without saturation and 448 with it; q2.14 saturates at 2 - 2**-14.")
+def _print_summary(run_dir, console: Console) -> None:
+    from .report import summarize, summary_rows
+    from .results import ResultsDB
+
+    db = ResultsDB(run_dir / "results.db", create=False)
+    try:
+        cols, cells = summary_rows(summarize(db))
+    finally:
+        db.close()
+    table = Table(title=f"lowprec compare: {run_dir}", header_style="bold")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("policy", "backend") else "right")
+    for row in cells:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"report: {run_dir / 'report.html'} and {run_dir / 'report.md'}")
+
+
+def _config_from(args, **overrides):
+    from .runner import CompareConfig, _split_policies
+
+    policies = overrides.pop("policies", None) or tuple(_split_policies(args.policies))
+    seeds = overrides.pop("seeds", None)
+    if seeds is None:
+        seeds = tuple(range(args.seeds))
+    return CompareConfig(data=args.data, model=args.model, policies=policies, seeds=seeds,
+                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                         optimizer=args.optimizer, momentum=args.momentum,
+                         weight_decay=args.weight_decay, out=args.out, resume=args.resume,
+                         quiet=args.quiet, train_subset=args.train_subset,
+                         schedule=args.schedule, **overrides)
+
+
+def _run(cfg, console: Console, quiet: bool) -> int:
+    from pathlib import Path
+
+    from .data import DatasetNotFound
+    from .results import CorruptDatabase
+    from .runner import RunError, run_compare
+
+    try:
+        out = run_compare(cfg)
+    except (RunError, DatasetNotFound, CorruptDatabase) as err:
+        raise UserError(str(err)) from None
+    except KeyboardInterrupt:
+        print(f"interrupted: finished runs are stored in {cfg.out}; continue with --resume",
+              file=sys.stderr)
+        return 130
+    if not quiet:
+        _print_summary(Path(out), console)
     return 0
+
+
+def cmd_compare(args, console: Console) -> int:
+    return _run(_user(_config_from, args), console, args.quiet)
+
+
+def cmd_train(args, console: Console) -> int:
+    out = args.out if args.out != "runs/compare" else f"runs/train-{args.policy}-seed{args.seed}"
+    args.out = out
+    cfg = _user(_config_from, args, policies=(args.policy,), seeds=(args.seed,))
+    return _run(cfg, console, args.quiet)
+
+
+def cmd_report(args, console: Console) -> int:
+    from pathlib import Path
+
+    from .report import write_report
+    from .results import CorruptDatabase
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "results.db").exists():
+        raise UserError(f"{run_dir} has no results.db (run lowprec compare --out {run_dir})")
+    try:
+        md, page = write_report(run_dir)
+    except CorruptDatabase as err:
+        raise UserError(str(err)) from None
+    _print_summary(run_dir, console)
+    return 0
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
+    from .runner import DEFAULT_POLICIES
+
+    p.add_argument("--data", default="mnist", help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
+                   "idx:DIR, cifar10:DIR, module:function (default: mnist, 5,000 real digits)")
+    p.add_argument("--model", default="lenet5", help="mlp, lenet5, resnet20, vgg, cnn1d, "
+                   "transformer, module:function (default: lenet5)")
+    if compare:
+        p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                       help="comma-separated names or specs (default: %(default)s)")
+        p.add_argument("--seeds", type=int, default=3, help="seeds per policy (default: 3)")
+    p.add_argument("--epochs", type=int, default=15, help="default: 15")
+    p.add_argument("--batch-size", type=int, default=32, help="default: 32")
+    p.add_argument("--lr", type=float, default=0.02, help="default: 0.02")
+    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam")
+    p.add_argument("--momentum", type=float, default=0.9, help=argparse.SUPPRESS)
+    p.add_argument("--schedule", default="cosine", help="learning-rate schedule: cosine "
+                   "(default) or constant")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="default: 5e-4")
+    p.add_argument("--train-subset", type=int, default=None,
+                   help="train on the first N training examples only")
+    p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run folder: finished runs are kept")
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,8 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of stochastic rounding")
     q.set_defaults(func=cmd_quantize)
 
-    d = sub.add_parser("demo", help="the formats table and a quantize demonstration")
-    d.set_defaults(func=cmd_demo)
+    c = sub.add_parser("compare", help="train every policy x seed, store results, write the "
+                       "report, print a summary (the default job: real MNIST digits, LeNet-5)")
+    _add_run_args(c, compare=True)
+    c.set_defaults(func=cmd_compare)
+
+    t = sub.add_parser("train", help="one policy, one seed (what compare runs)")
+    t.add_argument("--policy", default="32-true", help="a policy name or spec")
+    t.add_argument("--seed", type=int, default=0)
+    _add_run_args(t, compare=False)
+    t.set_defaults(func=cmd_train)
+
+    r = sub.add_parser("report", help="rebuild report.html and report.md from a run folder")
+    r.add_argument("run_dir", help="the folder holding results.db")
+    r.set_defaults(func=cmd_report)
     return p
 
 

@@ -53,28 +53,37 @@ def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format 
     float32 tensors lying on this format's grid are counted at its width.
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
+    # per storage: the byte span its saved views cover, and whether all of them lie on the
+    # compute grid (a slice of a large tensor counts only the slice)
+    spans: dict[int, list] = {}
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in skip or key in seen or storage.nbytes() == 0:
+        if key in skip or t.numel() == 0:
             return t
-        nbytes = storage.nbytes()
+        size = t.element_size()
+        lo = t.storage_offset() * size
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size
+        on_grid = False
         if compute is not None and compute != FP32 and t.dtype == torch.float32:
             with torch.no_grad():
-                whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
-                on_grid = torch.equal(torch.nan_to_num(quantize(whole, compute)),
-                                      torch.nan_to_num(whole))
-            if on_grid:
-                nbytes = format_bytes(compute, whole.numel())
-        seen[key] = nbytes
+                on_grid = torch.equal(torch.nan_to_num(quantize(t, compute)), torch.nan_to_num(t))
+        if key in spans:
+            s_ = spans[key]
+            s_[0], s_[1], s_[2] = min(s_[0], lo), max(s_[1], hi), s_[2] and on_grid
+        else:
+            spans[key] = [lo, hi, on_grid]
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     del out
-    return sum(seen.values())
+    total = 0
+    for lo, hi, on_grid in spans.values():
+        nbytes = hi - lo
+        total += format_bytes(compute, nbytes // 4) if on_grid else nbytes
+    return total
 
 
 def measure_memory(model: torch.nn.Module, batch, loss_fn, *, param_format: Format,

@@ -1,0 +1,219 @@
+"""The results database: SQLite in WAL mode in the run folder.
+
+One row per run (configuration as JSON, policy, seed, library versions, git revision, hardware,
+status running / finished / diverged / failed), per-epoch metrics, the memory ledger, the
+loss-scale trace and analysis results. Every write is one transaction, so an interrupted
+process leaves the database as of its last complete write. The report reads this database,
+never live objects.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES"]
+
+SCHEMA_VERSION = 1
+RUN_STATUSES = ("running", "finished", "diverged", "failed")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    policy TEXT NOT NULL,
+    policy_spec TEXT NOT NULL,
+    seed INTEGER NOT NULL,
+    config TEXT NOT NULL,
+    versions TEXT NOT NULL,
+    git TEXT,
+    hardware TEXT NOT NULL,
+    backend TEXT,
+    status TEXT NOT NULL CHECK (status IN ('running', 'finished', 'diverged', 'failed')),
+    diverged_step INTEGER,
+    error TEXT,
+    started REAL NOT NULL,
+    finished REAL
+);
+CREATE TABLE IF NOT EXISTS epochs (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    epoch INTEGER NOT NULL,
+    train_loss REAL,
+    test_loss REAL,
+    test_acc REAL,
+    seconds REAL NOT NULL,
+    skipped INTEGER NOT NULL,
+    nonfinite INTEGER NOT NULL,
+    loss_scale REAL NOT NULL,
+    PRIMARY KEY (run_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS memory (
+    run_id TEXT PRIMARY KEY REFERENCES runs(run_id),
+    params INTEGER NOT NULL, grads INTEGER NOT NULL, optimizer_state INTEGER NOT NULL,
+    master INTEGER NOT NULL, activations INTEGER NOT NULL, total INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS scale_trace (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    step INTEGER NOT NULL,
+    scale REAL NOT NULL,
+    skipped INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
+CREATE TABLE IF NOT EXISTS analysis (
+    run_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    PRIMARY KEY (run_id, kind)
+);
+"""
+
+
+class CorruptDatabase(Exception):
+    """The file is not a readable lowprec results database (nothing was written to it)."""
+
+
+class ResultsDB:
+    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+        self.path = Path(path)
+        if not create and not self.path.exists():
+            raise FileNotFoundError(f"no results database at {self.path}")
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            ok = self.conn.execute("PRAGMA quick_check").fetchone()[0]
+            if ok != "ok":
+                raise sqlite3.DatabaseError(ok)
+            tables = {r[0] for r in self.conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
+            if tables and "runs" not in tables:
+                raise sqlite3.DatabaseError("not a lowprec results database")
+            if not tables and not create:
+                raise sqlite3.DatabaseError("empty database")
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            if not tables:
+                with self.transaction():
+                    for stmt in _SCHEMA.split(";"):
+                        if stmt.strip():
+                            self.conn.execute(stmt)
+                    self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                                      (str(SCHEMA_VERSION),))
+        except sqlite3.DatabaseError as err:
+            raise CorruptDatabase(f"{self.path}: {err}; the file was left untouched") from None
+
+    @contextmanager
+    def transaction(self):
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        else:
+            self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- writes ------------------------------------------------------------------------------
+    def start_run(self, run_id: str, *, policy: str, policy_spec: str, seed: int, config: dict,
+                  versions: dict, git: str | None, hardware: dict) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO runs (run_id, policy, policy_spec, seed, config, "
+                      "versions, git, hardware, status, started) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                      (run_id, policy, policy_spec, seed, json.dumps(config, sort_keys=True),
+                       json.dumps(versions, sort_keys=True), git,
+                       json.dumps(hardware, sort_keys=True), "running", time.time()))
+            for table in ("epochs", "memory", "scale_trace", "analysis"):
+                c.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+
+    def set_backend(self, run_id: str, backend: str) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE runs SET backend = ? WHERE run_id = ?", (backend, run_id))
+
+    def record_memory(self, run_id: str, ledger) -> None:
+        d = ledger.as_dict()
+        with self.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO memory VALUES (?,?,?,?,?,?,?)",
+                      (run_id, d["params"], d["grads"], d["optimizer_state"], d["master"],
+                       d["activations"], d["total"]))
+
+    def record_epoch(self, run_id: str, epoch: int, *, train_loss, test_loss, test_acc,
+                     seconds: float, skipped: int, nonfinite: int, loss_scale: float,
+                     trace: list[dict]) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO epochs VALUES (?,?,?,?,?,?,?,?,?)",
+                      (run_id, epoch, _num(train_loss), _num(test_loss), _num(test_acc), seconds,
+                       skipped, nonfinite, loss_scale))
+            c.executemany("INSERT OR REPLACE INTO scale_trace VALUES (?,?,?,?)",
+                          [(run_id, t["step"], t["scale"], int(t["skipped"])) for t in trace])
+
+    def truncate(self, run_id: str, *, last_epoch: int, last_step: int) -> None:
+        """Forget what a run recorded after its last checkpoint (it will be redone)."""
+        with self.transaction() as c:
+            c.execute("DELETE FROM epochs WHERE run_id = ? AND epoch > ?", (run_id, last_epoch))
+            c.execute("DELETE FROM scale_trace WHERE run_id = ? AND step > ?", (run_id, last_step))
+            c.execute("UPDATE runs SET status = 'running', diverged_step = NULL, error = NULL, "
+                      "finished = NULL WHERE run_id = ?", (run_id,))
+
+    def finish_run(self, run_id: str, status: str, *, diverged_step: int | None = None,
+                   error: str | None = None) -> None:
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status={status!r}; accepted: {', '.join(RUN_STATUSES)}")
+        with self.transaction() as c:
+            c.execute("UPDATE runs SET status = ?, diverged_step = ?, error = ?, finished = ? "
+                      "WHERE run_id = ?", (status, diverged_step, error, time.time(), run_id))
+
+    def record_analysis(self, run_id: str, kind: str, payload: dict) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO analysis VALUES (?,?,?)",
+                      (run_id, kind, json.dumps(payload)))
+
+    # -- reads -------------------------------------------------------------------------------
+    def run(self, run_id: str) -> dict | None:
+        r = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return _decode(r) if r else None
+
+    def runs(self) -> list[dict]:
+        return [_decode(r) for r in self.conn.execute("SELECT * FROM runs ORDER BY started")]
+
+    def epochs(self, run_id: str) -> list[dict]:
+        return [dict(r) for r in self.conn.execute(
+            "SELECT * FROM epochs WHERE run_id = ? ORDER BY epoch", (run_id,))]
+
+    def memory(self, run_id: str) -> dict | None:
+        r = self.conn.execute("SELECT * FROM memory WHERE run_id = ?", (run_id,)).fetchone()
+        return dict(r) if r else None
+
+    def trace(self, run_id: str) -> list[dict]:
+        return [dict(r) for r in self.conn.execute(
+            "SELECT step, scale, skipped FROM scale_trace WHERE run_id = ? ORDER BY step",
+            (run_id,))]
+
+    def analysis(self, run_id: str, kind: str) -> dict | None:
+        r = self.conn.execute("SELECT payload FROM analysis WHERE run_id = ? AND kind = ?",
+                              (run_id, kind)).fetchone()
+        return json.loads(r[0]) if r else None
+
+    def analyses(self, kind: str) -> dict[str, dict]:
+        return {r[0]: json.loads(r[1]) for r in self.conn.execute(
+            "SELECT run_id, payload FROM analysis WHERE kind = ?", (kind,))}
+
+
+def _num(v):
+    """NaN/Inf are stored as NULL (SQLite has no NaN) and read back as None."""
+    if v is None:
+        return None
+    v = float(v)
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def _decode(row) -> dict:
+    d = dict(row)
+    for key in ("config", "versions", "hardware"):
+        if d.get(key):
+            d[key] = json.loads(d[key])
+    return d

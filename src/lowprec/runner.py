@@ -1,0 +1,371 @@
+"""The experiment runner: every policy x seed, on real data, stored as it goes, resumable.
+
+``run_compare(config)`` trains each (policy, seed) run with :class:`lowprec.Precision`,
+evaluates on the test split after every epoch, and writes everything to ``results.db`` in the
+run folder (see :mod:`lowprec.results`). After each epoch the run's state (model, optimizer,
+precision, generators) is checkpointed atomically; an interrupted compare continues with
+``resume=True``: finished runs are kept, unfinished ones restart from their last checkpoint
+and give the same numbers as an uninterrupted run. A run whose parameters become non-finite is
+recorded as diverged, with its step, and the comparison goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import __version__
+from .data import Dataset, load_dataset
+from .models import build_model
+from .optim import SGD, Adam
+from .policy import parse_policy
+from .precision import Precision
+from .results import ResultsDB
+
+__all__ = ["CompareConfig", "run_compare", "DEFAULT_POLICIES", "RunError", "environment",
+           "atomic_save"]
+
+DEFAULT_POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "16-master")
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("cosine", "constant")
+
+
+def lr_at(cfg: "CompareConfig", epoch: int) -> float:
+    """The learning rate of an epoch: cosine annealing from lr towards 0 (Loshchilov & Hutter
+    2017), or constant. A function of the epoch alone, so a resumed run gets the same rates."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
+
+
+class RunError(Exception):
+    """A configuration or output-folder problem, reported to the user in one line."""
+
+
+@dataclass
+class CompareConfig:
+    data: str = "mnist"
+    model: str = "lenet5"
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    seeds: tuple[int, ...] = (0, 1, 2)
+    epochs: int = 15
+    batch_size: int = 32
+    lr: float = 0.02
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    out: str = "runs/compare"
+    resume: bool = False
+    quiet: bool = False
+    train_subset: int | None = None
+    schedule: str = "cosine"
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if isinstance(self.policies, str):
+            self.policies = tuple(p.strip() for p in _split_policies(self.policies))
+        if not self.policies:
+            raise RunError("no policies given")
+        for p in self.policies:
+            try:
+                parse_policy(p)
+            except ValueError as err:
+                raise RunError(str(err)) from None
+        if isinstance(self.seeds, int):
+            self.seeds = tuple(range(self.seeds))
+        self.seeds = tuple(int(s) for s in self.seeds)
+        if not self.seeds:
+            raise RunError("no seeds given")
+        for name, value, ok in [("epochs", self.epochs, isinstance(self.epochs, int) and
+                                 self.epochs > 0),
+                                ("batch_size", self.batch_size, isinstance(self.batch_size, int)
+                                 and self.batch_size > 0),
+                                ("lr", self.lr, self.lr > 0 and math.isfinite(self.lr)),
+                                ("momentum", self.momentum, 0 <= self.momentum < 1),
+                                ("weight_decay", self.weight_decay, self.weight_decay >= 0)]:
+            if not ok:
+                raise RunError(f"{name}={value!r} is not valid (must be positive)")
+        if self.schedule not in SCHEDULES:
+            raise RunError(f"schedule={self.schedule!r}; accepted: {', '.join(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise RunError(f"optimizer={self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        if self.train_subset is not None and self.train_subset <= 0:
+            raise RunError(f"train_subset={self.train_subset!r} must be positive")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("resume")
+        d.pop("quiet")
+        d["policies"] = list(self.policies)
+        d["seeds"] = list(self.seeds)
+        return d
+
+
+def _split_policies(spec: str) -> list[str]:
+    """Split a policy list on commas, keeping each compact spec (which has commas) whole:
+    a piece containing '=' continues the previous spec when that spec also has '='."""
+    out: list[str] = []
+    for piece in [p.strip() for p in spec.split(",") if p.strip()]:
+        if out and "=" in piece and "=" in out[-1] and "<" not in piece:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
+def environment() -> dict:
+    """Library versions, git revision and hardware, recorded with every run."""
+    import numpy
+
+    from . import _kernel
+
+    versions = {"lowprec": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+                "python": sys.version.split()[0]}
+    git = None
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode == 0:
+            git = out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    hw = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+          "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+          "kernel": _kernel.available(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        hw["cuda"] = torch.cuda.get_device_name(0)
+    return {"versions": versions, "git": git, "hardware": hw}
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file, then rename: a reader sees the old or the new file."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _run_key(run_id: str) -> str:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)[:60]
+    return f"{safe}-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
+
+
+def _prepare_out(out: Path, resume: bool) -> Path:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise RunError(f"output folder {out} is not writable ({err.strerror or err})") from None
+    db = out / "results.db"
+    if db.exists() and not resume:
+        raise RunError(f"{db} already exists: continue it with --resume, or choose another --out")
+    (out / "checkpoints").mkdir(exist_ok=True)
+    return db
+
+
+def _make_optimizer(cfg: CompareConfig, model: nn.Module):
+    if cfg.optimizer == "sgd":
+        return SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                   weight_decay=cfg.weight_decay)
+    return Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, prec: Precision, x: torch.Tensor, y: torch.Tensor,
+             batch: int = 1000) -> tuple[float, float]:
+    """(test loss, test accuracy) of ``model`` as the policy runs it."""
+    was = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    try:
+        for i in range(0, len(x), batch):
+            xb, yb = x[i:i + batch], y[i:i + batch]
+            with prec.autocast():
+                out = model(xb).float()
+            total_loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
+            correct += (out.argmax(dim=1) == yb).sum().item()
+    finally:
+        model.train(was)
+    return total_loss / len(x), correct / len(x)
+
+
+class _Progress:
+    """rich progress bars: one overall, one for the run in progress; nothing when quiet."""
+
+    def __init__(self, total_runs: int, quiet: bool) -> None:
+        self.quiet = quiet
+        if quiet:
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.p = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self.overall = self.p.add_task("all runs", total=total_runs)
+        self.run = None
+
+    def __enter__(self):
+        if not self.quiet:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.p.__exit__(*exc)
+
+    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
+        if self.quiet:
+            return
+        if self.run is not None:
+            self.p.remove_task(self.run)
+        self.run = self.p.add_task(name, total=total_steps, completed=done_steps)
+
+    def step(self, n: int = 1) -> None:
+        if not self.quiet and self.run is not None:
+            self.p.advance(self.run, n)
+
+    def run_done(self) -> None:
+        if not self.quiet:
+            self.p.advance(self.overall, 1)
+
+
+def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+               out: Path, env: dict, progress: _Progress) -> str:
+    run_id = f"{policy}|seed={seed}"
+    ckpt_path = out / "checkpoints" / f"{_run_key(run_id)}.pt"
+    existing = db.run(run_id)
+    if existing and existing["status"] in ("finished", "diverged"):
+        progress.run_done()
+        return existing["status"]
+
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    opt = _make_optimizer(cfg, model)
+    prec = Precision(policy, seed=seed)
+    model, opt = prec.setup(model, opt)
+    x_train, y_train = data.x_train, data.y_train
+    if cfg.train_subset:
+        x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
+    n = len(x_train)
+    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    start_epoch = 0
+    if existing and existing["status"] == "running" and ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        prec.load_state_dict(ckpt["precision"])
+        start_epoch = ckpt["epoch"] + 1
+        db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
+    else:
+        db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
+                     config=cfg.to_json(), versions=env["versions"], git=env["git"],
+                     hardware=env["hardware"])
+        db.set_backend(run_id, prec.backend)
+        batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
+        db.record_memory(run_id, prec.memory(model, batch, nn.functional.cross_entropy))
+    progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
+                       start_epoch * steps_per_epoch)
+
+    status, diverged_step = "finished", None
+    for epoch in range(start_epoch, cfg.epochs):
+        # the order of an epoch depends only on (seed, epoch): resuming reproduces it
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, epoch)
+        t0 = time.perf_counter()
+        losses, trace_start = [], len(prec.trace)
+        skipped0, nonfinite0 = prec.skipped, prec.nonfinite
+        consecutive_bad = 0
+        model.train()
+        for i in range(0, n, cfg.batch_size):
+            idx = perm[i:i + cfg.batch_size]
+            xb, yb = x_train[idx], y_train[idx]
+            opt.zero_grad()
+            with prec.autocast():
+                loss = nn.functional.cross_entropy(model(xb).float(), yb)
+            prec.backward(loss)
+            prec.step(opt)
+            lv = loss.item()
+            losses.append(lv)
+            consecutive_bad = consecutive_bad + 1 if not math.isfinite(lv) else 0
+            progress.step()
+            params_bad = (prec.steps % 20 == 0 or i + cfg.batch_size >= n) and not all(
+                torch.isfinite(p).all() for p in model.parameters())
+            if params_bad or consecutive_bad >= 200:
+                status, diverged_step = "diverged", prec.steps - 1
+                break
+        seconds = time.perf_counter() - t0
+        finite = [v for v in losses if math.isfinite(v)]
+        train_loss = sum(finite) / len(finite) if len(finite) == len(losses) else float("nan")
+        if status == "diverged":
+            test_loss, test_acc = float("nan"), float("nan")
+        else:
+            test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
+        db.record_epoch(run_id, epoch, train_loss=train_loss, test_loss=test_loss,
+                        test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
+                        nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
+                        trace=prec.trace[trace_start:])
+        if status == "diverged":
+            break
+        atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "precision": prec.state_dict(), "epoch": epoch}, ckpt_path)
+    db.finish_run(run_id, status, diverged_step=diverged_step)
+    if ckpt_path.exists():
+        ckpt_path.unlink()
+    progress.run_done()
+    return status
+
+
+def run_compare(cfg: CompareConfig) -> Path:
+    """Train every policy x seed of ``cfg``, store the results, write the report.
+    Returns the run folder."""
+    cfg.validate()
+    out = Path(cfg.out)
+    db_path = _prepare_out(out, cfg.resume)
+    try:
+        data = load_dataset(cfg.data)
+    except ValueError as err:
+        raise RunError(str(err)) from None
+    try:
+        build_model(cfg.model, data.input_shape, data.num_classes)
+    except (ValueError, RuntimeError) as err:
+        raise RunError(f"model {cfg.model!r} does not fit {data}: {err}") from None
+    db = ResultsDB(db_path)
+    env = environment()
+    runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
+    try:
+        with _Progress(len(runs), cfg.quiet) as progress:
+            for policy, seed in runs:
+                try:
+                    _train_run(cfg, data, policy, seed, db, out, env, progress)
+                except KeyboardInterrupt:
+                    raise
+                except Exception as err:  # a run's failure is recorded; the others go on
+                    run_id = f"{policy}|seed={seed}"
+                    if db.run(run_id) is None:
+                        db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
+                                     config=cfg.to_json(), versions=env["versions"],
+                                     git=env["git"], hardware=env["hardware"])
+                    db.finish_run(run_id, "failed", error="".join(
+                        traceback.format_exception_only(type(err), err)).strip())
+                    progress.run_done()
+        from .report import write_report
+
+        write_report(out, db)
+    finally:
+        db.close()
+    return out
+
