@@ -41,12 +41,16 @@ def test_compare_stores_everything_and_writes_the_report(tmp_path):
                                                     "master", "activations"))
         assert len(db.trace(run["run_id"])) == 2 * 23  # every optimizer step (1438 / 64)
     assert db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    for run in runs:  # the analyses of every finished run are stored for the report
+        assert db.analysis(run["run_id"], "certificate:fp16")["summary"]["violations"] == 0
     db.close()
     md = (out / "report.md").read_text()
     assert "| 32-true |" in md and "report_files/accuracy.png" in md
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3 and "<table" in html
-    for name in ("accuracy.png", "loss_scale.png", "memory.png"):
+    assert html.count("data:image/png;base64,") == 6 and "<table" in html
+    assert "The 16-bit certificate" in html and "Lost updates" in html
+    for name in ("accuracy.png", "loss_scale.png", "memory.png", "certificate.png",
+                 "layer_errors.png", "gradient_ranges.png"):
         assert (out / "report_files" / name).stat().st_size > 1000
 
 
@@ -228,7 +232,7 @@ def test_report_displays_in_a_real_headless_chromium(tmp_path):
         cells = [td.text for td in table.find_elements(By.TAG_NAME, "td")]
         assert "32-true" in cells and "16-true" in cells
         images = driver.find_elements(By.TAG_NAME, "img")
-        assert len(images) == 3
+        assert len(images) == 6
         for img in images:
             ok = driver.execute_script(
                 "return arguments[0].complete && arguments[0].naturalWidth > 100", img)

@@ -155,6 +155,88 @@ def cmd_report(args, console: Console) -> int:
     return 0
 
 
+def _trained_model(args, console: Console):
+    """Load --data, build --model and, with --epochs > 0, train it briefly in fp32."""
+    import torch
+    from torch import nn
+
+    from .data import DatasetNotFound, load_dataset
+    from .models import build_model
+
+    try:
+        data = load_dataset(args.data)
+        model = build_model(args.model, data.input_shape, data.num_classes)
+    except DatasetNotFound as err:
+        raise UserError(str(err)) from None
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if args.epochs < 0:
+        raise UserError(f"epochs={args.epochs} must be >= 0")
+    torch.manual_seed(args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    n = len(data.x_train)
+    for epoch in range(args.epochs):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        for i in range(0, n, args.batch_size):
+            idx = perm[i:i + args.batch_size]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
+            opt.step()
+        if not args.quiet:
+            console.print(f"trained {args.model} on {args.data} in fp32: epoch {epoch + 1}/"
+                          f"{args.epochs}")
+    return model, data
+
+
+def cmd_certify(args, console: Console) -> int:
+    from .analysis import certify
+
+    fmt = _user(parse_format_checked, args.format)
+    model, data = _trained_model(args, console)
+    cert = _user(certify, model, data, fmt, outputs=args.outputs)
+    console.print(str(cert))
+    s = cert.summary()
+    if "accuracy32" in s:
+        console.print(f"test accuracy: fp32 {100 * s['accuracy32']:.2f}%, {fmt} "
+                      f"{100 * s['accuracy16']:.2f}%")
+    table = Table(title="per class", header_style="bold")
+    for c in ("class", "inputs", "certified %", "same prediction %", "violations"):
+        table.add_column(c, justify="right")
+    for r in cert.per_class():
+        table.add_row(str(r["class"]), str(r["n"]), f"{100 * r['certified']:.1f}",
+                      f"{100 * r['agreement']:.1f}", str(r["violations"]))
+    console.print(table)
+    return 0 if cert.violations == 0 else 1
+
+
+def cmd_advise(args, console: Console) -> int:
+    from .analysis import advise
+
+    fmt = _user(parse_format_checked, args.format)
+    model, data = _trained_model(args, console)
+    adv = advise(model, data, fmt, batches=args.batches, lr=args.lr)
+    console.print(str(adv))
+    return 0
+
+
+def parse_format_checked(spec: str):
+    from .formats import parse_format
+
+    return parse_format(spec)
+
+
+def _add_analysis_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default="mnist", help="dataset (as for compare; default: mnist)")
+    p.add_argument("--model", default="lenet5", help="model (as for compare; default: lenet5)")
+    p.add_argument("--format", default="fp16", help="the low-precision format (default: fp16)")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="fp32 training epochs before the analysis (default: 3; 0: untrained)")
+    p.add_argument("--lr", type=float, default=0.02, help="learning rate (default: 0.02)")
+    p.add_argument("--batch-size", type=int, default=32, help="default: 32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+
+
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     from .runner import DEFAULT_POLICIES
 
@@ -213,6 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     _add_run_args(t, compare=False)
     t.set_defaults(func=cmd_train)
+
+    ce = sub.add_parser("certify", help="the 16-bit certificate, input by input: does the model "
+                        "in FORMAT provably predict what it predicts in fp32?")
+    _add_analysis_args(ce)
+    ce.add_argument("--outputs", default="logits", help="logits (default) or probs")
+    ce.set_defaults(func=cmd_certify)
+
+    ad = sub.add_parser("advise", help="can this model train and run in FORMAT, and what must "
+                        "be done? (certificate, loss scale, ranges, lost updates, first Inf/NaN)")
+    _add_analysis_args(ad)
+    ad.add_argument("--batches", type=int, default=4, help="batches analysed (default: 4)")
+    ad.set_defaults(func=cmd_advise)
 
     r = sub.add_parser("report", help="rebuild report.html and report.md from a run folder")
     r.add_argument("run_dir", help="the folder holding results.db")

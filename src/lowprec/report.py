@@ -302,9 +302,7 @@ figcaption {{ color: #555; font-size: 13px; }} .config {{ color: #555; }}
 
 
 def _extra_sections(db: ResultsDB):
-    """Sections contributed by the analysis module (the 16-bit certificate), when present."""
-    try:
-        from .analysis.report_section import sections
-    except ImportError:
-        return [], (lambda img: []), {}
+    """Sections from the analyses stored in the database (the 16-bit certificate)."""
+    from .analysis.report_section import sections
+
     return sections(db)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import __version__
+from .analysis.certify import certify
 from .data import Dataset, load_dataset
 from .models import build_model
 from .optim import SGD, Adam
@@ -154,6 +155,60 @@ def atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def certificate_formats(policy) -> list[str]:
+    """The formats a trained run is certified in: its compute format, or fp16 and bf16 for a
+    32-bit run (the paper's question: may this fp32 model run in 16 bits?)."""
+    from .formats import FP32
+
+    if policy.compute == FP32:
+        return ["fp16", "bf16"]
+    return [str(policy.compute)]
+
+
+def analyse_run(db: ResultsDB, run_id: str, model: nn.Module, prec: Precision, data: Dataset,
+                x_train: torch.Tensor, y_train: torch.Tensor, cfg: CompareConfig) -> None:
+    """Store the analyses of a trained run for the report: the certificate, layer-wise errors,
+    the range profile and lost updates, in each format of :func:`certificate_formats`."""
+    from dataclasses import asdict as _asdict
+
+    from .analysis import layer_errors, lost_updates, range_profile
+    from .analysis._common import fp32_twin
+    from .formats import FP32, parse_format
+
+    ce = nn.functional.cross_entropy
+    batch = (x_train[:256].clone(), y_train[:256].clone())
+    for fmt in certificate_formats(prec.policy):
+        cert = certify(model, (data.x_test, data.y_test), fmt)
+        db.record_analysis(run_id, f"certificate:{fmt}", cert.to_payload())
+        errs = layer_errors(model, data.x_test[:256], fmt)
+        db.record_analysis(run_id, f"layers:{fmt}", {"layers": [_asdict(e) for e in errs]})
+        twin = fp32_twin(model)  # fp32 gradients, measured against the format
+        prof = range_profile(twin, batch, ce, fmt)
+        db.record_analysis(run_id, f"ranges:{fmt}", _compact_profile(prof))
+        pfmt = prec.policy.params if prec.policy.params != FP32 else parse_format(fmt)
+        lost = lost_updates(twin, batch, ce, pfmt, lr=cfg.lr,
+                            optimizer="adam" if cfg.optimizer == "adam" else "sgd")
+        db.record_analysis(run_id, f"lost:{fmt}", {"format": str(pfmt), "lr": cfg.lr,
+                                                   "layers": [_asdict(r) for r in lost]})
+
+
+def _compact_profile(prof) -> dict:
+    """Per role: the histogram summed over layers and the weighted fractions."""
+    out = {"format": prof.format, "roles": {}, "recommended_scale": prof.gradient_scale()}
+    for role in ("weights", "activations", "activation_grads", "weight_grads"):
+        rows = prof.role(role)
+        if not rows:
+            continue
+        hist = None
+        for r in rows:
+            if r.hist:
+                hist = r.hist if hist is None else [a + b for a, b in zip(hist, r.hist)]
+        out["roles"][role] = {k: prof.fraction(role, k) for k in ("overflow", "flush",
+                                                                  "subnormal")}
+        out["roles"][role]["hist"] = hist or []
+    return out
 
 
 def _run_key(run_id: str) -> str:
@@ -322,6 +377,8 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
             break
         atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                      "precision": prec.state_dict(), "epoch": epoch}, ckpt_path)
+    if status == "finished":
+        analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
     db.finish_run(run_id, status, diverged_step=diverged_step)
     if ckpt_path.exists():
         ckpt_path.unlink()

@@ -1,0 +1,120 @@
+"""``advise``: can this model train and run in a format, and what must be done for it to work?
+
+It runs the analyses on a few batches of the user's model and data (optionally after a short
+float32 training) and turns their measurements into a verdict with reasons. Every sentence it
+prints quotes a number it measured; the thresholds are stated here:
+
+* unsafe to run: a non-finite value appears in the forward pass in the format, or fewer than
+  95% of the test predictions agree with float32;
+* a loss scale is needed when more than 1% of the nonzero gradient values flush to zero at
+  scale 1 (the recommended scale is :func:`lowprec.find_loss_scale`'s);
+* a layer whose nearest-rounding write-back loses more than 10% of its updates needs stochastic
+  rounding or float32 master weights;
+* otherwise: safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..formats import Format, parse_format
+from ..loss_scale import find_loss_scale
+from .certify import Certificate, certify
+from .layers import LayerError, layer_errors
+from .nonfinite import NonFiniteReport, first_nonfinite
+from .ranges import RangeProfile, range_profile
+from .updates import LostUpdates, lost_updates
+
+__all__ = ["advise", "Advice"]
+
+AGREEMENT_MIN = 0.95
+UNDERFLOW_MAX = 0.01
+LOST_MAX = 0.10
+
+
+@dataclass
+class Advice:
+    format: str
+    verdict: str  # "safe", "needs care", "unsafe"
+    reasons: list[str]
+    certificate: Certificate
+    loss_scale: float
+    underflow_at_1: float
+    underflow_at_scale: float
+    lost: list[LostUpdates]
+    layers: list[LayerError]
+    ranges: RangeProfile
+    nonfinite: NonFiniteReport
+    measurements: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        head = f"pure {self.format}: {self.verdict}"
+        return head + "\n" + "\n".join(f"  - {r}" for r in self.reasons)
+
+
+def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
+           batches: int = 4, batch_size: int = 64, lr: float = 0.01,
+           optimizer: str = "sgd") -> Advice:
+    """``data``: a :class:`lowprec.data.Dataset`. The model is analysed as given (train it first,
+    or let ``lowprec advise --epochs N`` do it)."""
+    fmt = parse_format(fmt)
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    n = min(len(data.x_train), batches * batch_size)
+    xb, yb = data.x_train[:n], data.y_train[:n]
+    batch = (xb, yb)
+    model = model.float()
+
+    cert = certify(model, data, fmt)
+    choice = find_loss_scale(model, batch, loss_fn, fmt)
+    ranges = range_profile(model, batch, loss_fn, fmt)
+    lost = lost_updates(model, batch, loss_fn, fmt, lr=lr, optimizer=optimizer)
+    errs = layer_errors(model, xb[:batch_size], fmt)
+    nf = first_nonfinite(model, (xb[:batch_size], yb[:batch_size]), loss_fn,
+                         f"p={fmt},c={fmt},g={fmt},o={fmt},b=emulated")
+
+    s = cert.summary()
+    reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "
+               f"{100 * s['agreement']:.2f}% predict the fp32 class, {s['violations']} violations"]
+    verdict = "safe"
+    if nf.forward is not None:
+        verdict = "unsafe"
+        reasons.append(f"the forward pass overflows: first non-finite output at {nf.forward}")
+    if s["agreement"] < AGREEMENT_MIN:
+        verdict = "unsafe"
+        reasons.append(f"only {100 * s['agreement']:.1f}% of predictions agree with fp32 "
+                       f"(below {100 * AGREEMENT_MIN:.0f}%)")
+    if choice.underflow_at_1 > UNDERFLOW_MAX:
+        if verdict == "safe":
+            verdict = "needs care"
+        reasons.append(f"loss scale {choice.scale:g} recommended: "
+                       f"{100 * choice.underflow_at_1:.1f}% of gradient values underflow at scale "
+                       f"1, {100 * choice.underflow_at_scale:.2f}% at {choice.scale:g}")
+    else:
+        reasons.append(f"no loss scale needed: {100 * choice.underflow_at_1:.2f}% of gradient "
+                       f"values underflow at scale 1")
+    if nf.backward is not None:
+        reasons.append(f"at scale 1 the backward pass overflows first at {nf.backward}")
+    worst = max(lost, key=lambda r: r.nearest, default=None)
+    if worst is not None and worst.nearest > LOST_MAX:
+        if verdict == "safe":
+            verdict = "needs care"
+        reasons.append(f"layer {worst.layer} loses {100 * worst.nearest:.0f}% of its updates with "
+                       f"nearest rounding at lr {lr:g} ({100 * worst.stochastic:.0f}% of one "
+                       f"stochastic draw, {100 * worst.kahan:.0f}% with Kahan): use stochastic "
+                       "rounding or fp32 master weights")
+    elif worst is not None:
+        reasons.append(f"updates survive rounding: at most {100 * worst.nearest:.1f}% lost with "
+                       f"nearest rounding (layer {worst.layer}) at lr {lr:g}")
+    if errs:
+        last = errs[-1]
+        reasons.append(f"relative error of the output layer {last.name}: {last.rel_error:.2e} "
+                       f"(format eps {fmt.eps:.1e})")
+    act_over = ranges.fraction("activations", "overflow")
+    if act_over > 0:
+        reasons.append(f"{100 * act_over:.3f}% of activation values exceed the format's range")
+    return Advice(str(fmt), verdict, reasons, cert, choice.scale, choice.underflow_at_1,
+                  choice.underflow_at_scale, lost, errs, ranges, nf,
+                  {"certificate": s, "loss_scale": choice.scale})

@@ -1,0 +1,147 @@
+"""Range profiles: where the values of each role and layer fall against a format's range.
+
+For weights, activations, gradients (of activations and of parameters) and optimizer state,
+per layer: a histogram of log2|x| over the nonzero values, and the fractions that overflow
+(|x| at or beyond the point where round-to-nearest leaves the finite range), flush to zero
+(|x| at most half the smallest subnormal, which rounds to 0) and land in the subnormal range
+(below the smallest normal, where precision is lost). The gradient histogram is Micikevicius
+et al.'s (2018) argument for loss scaling: the loss scale shifts it right, and the scale that
+keeps the largest gradient below max is :func:`lowprec.find_loss_scale`'s choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..formats import FixedFormat, FloatFormat, Format, parse_format
+
+__all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
+
+BINS = np.arange(-160, 131)  # log2 bin edges covering float32
+
+
+def overflow_threshold(fmt: Format) -> float:
+    """The magnitude from which round-to-nearest overflows (max + half the last spacing)."""
+    if isinstance(fmt, FloatFormat):
+        return fmt.max + 2.0 ** (fmt.emax - fmt.man_bits) / 2
+    if isinstance(fmt, FixedFormat):
+        return fmt.max + fmt.step / 2
+    return fmt.max
+
+
+def classify(values: torch.Tensor, fmt: Format) -> dict:
+    """Fractions of the nonzero finite values that overflow, flush to zero, are subnormal."""
+    v = values.detach().double().abs().flatten()
+    v = v[torch.isfinite(v) & (v > 0)]
+    n = int(v.numel())
+    if n == 0:
+        return {"n": 0, "overflow": 0.0, "flush": 0.0, "subnormal": 0.0}
+    flush = (v <= fmt.min_subnormal / 2).sum().item()
+    sub = ((v > fmt.min_subnormal / 2) & (v < fmt.min_normal)).sum().item()
+    over = (v >= overflow_threshold(fmt)).sum().item()
+    return {"n": n, "overflow": over / n, "flush": flush / n, "subnormal": sub / n}
+
+
+@dataclass
+class RoleStats:
+    layer: str
+    role: str  # weights, activations, activation_grads, weight_grads, optimizer_state
+    n: int
+    overflow: float
+    flush: float
+    subnormal: float
+    max_abs: float
+    min_abs: float
+    hist: list = field(default_factory=list)  # counts per log2 bin (BINS[:-1] edges)
+
+
+@dataclass
+class RangeProfile:
+    format: str
+    stats: list[RoleStats]
+
+    def role(self, role: str) -> list[RoleStats]:
+        return [s for s in self.stats if s.role == role]
+
+    def fraction(self, role: str, kind: str) -> float:
+        """Weighted fraction over all layers of a role (kind: overflow, flush, subnormal)."""
+        rows = self.role(role)
+        total = sum(r.n for r in rows)
+        return sum(getattr(r, kind) * r.n for r in rows) / total if total else 0.0
+
+    def gradient_scale(self, headroom: float = 2.0**3, max_scale: float = 2.0**24) -> float:
+        """The power-of-two loss scale this profile recommends (find_loss_scale's rule)."""
+        fmt = parse_format(self.format)
+        gmax = max((r.max_abs for r in self.stats if r.role.endswith("grads") and r.n), default=0)
+        if not gmax:
+            return 1.0
+        k = math.floor(math.log2(fmt.max / (headroom * gmax)))
+        return float(min(max(2.0**k, 2.0**-24), max_scale))
+
+
+def _stats(layer: str, role: str, t: torch.Tensor, fmt: Format) -> RoleStats:
+    c = classify(t, fmt)
+    v = t.detach().double().abs().flatten()
+    v = v[torch.isfinite(v) & (v > 0)]
+    hist = np.histogram(np.log2(v.numpy()), bins=BINS)[0].tolist() if v.numel() else []
+    return RoleStats(layer, role, c["n"], c["overflow"], c["flush"], c["subnormal"],
+                     float(v.max()) if v.numel() else 0.0, float(v.min()) if v.numel() else 0.0,
+                     hist)
+
+
+def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", *,
+                  optimizer=None, loss_scale: float = 1.0) -> RangeProfile:
+    """Profile one float32 forward and backward pass of ``model`` on ``batch`` (inputs,
+    targets); gradients are taken at ``loss_scale`` (1: what unscaled training stores)."""
+    fmt = parse_format(fmt)
+    inputs, targets = batch
+    acts: dict[str, list[torch.Tensor]] = {}
+    agrads: dict[str, list[torch.Tensor]] = {}
+    handles = []
+
+    for name, m in model.named_modules():
+        if name and next(m.children(), None) is None:
+            def hook(mod, args, out, name=name):
+                if torch.is_tensor(out) and out.is_floating_point():
+                    acts.setdefault(name, []).append(out.detach())
+                    if out.requires_grad:
+                        out.register_hook(lambda g, name=name: agrads.setdefault(
+                            name, []).append(g.detach()))
+            handles.append(m.register_forward_hook(hook))
+    saved = {p: p.grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.grad = None
+        loss = loss_fn(model(inputs), targets)
+        (loss.float() * loss_scale).backward()
+        stats: list[RoleStats] = []
+        for name, m in model.named_modules():
+            own = [(n, p) for n, p in m.named_parameters(recurse=False)]
+            if own:
+                w = torch.cat([p.detach().flatten() for _, p in own])
+                stats.append(_stats(name, "weights", w, fmt))
+                gs = [p.grad.flatten() for _, p in own if p.grad is not None]
+                if gs:
+                    stats.append(_stats(name, "weight_grads", torch.cat(gs), fmt))
+                if optimizer is not None:
+                    st = [v.flatten() for _, p in own for v in optimizer.state.get(p, {}).values()
+                          if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
+                    if st:
+                        stats.append(_stats(name, "optimizer_state", torch.cat(st).float(), fmt))
+            if name in acts:
+                stats.append(_stats(name, "activations", torch.cat([a.flatten() for a in
+                                                                    acts[name]]), fmt))
+            if name in agrads:
+                stats.append(_stats(name, "activation_grads", torch.cat(
+                    [g.flatten() for g in agrads[name]]), fmt))
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in saved.items():
+            p.grad = g
+    return RangeProfile(str(fmt), stats)
