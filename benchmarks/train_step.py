@@ -68,12 +68,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated policies (default: every named policy)")
+    ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp or both")
     args = ap.parse_args()
+    from lowprec.runner import _split_policies
+
+    names = _split_policies(args.policies) if args.policies else list(POLICIES)
+    if "32-true" not in names:
+        names.insert(0, "32-true")
+    models = [m for m in [("LeNet-5 CNN", lenet, "cnn"), ("MLP 784-512-512-10", mlp, "mlp")]
+              if m[2] in args.models.split(",")]
     print(f"lowprec {lowprec.__version__}, torch {torch.__version__}, "
           f"{platform.machine()}, {torch.get_num_threads()} threads, batch {args.batch}, "
           f"median of {args.rounds} interleaved rounds of {args.steps} steps")
-    for model_name, make in [("LeNet-5 CNN", lenet), ("MLP 784-512-512-10", mlp)]:
-        runners = {name: Runner(make, name, args.batch) for name in POLICIES}
+    for model_name, make, _ in models:
+        runners = {name: Runner(make, name, args.batch) for name in names}
         for r in runners.values():  # warm-up: oneDNN primitives, allocator
             r.time(3)
         times = {name: [] for name in runners}

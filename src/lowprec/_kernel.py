@@ -73,7 +73,7 @@ def _lib():
         lib = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    if lib.lp_abi_version() != 2:
+    if lib.lp_abi_version() != 3:
         return None
     p = ctypes.c_void_p
     lib.lp_quantize_f32.argtypes = [p, p, ctypes.c_int64, ctypes.POINTER(LPParams), ctypes.c_int]
@@ -86,6 +86,9 @@ def _lib():
     lib.lp_opt_step.argtypes = [p, p, p, p, ctypes.c_int64, ctypes.POINTER(LPOpt),
                                 ctypes.POINTER(LPParams), ctypes.POINTER(LPParams), ctypes.c_int]
     lib.lp_opt_step.restype = None
+    lib.lp_count_abs_ge.argtypes = [p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                                    ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    lib.lp_count_abs_ge.restype = None
     return lib
 
 
@@ -115,3 +118,10 @@ def quantize_blocks_f32(x: torch.Tensor, out: torch.Tensor, row_len: int, block:
     rows = x.numel() // row_len
     _lib().lp_quantize_blocks_f32(x.data_ptr(), out.data_ptr(), rows, row_len, block,
                                   shifts.data_ptr(), ctypes.byref(prm), torch.get_num_threads())
+
+
+def count_abs_ge(x: torch.Tensor, t1: float, t2: float) -> tuple[int, int]:
+    """(#|x| >= t1, #|x| >= t2) of a contiguous float32 CPU tensor, in one pass."""
+    out = (ctypes.c_int64 * 2)()
+    _lib().lp_count_abs_ge(x.data_ptr(), x.numel(), t1, t2, out, torch.get_num_threads())
+    return int(out[0]), int(out[1])

@@ -565,7 +565,48 @@ void lp_opt_step(void *p, const void *g, void *s1, void *s2, int64_t n, const lp
 #endif
 }
 
-int lp_abi_version(void) { return 2; }
+/* Counts of |x| >= t1 and |x| >= t2 (the overflow counts of dynamic fixed point), one pass. */
+LP_CLONES static void count_range(const float *x, int64_t b, int64_t e, float t1, float t2,
+                                  int64_t *c1, int64_t *c2) {
+    int64_t n1 = 0, n2 = 0;
+    for (int64_t i = b; i < e; ++i) {
+        const float a = fabsf(x[i]);
+        n1 += a >= t1;
+        n2 += a >= t2;
+    }
+    *c1 = n1;
+    *c2 = n2;
+}
+
+void lp_count_abs_ge(const float *x, int64_t n, float t1, float t2, int64_t *out, int nthreads) {
+    int nt = (int)(n / LP_MIN_PER_THREAD);
+    if (nt > nthreads) nt = nthreads;
+    if (nt < 1) nt = 1;
+    if (nt > LP_MAX_THREADS) nt = LP_MAX_THREADS;
+    int64_t c1[LP_MAX_THREADS], c2[LP_MAX_THREADS];
+    const int64_t per = (n + nt - 1) / nt;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        for (int t = 0; t < nt; ++t)
+#endif
+        {
+            const int64_t b = t * per < n ? t * per : n, e = (t + 1) * per < n ? (t + 1) * per : n;
+            count_range(x, b, e, t1, t2, &c1[t], &c2[t]);
+        }
+    }
+    out[0] = out[1] = 0;
+    for (int t = 0; t < nt; ++t) {
+        out[0] += c1[t];
+        out[1] += c2[t];
+    }
+}
+
+int lp_abi_version(void) { return 3; }
 
 static struct PyModuleDef lp_module = {PyModuleDef_HEAD_INIT, "_qkernel",
                                        "lowprec quantization kernel (called through ctypes)", -1,

@@ -23,19 +23,31 @@ class _QuantizeSTE(torch.autograd.Function):
         ctx.bwd = (bwd, bwd_round, bwd_bits, generator)
         if fwd is None:
             return x.view_as(x)
+        if callable(fwd):  # a format chosen from the tensor itself (dynamic fixed point)
+            fwd = fwd(x)
         return quantize(x, fwd, fwd_round, generator=generator, random_bits=fwd_bits or None)
 
     @staticmethod
     def backward(ctx, grad):
         bwd, bwd_round, bwd_bits, generator = ctx.bwd
+        if callable(bwd) and grad is not None:
+            bwd = bwd(grad)
         if bwd is not None and grad is not None:
             grad = quantize(grad, bwd, bwd_round, generator=generator,
                             random_bits=bwd_bits or None)
         return grad, None, None, None, None, None, None, None
 
 
+def _specs(forward, backward, rounding, backward_rounding, random_bits) -> tuple:
+    """(forward format, mode, bits, backward format, mode, bits); the backward rounding
+    defaults to the forward one."""
+    br = rounding if backward_rounding is None else backward_rounding
+    return (*_spec(forward, rounding, random_bits), *_spec(backward, br, random_bits))
+
+
 def _spec(fmt, rounding, random_bits):
-    fmt = None if fmt is None else parse_format(fmt)
+    if fmt is not None and not callable(fmt):
+        fmt = parse_format(fmt)
     mode, bits = parse_rounding(rounding, random_bits)
     return fmt, mode, bits
 
@@ -55,10 +67,8 @@ def quantize_ste(
     ``None`` leaves that direction in full precision. ``backward_rounding`` defaults to
     ``rounding``.
     """
-    f, fr, fb = _spec(forward, rounding, random_bits)
-    b, br, bb = _spec(backward, rounding if backward_rounding is None else backward_rounding,
-                      random_bits)
-    return _QuantizeSTE.apply(x, f, fr, fb, b, br, bb, generator)
+    return _QuantizeSTE.apply(x, *_specs(forward, backward, rounding, backward_rounding,
+                                         random_bits), generator)
 
 
 class Quantizer(nn.Module):
@@ -79,16 +89,13 @@ class Quantizer(nn.Module):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
-        self.forward_format, self.rounding, self.random_bits = _spec(forward, rounding, random_bits)
-        br = rounding if backward_rounding is None else backward_rounding
-        self.backward_format, self.backward_rounding, self.backward_bits = _spec(
-            backward, br, random_bits)
+        self._specs = _specs(forward, backward, rounding, backward_rounding, random_bits)
+        (self.forward_format, self.rounding, self.random_bits, self.backward_format,
+         self.backward_rounding, self.backward_bits) = self._specs
         self.generator = generator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _QuantizeSTE.apply(x, self.forward_format, self.rounding, self.random_bits,
-                                  self.backward_format, self.backward_rounding,
-                                  self.backward_bits, self.generator)
+        return _QuantizeSTE.apply(x, *self._specs, self.generator)
 
     def extra_repr(self) -> str:
         return (f"forward={self.forward_format}, rounding={self.rounding}, "

@@ -93,18 +93,24 @@ def _print_summary(run_dir, console: Console) -> None:
 
 
 def _config_from(args, **overrides):
-    from .runner import CompareConfig, _split_policies
+    """CompareConfig from the flags: the preset's settings, then every flag given explicitly."""
+    from .runner import PRESETS, CompareConfig, _split_policies
 
-    policies = overrides.pop("policies", None) or tuple(_split_policies(args.policies))
-    seeds = overrides.pop("seeds", None)
-    if seeds is None:
-        seeds = tuple(range(args.seeds))
-    return CompareConfig(data=args.data, model=args.model, policies=policies, seeds=seeds,
-                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                         optimizer=args.optimizer, momentum=args.momentum,
-                         weight_decay=args.weight_decay, out=args.out, resume=args.resume,
-                         quiet=args.quiet, train_subset=args.train_subset,
-                         schedule=args.schedule, **overrides)
+    preset = getattr(args, "preset", None) or "default"
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r}; accepted: {', '.join(PRESETS)}")
+    values = dict(PRESETS[preset])
+    for key in ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum",
+                "weight_decay", "train_subset", "schedule"):
+        v = getattr(args, key, None)
+        if v is not None:
+            values[key] = v
+    if getattr(args, "policies", None) is not None:
+        values["policies"] = tuple(_split_policies(args.policies))
+    if getattr(args, "seeds", None) is not None:
+        values["seeds"] = tuple(range(args.seeds))
+    values.update(overrides)
+    return CompareConfig(out=args.out, resume=args.resume, quiet=args.quiet, **values)
 
 
 def _run(cfg, console: Console, quiet: bool) -> int:
@@ -133,6 +139,7 @@ def cmd_compare(args, console: Console) -> int:
 
 def cmd_train(args, console: Console) -> int:
     out = args.out if args.out != "runs/compare" else f"runs/train-{args.policy}-seed{args.seed}"
+    args.preset = None
     args.out = out
     cfg = _user(_config_from, args, policies=(args.policy,), seeds=(args.seed,))
     return _run(cfg, console, args.quiet)
@@ -240,22 +247,27 @@ def _add_analysis_args(p: argparse.ArgumentParser) -> None:
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     from .runner import DEFAULT_POLICIES
 
-    p.add_argument("--data", default="mnist", help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
+    p.add_argument("--data", default=None, help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
                    "idx:DIR, cifar10:DIR, module:function (default: mnist, 5,000 real digits)")
-    p.add_argument("--model", default="lenet5", help="mlp, lenet5, resnet20, vgg, cnn1d, "
+    p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, cnn1d, "
                    "transformer, module:function (default: lenet5)")
     if compare:
-        p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                       help="comma-separated names or specs (default: %(default)s)")
-        p.add_argument("--seeds", type=int, default=3, help="seeds per policy (default: 3)")
-    p.add_argument("--epochs", type=int, default=15, help="default: 15")
-    p.add_argument("--batch-size", type=int, default=32, help="default: 32")
-    p.add_argument("--lr", type=float, default=0.02, help="default: 0.02")
-    p.add_argument("--optimizer", default="sgd", help="sgd (momentum 0.9) or adam")
-    p.add_argument("--momentum", type=float, default=0.9, help=argparse.SUPPRESS)
-    p.add_argument("--schedule", default="cosine", help="learning-rate schedule: cosine "
+        from .runner import PRESETS
+
+        p.add_argument("--policies", default=None,
+                       help="comma-separated names or specs (default: "
+                            f"{','.join(DEFAULT_POLICIES)})")
+        p.add_argument("--seeds", type=int, default=None, help="seeds per policy (default: 3)")
+        p.add_argument("--preset", default=None, help="an experiment of the literature: "
+                       + ", ".join(PRESETS) + " (policies, model and optimizer; flags override)")
+    p.add_argument("--epochs", type=int, default=None, help="default: 15")
+    p.add_argument("--batch-size", type=int, default=None, help="default: 32")
+    p.add_argument("--lr", type=float, default=None, help="default: 0.02")
+    p.add_argument("--optimizer", default=None, help="sgd (momentum 0.9, default) or adam")
+    p.add_argument("--momentum", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--schedule", default=None, help="learning-rate schedule: cosine "
                    "(default) or constant")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="default: 5e-4")
+    p.add_argument("--weight-decay", type=float, default=None, help="default: 5e-4")
     p.add_argument("--train-subset", type=int, default=None,
                    help="train on the first N training examples only")
     p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ._util import import_callable
+
 __all__ = ["Dataset", "load_dataset", "DatasetNotFound", "read_idx", "write_idx", "DATASETS",
            "FASHION_MNIST_DIR"]
 
@@ -210,15 +212,8 @@ def load_cifar10(directory: str | os.PathLike) -> Dataset:
 
 
 def load_user(spec: str) -> Dataset:
-    mod_name, _, fn_name = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as err:
-        raise DatasetNotFound(f"dataset {spec!r}: cannot import {mod_name!r} ({err})") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise DatasetNotFound(f"dataset {spec!r}: {mod_name} has no function {fn_name!r}")
-    out = fn()
+    fn_name = spec.partition(":")[2]
+    out = import_callable(spec, "dataset", DatasetNotFound)()
     if isinstance(out, Dataset):
         return out
     try:

@@ -36,6 +36,7 @@ __all__ = [
     "FixedFormat",
     "BlockFormat",
     "BinaryFormat",
+    "DynamicFixedFormat",
     "Format",
     "parse_format",
     "as_format",
@@ -246,7 +247,9 @@ class FixedFormat:
 
     def __post_init__(self) -> None:
         _check_int("frac_bits", self.frac_bits, 0, 149, "the step 2**-FL must be a float32")
-        _check_int("int_bits", self.int_bits, 1 if self.signed else 0, 128)
+        # IL may be zero or negative: <-5, 15> holds k * 2**-15 in [-2**-6, 2**-6), the small
+        # ranges dynamic fixed point gives to weights and gradients
+        _check_int("int_bits", self.int_bits, -126, 128)
         word = self.int_bits + self.frac_bits
         top = 25 if self.signed else 24
         if not (2 if self.signed else 1) <= word <= top:
@@ -379,6 +382,48 @@ class BlockFormat:
 
 
 @dataclass(frozen=True)
+class DynamicFixedFormat:
+    """Dynamic fixed point as trained by Courbariaux, Bengio and David (2014): ``bits``-bit
+    two's complement words (sign included) whose radix point, the *range* r (values in
+    [-2**r, 2**r)), is shared by a group of tensors and moves during training.
+
+    The range update of their code: every ``interval`` observations of a group, with r the
+    fraction of values overflowing the current range and r1 the fraction that would overflow
+    range - 1: if r > ``max_overflow`` the range grows by one; else if r1 > ``max_overflow`` it
+    stays; else it shrinks by one. The state lives in :class:`lowprec.dynamic_fixed.Controller`
+    (Precision keeps one per run); each observation rounds with the range it starts with.
+    """
+
+    bits: int
+    max_overflow: float = 1e-4
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("bits", self.bits, 2, 25, "float32 carries 24 significant bits")
+        _check_int("interval", self.interval, 1, 10**9)
+        if not 0 < self.max_overflow < 1:
+            raise ValueError(f"max_overflow={self.max_overflow!r} must be in (0, 1)")
+
+    def at_range(self, r: int) -> "FixedFormat":
+        """The static fixed-point format of range r: <r + 1, bits - r - 1>."""
+        return FixedFormat(r + 1, self.bits - r - 1)
+
+    @property
+    def max(self) -> float:
+        return float("nan")  # depends on the range
+
+    min_normal = min_subnormal = eps = max
+
+    def __str__(self) -> str:
+        opts = ""
+        if self.max_overflow != 1e-4:
+            opts += f",overflow={self.max_overflow:g}"
+        if self.interval != 1:
+            opts += f",interval={self.interval}"
+        return f"dfxp<{self.bits}{opts}>"
+
+
+@dataclass(frozen=True)
 class BinaryFormat:
     """Sign only: +1 or -1, with 0 mapped to +1 (BinaryNet, Courbariaux, Hubara et al. 2016)."""
 
@@ -404,7 +449,7 @@ class BinaryFormat:
         return "binary"
 
 
-Format = Union[FloatFormat, FixedFormat, BlockFormat, BinaryFormat]
+Format = Union[FloatFormat, FixedFormat, BlockFormat, BinaryFormat, DynamicFixedFormat]
 
 FP32 = FloatFormat(8, 23)
 FP16 = FloatFormat(5, 10)
@@ -468,14 +513,16 @@ _ACCEPTED = (
     "fp32 tf32 fp16 (half) bf16 fp8_e4m3 fp8_e5m2 fp8_e4m3fnuz fp8_e5m2fnuz fp6_e2m3 fp6_e3m2 "
     "fp4_e2m1; eXmY[fn|fnuz][-nosub][-sat|-ovnan] (e.g. e5m10, e4m3fn, e2m1fn); "
     "qIL.FL, uqIL.FL, fixed<WL,FL>, ufixed<WL,FL>, int<N>; mxfp8_e4m3 mxfp8_e5m2 mxfp6_e2m3 "
-    "mxfp6_e3m2 mxfp4 mxint8; block<ELEMENT,N|tensor>; dfx<N> (dynamic fixed point); binary"
+    "mxfp6_e3m2 mxfp4 mxint8; block<ELEMENT,N|tensor>; dfx<N> (one exponent per tensor); "
+    "dfxp<N[,overflow=R,interval=K]> (dynamic fixed point with the range-update rule); binary"
 )
 
 _FLOAT_RE = re.compile(r"^(?:fp\d+_)?e(\d+)m(\d+)(fnuz|fn)?((?:-[a-z]+)*)$")
-_Q_RE = re.compile(r"^(u?)q(\d+)\.(\d+)(-sym)?$")
+_Q_RE = re.compile(r"^(u?)q(-?\d+)\.(\d+)(-sym)?$")
 _FIXED_RE = re.compile(r"^(u?)fixed<(\d+),(\d+)>$")
 _INT_RE = re.compile(r"^int<?(\d+)>?$")
 _DFX_RE = re.compile(r"^dfx<?(\d+)>?$")
+_DFXP_RE = re.compile(r"^dfxp<(\d+)((?:,[a-z_]+=[^,>]+)*)>$")
 _BLOCK_RE = re.compile(r"^block<(.+),(\d+|tensor)((?:,[a-z_]+=[^,]+)*)>$")
 
 
@@ -508,7 +555,7 @@ def parse_format(spec: str | Format) -> Format:
     >>> str(parse_format("fixed<16,14>"))
     'q2.14'
     """
-    if isinstance(spec, (FloatFormat, FixedFormat, BlockFormat, BinaryFormat)):
+    if isinstance(spec, (FloatFormat, FixedFormat, BlockFormat, BinaryFormat, DynamicFixedFormat)):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a format spec must be a str or a format object, got {spec!r}")
@@ -525,6 +572,17 @@ def parse_format(spec: str | Format) -> Format:
             return FixedFormat(word - frac, frac, signed=not m.group(1))
         if m := _INT_RE.match(s):
             return FixedFormat(int(m.group(1)), 0)
+        if m := _DFXP_RE.match(s):
+            kwargs = {}
+            for item in filter(None, m.group(2).split(",")):
+                key, val = item.split("=", 1)
+                if key == "overflow":
+                    kwargs["max_overflow"] = float(val)
+                elif key == "interval":
+                    kwargs["interval"] = int(val)
+                else:
+                    raise _bad(spec, f"dfxp option {item!r} is not overflow=R or interval=N")
+            return DynamicFixedFormat(int(m.group(1)), **kwargs)
         if m := _DFX_RE.match(s):
             return BlockFormat(FixedFormat(int(m.group(1)), 0), None)
         if m := _BLOCK_RE.match(s):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._util import fresh_grads
 from .formats import Format, parse_format
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
@@ -141,6 +142,16 @@ class LossScaleChoice:
                 f"(max {parse_format(self.format).max:g})")
 
 
+def power_of_two_scale(gmax: float, fmt, headroom: float = 2.0**3,
+                       max_scale: float = 2.0**24) -> float:
+    """The largest power of two S with gmax * S * headroom <= fmt.max (within [2**-24,
+    max_scale]): the loss scale :func:`find_loss_scale` chooses for a largest gradient gmax."""
+    if not gmax:
+        return 1.0
+    k = math.floor(math.log2(fmt.max / (headroom * gmax)))
+    return float(min(max(2.0**k, 2.0**-24), max_scale))
+
+
 def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn) -> torch.Tensor:
     """|gradient| values of one fp32 backward pass: every parameter gradient and every gradient
     flowing out of a leaf module (the activation gradients fp16 backward would store)."""
@@ -159,19 +170,15 @@ def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn) -> torch.Tensor:
     for m in model.modules():
         if not list(m.children()):
             handles.append(m.register_forward_hook(watch))
-    was = {p: p.grad for p in model.parameters()}
     try:
-        for p in model.parameters():
-            p.grad = None
-        loss = loss_fn(model(inputs), targets)
-        loss.float().backward()
-        grads += [p.grad.detach().abs().flatten().float() for p in model.parameters()
-                  if p.grad is not None]
+        with fresh_grads(model):
+            loss = loss_fn(model(inputs), targets)
+            loss.float().backward()
+            grads += [p.grad.detach().abs().flatten().float() for p in model.parameters()
+                      if p.grad is not None]
     finally:
         for h in handles:
             h.remove()
-        for p, g in was.items():
-            p.grad = g
     return torch.cat(grads) if grads else torch.zeros(0)
 
 
@@ -196,8 +203,7 @@ def find_loss_scale(model: torch.nn.Module, batch, loss_fn, fmt: str | Format = 
 
     if not math.isfinite(gmax):
         raise ValueError("the fp32 gradients already hold Inf/NaN: no loss scale can help")
-    k = math.floor(math.log2(fmt.max / (headroom * gmax)))
-    scale = float(min(max(2.0**k, 2.0**-24), max_scale))
+    scale = power_of_two_scale(gmax, fmt, headroom, max_scale)
     return LossScaleChoice(
         scale=scale, format=str(fmt), n_values=int(mags.numel()), max_abs=gmax,
         min_abs_nonzero=gmin, underflow_at_1=under(1.0), underflow_at_scale=under(scale),

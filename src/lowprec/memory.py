@@ -13,6 +13,7 @@ regime costs on hardware that has the format.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,6 +46,21 @@ class MemoryLedger:
         return self.total / other.total if other.total else float("nan")
 
 
+def _on_grid(t: torch.Tensor, fmt: Format) -> bool:
+    """Whether every value of ``t`` is representable in ``fmt`` (for dynamic fixed point: at
+    the range its largest value needs, or one or two above)."""
+    from .formats import DynamicFixedFormat
+
+    if isinstance(fmt, DynamicFixedFormat):
+        amax = float(t.abs().max()) if t.numel() else 0.0
+        if not amax or amax != amax or amax == float("inf"):
+            return amax == 0.0
+        r0 = math.floor(math.log2(amax)) + 1
+        return any(_on_grid(t, fmt.at_range(r)) for r in (r0, r0 + 1, r0 + 2)
+                   if fmt.bits - 150 <= r <= fmt.bits - 1)
+    return torch.equal(torch.nan_to_num(quantize(t, fmt)), torch.nan_to_num(t))
+
+
 def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format | None = None
                            ) -> int:
     """Bytes of the tensors autograd saves while ``run()`` executes.
@@ -68,7 +84,7 @@ def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format 
         on_grid = False
         if compute is not None and compute != FP32 and t.dtype == torch.float32:
             with torch.no_grad():
-                on_grid = torch.equal(torch.nan_to_num(quantize(t, compute)), torch.nan_to_num(t))
+                on_grid = _on_grid(t, compute)
         if key in spans:
             s_ = spans[key]
             s_[0], s_[1], s_[2] = min(s_[0], lo), max(s_[1], hi), s_[2] and on_grid

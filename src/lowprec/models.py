@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
 from torch import nn
+
+from ._util import import_callable
 
 __all__ = ["build_model", "MODELS", "MLP", "LeNet5", "ResNet20", "SmallVGG", "CNN1d",
            "TransformerClassifier"]
@@ -169,16 +170,9 @@ def build_model(name: str, input_shape, num_classes: int) -> nn.Module:
     key = name.strip().lower()
     if key in MODELS:
         return MODELS[key](tuple(input_shape), num_classes)
-    mod_name, sep, fn_name = name.partition(":")
+    _, sep, fn_name = name.partition(":")
     if sep and fn_name.isidentifier():
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as err:
-            raise ValueError(f"model {name!r}: cannot import {mod_name!r} ({err})") from None
-        fn = getattr(mod, fn_name, None)
-        if not callable(fn):
-            raise ValueError(f"model {name!r}: {mod_name} has no function {fn_name!r}")
-        model = fn(tuple(input_shape), num_classes)
+        model = import_callable(name, "model")(tuple(input_shape), num_classes)
         if not isinstance(model, nn.Module):
             raise ValueError(f"model {name!r}: {fn_name}() returned {type(model).__name__}, "
                              "not an nn.Module")

@@ -57,6 +57,12 @@ def format_bytes(fmt: Format, numel: int) -> int:
     return math.ceil(numel * fmt.bits / 8)
 
 
+def _lr(group: dict) -> float:
+    """The group's learning rate times its ``lr_scale`` (BinaryNet scales the latent weights'
+    rate per layer; a scheduler that sets ``lr`` keeps the scale)."""
+    return group["lr"] * group.get("lr_scale", 1.0)
+
+
 def _round(x32: torch.Tensor, fmt: Format, mode: str, generator) -> torch.Tensor:
     if fmt == FP32:
         return x32
@@ -82,8 +88,15 @@ class _Storage:
                        master_format=master_format, update=update, generator=generator)
 
     def configure(self, *, param_format=None, state_format=None, master_format=None,
-                  update: str | None = None, generator=None) -> None:
-        """Set the formats (``None`` keeps a parameter's own dtype); used by Precision.setup."""
+                  update: str | None = None, generator=None, controller=None,
+                  names: dict | None = None) -> None:
+        """Set the formats (``None`` keeps a parameter's own dtype); used by Precision.setup.
+        ``controller`` holds the ranges of dynamic fixed-point formats, ``names`` maps
+        ``id(param)`` to the parameter's name (the key of its groups)."""
+        from .dynamic_fixed import Controller
+
+        self.controller = controller if controller is not None else Controller()
+        self.names = dict(names or {})
         self.param_format = None if param_format is None else parse_format(param_format)
         self.state_format = None if state_format is None else parse_format(state_format)
         self.master_format = None if master_format is None else parse_format(master_format)
@@ -100,6 +113,12 @@ class _Storage:
 
     def sformat(self, p: torch.Tensor) -> Format:
         return self.state_format if self.state_format is not None else self.pformat(p)
+
+    def now(self, fmt: Format, p: torch.Tensor, role: str, x: torch.Tensor) -> Format:
+        """``fmt``, or for dynamic fixed point the static format its group has now."""
+        from .dynamic_fixed import resolve
+
+        return resolve(fmt, f"{role}:{self.names.get(id(p), id(p))}", x, self.controller)
 
 
 class LowPrecisionOptimizer(torch.optim.Optimizer):
@@ -132,7 +151,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _state_tensor(self, p, like32: torch.Tensor, fmt: Format) -> torch.Tensor:
         return torch.zeros_like(like32, dtype=storage_dtype(fmt))
 
-    def _save(self, dst: torch.Tensor, value32: torch.Tensor, fmt: Format) -> None:
+    def _save(self, dst: torch.Tensor, value32: torch.Tensor, fmt: Format, p=None,
+              role: str = "state") -> None:
+        if p is not None:
+            fmt = self.storage.now(fmt, p, role, value32)
         _write(dst, value32, fmt, "nearest", None)
 
     def _init_common(self, p, state) -> None:
@@ -197,16 +219,17 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 w32 = state["master"].float() if "master" in state else p.float()
                 w_new = self._new_weight(p, w32, g32, state, group)
                 if "master" in state:
-                    self._save(state["master"], w_new, st.master_format)
-                    _write(p, state["master"].float(), pf, st.update, st.generator)
+                    self._save(state["master"], w_new, st.master_format, p, "master")
+                    m32 = state["master"].float()
+                    _write(p, m32, st.now(pf, p, "param", m32), st.update, st.generator)
                 elif st.update == "kahan":
                     c32 = state["compensation"].float()
                     y = (w_new - w32) - c32
-                    t = _round(w32 + y, pf, "nearest", None)
-                    self._save(state["compensation"], (t - w32) - y, pf)
+                    t = _round(w32 + y, st.now(pf, p, "param", w32 + y), "nearest", None)
+                    self._save(state["compensation"], (t - w32) - y, pf, p, "compensation")
                     p.copy_(t)
                 else:
-                    _write(p, w_new, pf, st.update, st.generator)
+                    _write(p, w_new, st.now(pf, p, "param", w_new), st.update, st.generator)
         return loss
 
 
@@ -283,7 +306,7 @@ class SGD(LowPrecisionOptimizer):
             state["momentum_buffer"] = torch.zeros_like(
                 p, dtype=storage_dtype(self.storage.sformat(p)))
         opt = _kernel.LPOpt(kind=0, nesterov=int(group["nesterov"]), first=int(bool(first)),
-                            has_momentum=int(bool(mom)), lr=group["lr"], momentum=mom,
+                            has_momentum=int(bool(mom)), lr=_lr(group), momentum=mom,
                             dampening=group["dampening"], wd=group["weight_decay"])
         self._run_fused(p, state.get("momentum_buffer"), None, opt, grad_scale)
         return True
@@ -301,10 +324,10 @@ class SGD(LowPrecisionOptimizer):
             else:
                 buf32 = state["momentum_buffer"].float().mul_(mom).add_(
                     g32, alpha=1 - group["dampening"])
-            self._save(state["momentum_buffer"], buf32, sf)
+            self._save(state["momentum_buffer"], buf32, sf, p, "momentum")
             buf32 = state["momentum_buffer"].float()
             g32 = g32.add(buf32, alpha=mom) if group["nesterov"] else buf32
-        return w32.add(g32, alpha=-group["lr"])
+        return w32.add(g32, alpha=-_lr(group))
 
 
 class Adam(LowPrecisionOptimizer):
@@ -355,9 +378,9 @@ class Adam(LowPrecisionOptimizer):
         step = state["step"]
         sqrt_key = "exp_avg_sq_sqrt" in state
         opt = _kernel.LPOpt(kind=1, decoupled=int(group["decoupled"]),
-                            sqrt_storage=int(sqrt_key), lr=group["lr"], wd=group["weight_decay"],
+                            sqrt_storage=int(sqrt_key), lr=_lr(group), wd=group["weight_decay"],
                             beta1=beta1, beta2=beta2, eps=group["eps"],
-                            step_size=group["lr"] / (1 - beta1**step),
+                            step_size=_lr(group) / (1 - beta1**step),
                             bc2_sqrt=math.sqrt(1 - beta2**step))
         s2 = state["exp_avg_sq_sqrt"] if sqrt_key else state["exp_avg_sq"]
         self._run_fused(p, state["exp_avg"], s2, opt, grad_scale)
@@ -366,7 +389,7 @@ class Adam(LowPrecisionOptimizer):
     def _new_weight(self, p, w32, g32, state, group):
         sf = self.storage.sformat(p)
         beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        lr, eps, wd = _lr(group), group["eps"], group["weight_decay"]
         state["step"] += 1
         step = state["step"]
         if wd:
@@ -377,14 +400,14 @@ class Adam(LowPrecisionOptimizer):
         m32 = state["exp_avg"].float().lerp_(g32, 1 - beta1)
         if "exp_avg_sq" in state:
             v32 = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-            self._save(state["exp_avg_sq"], v32, sf)
+            self._save(state["exp_avg_sq"], v32, sf, p, "exp_avg_sq")
             root = state["exp_avg_sq"].float().sqrt()
         else:
             v_old = state["exp_avg_sq_sqrt"].float().square()
             v32 = v_old.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-            self._save(state["exp_avg_sq_sqrt"], v32.sqrt(), sf)
+            self._save(state["exp_avg_sq_sqrt"], v32.sqrt(), sf, p, "exp_avg_sq")
             root = state["exp_avg_sq_sqrt"].float()
-        self._save(state["exp_avg"], m32, sf)
+        self._save(state["exp_avg"], m32, sf, p, "exp_avg")
         m32 = state["exp_avg"].float()
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
@@ -464,7 +487,9 @@ class FormatOptimizer:
                 m.grad = g * grad_scale if grad_scale is not None else g
             loss = self.optimizer.step(closure)
             for p, m in zip(self.model_params, self.masters):
-                p.copy_(_round(m.float(), st.pformat(p), st.update, st.generator))
+                m32 = m.float()
+                p.copy_(_round(m32, st.now(st.pformat(p), p, "param", m32), st.update,
+                               st.generator))
             return loss
         old = {}
         for p in self.model_params:
@@ -486,12 +511,15 @@ class FormatOptimizer:
                 c.copy_(_round((t - w32) - y, pf, "nearest", None))
                 p.copy_(t)
             else:
-                p.copy_(_round(p.float(), pf, st.update, st.generator))
+                w32 = p.float()
+                p.copy_(_round(w32, st.now(pf, p, "param", w32), st.update, st.generator))
             sf = st.sformat(p)
             if sf != FP32:
                 for key, val in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
-                        val.copy_(_round(val.float(), sf, "nearest", None))
+                        v32 = val.float()
+                        val.copy_(_round(v32, st.now(sf, p, f"state.{key}", v32), "nearest",
+                                         None))
         return loss
 
     def state_bytes(self) -> tuple[int, int]:

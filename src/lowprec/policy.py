@@ -224,6 +224,26 @@ def _parse_spec(spec: str) -> Policy:
     return Policy(**kwargs)
 
 
+_FIXED_POLICY_RE = re.compile(r"^(?:fixed<(\d+),(\d+)>|q(-?\d+)\.(\d+))-(sr|rn)$")
+
+
+def _fixed_policy(name: str, m: re.Match) -> Policy:
+    """Gupta et al. (2015): weights, activations and gradients in one <IL, FL> fixed-point format,
+    products accumulated in fp32 and rounded once at each layer's output, saturating; rounding
+    to nearest (``-rn``) or stochastic (``-sr``), also for the weight update. Momentum stays fp32.
+    ``fixed<WL,FL>-sr`` gives the word length, ``qIL.FL-sr`` the integer bits."""
+    if m.group(1) is not None:
+        word, frac = int(m.group(1)), int(m.group(2))
+        fmt = f"q{word - frac}.{frac}"
+    else:
+        fmt = f"q{m.group(3)}.{m.group(4)}"
+    if m.group(5) == "sr":
+        spec = f"p={fmt}:stochastic,c={fmt}:sr,g={fmt}:sr,o=fp32"
+    else:
+        spec = f"p={fmt},c={fmt},g={fmt},o=fp32"
+    return replace(_parse_spec(spec), name=name)
+
+
 def parse_policy(spec: str | Policy) -> Policy:
     """A named policy (``"16-true"``), a compact spec, or a Policy (returned as is)."""
     if isinstance(spec, Policy):
@@ -233,6 +253,8 @@ def parse_policy(spec: str | Policy) -> Policy:
     key = spec.strip()
     if key in POLICIES:
         return POLICIES[key]
+    if m := _FIXED_POLICY_RE.match(key.lower()):
+        return _fixed_policy(key, m)
     if "=" not in key:
         raise _bad_policy(spec)
     try:
@@ -250,3 +272,17 @@ register_policy("bf16-true", "p=bf16,c=bf16,g=bf16,o=bf16")
 register_policy("16-mixed", "p=fp32,c=fp16,g=fp16,o=fp32,ls=dynamic,s=matmul")
 register_policy("bf16-mixed", "p=fp32,c=bf16,g=bf16,o=fp32,s=matmul")
 register_policy("16-master", "p=fp16,c=fp16,g=fp16,o=fp32,m=fp32,ls=dynamic")
+
+# The regimes of the literature (see docs/design.md and the presets of lowprec compare).
+register_policy("fixed16-sr", parse_policy("q6.10-sr"))
+register_policy("fixed16-rn", parse_policy("q6.10-rn"))
+# Courbariaux, Bengio and David (2014): 10-bit propagations, 12-bit parameter updates, each group
+# with its own dynamic range; and static fixed point of the same widths for comparison
+register_policy("dfxp-10-12", "p=dfxp<12>,c=dfxp<10>,g=dfxp<10>,o=dfxp<12>")
+register_policy("fixed-10-12", "p=q2.10,c=q4.6,g=q4.6,o=q2.10")
+# BinaryNet (Courbariaux, Hubara et al. 2016): binary weights and activations, fp32 latent weights
+register_policy("binary", "p=fp32,c=binary,g=fp32,o=fp32,s=matmul")
+register_policy("binary-stochastic", "p=fp32,c=binary:sr,g=fp32,o=fp32,s=matmul")
+# OCP MX v1.0: weights and activations of every matmul in blocks of 32 along the reduction axis
+for _mx in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"):
+    register_policy(_mx, f"p=fp32,c={_mx},g=fp32,o=fp32,s=matmul")

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from ._system import tune_cpu_allocator
+from .dynamic_fixed import Controller, resolve
 from .emulate import Emulation
-from .formats import BF16, FP16, FP32
+from .formats import BF16, FP16, FP32, BinaryFormat, DynamicFixedFormat
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, LowPrecisionOptimizer, storage_dtype
@@ -68,6 +69,10 @@ class Precision:
         self.emulation: Emulation | None = None
         self.optimizer = None
         self.model: nn.Module | None = None
+        self.controller = None  # ranges of dynamic fixed-point formats, created by setup
+        self._binary = False
+        self._added_params: list = []
+        self._names: dict[int, str] = {}
         self.steps = 0
         self.skipped = 0
         self.nonfinite = 0
@@ -100,7 +105,17 @@ class Precision:
             tune_cpu_allocator()
         self.backend = self.resolve_backend(self.device)
         self.model = model
-        if self.backend == "native":
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        if any(isinstance(f, DynamicFixedFormat) for f in (pol.params, pol.compute, pol.grads,
+                                                           pol.optimizer_state, pol.master)):
+            self.controller = Controller()
+        self._binary = isinstance(pol.compute, BinaryFormat)
+        if self._binary:
+            from .binary import binarize
+
+            self._added_params = binarize(model, stochastic=pol.rounding.is_stochastic,
+                                          generator=self.generator)
+        elif self.backend == "native":
             if pol.scope == "all" and pol.params != FP32:
                 dtype = storage_dtype(pol.params)
                 model.to(dtype)
@@ -110,10 +125,18 @@ class Precision:
         else:
             with torch.no_grad():
                 if pol.params != FP32:
-                    for p in model.parameters():
-                        quantize_(p.data, pol.params)
-            self.emulation = Emulation(model, pol, self.generator, active=pol.scope == "all")
+                    for name, p in model.named_parameters():
+                        quantize_(p.data, resolve(pol.params, f"param:{name}", p.data,
+                                                  self.controller))
+            self.emulation = Emulation(model, pol, self.generator, active=pol.scope == "all",
+                                       controller=self.controller)
         if optimizer is not None:
+            if self._binary and self._added_params:
+                optimizer.add_param_group({"params": self._added_params})
+            if self._binary and isinstance(optimizer, LowPrecisionOptimizer):
+                from .binary import apply_lr_scales, glorot_lr_scales
+
+                apply_lr_scales(optimizer, glorot_lr_scales(model))
             optimizer = self._setup_optimizer(optimizer)
         self.optimizer = optimizer
         return model, optimizer
@@ -123,16 +146,21 @@ class Precision:
         emulated = self.backend == "emulated"
         pfmt = pol.params if emulated else None
         kwargs = dict(param_format=pfmt, state_format=pol.optimizer_state,
-                      master_format=pol.master, update=pol.update, generator=self.generator)
+                      master_format=pol.master, update=pol.update, generator=self.generator,
+                      controller=self.controller, names=self._names)
         if isinstance(optimizer, LowPrecisionOptimizer):
             optimizer.configure(**kwargs)
             return optimizer
         if isinstance(optimizer, FormatOptimizer):
+            optimizer.storage.configure(**kwargs)
             return optimizer
         lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
         needs_wrap = pol.master is not None or pol.update == "kahan" or (emulated and lowp_storage)
         if needs_wrap:
-            return FormatOptimizer(optimizer, **kwargs)
+            wrapped = FormatOptimizer(optimizer, **{k: v for k, v in kwargs.items()
+                                                    if k not in ("controller", "names")})
+            wrapped.storage.configure(**kwargs)
+            return wrapped
         return optimizer
 
     def convert_input(self, x):
@@ -156,6 +184,9 @@ class Precision:
                 yield
             return
         em = self.emulation
+        if em is None:  # binary: the transformed layers compute their own precision
+            yield
+            return
         prev, em.active = em.active, True
         try:
             yield
@@ -174,6 +205,19 @@ class Precision:
             return optimizer.grads_for_check()
         return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
+    @staticmethod
+    def _check(grads, found: torch.Tensor, inv_scale: float) -> None:
+        """Add 1 to ``found`` if any gradient holds Inf/NaN (torch's fused check), multiplying
+        the gradients by ``inv_scale`` on the way (1: check only)."""
+        groups: dict = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), gs in groups.items():
+            f = torch.zeros(1, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                gs, f, torch.full((1,), inv_scale, device=dev))
+            found += f.to(found.device)
+
     @torch.no_grad()
     def step(self, optimizer=None) -> bool:
         """Unscale, check every gradient for Inf/NaN in one fused pass (all-reduced across
@@ -182,21 +226,27 @@ class Precision:
         if optimizer is None:
             raise ValueError("step() needs an optimizer (pass it, or give one to setup())")
         grads = self._grads(optimizer)
-        if self.backend == "emulated" and self.policy.params != FP32:
-            for g in grads:  # the gradients as parameter-format storage would hold them
-                quantize_(g, self.policy.params)
         scale = self.loss_scale.scale
         takes_scale = getattr(optimizer, "accepts_grad_scale", False)
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros(1, device=device)
-        inv = torch.full((1,), 1.0 if takes_scale else 1.0 / scale, device=device)
-        groups: dict = {}
-        for g in grads:
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, _), gs in groups.items():
-            f = torch.zeros(1, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(gs, f, inv.to(dev))
-            found += f.to(device)
+        rounds = self.backend == "emulated" and self.policy.params != FP32
+        if rounds and not getattr(self.policy.params, "has_inf", False):
+            # a saturating format would turn an Inf into its max: look before rounding too
+            self._check(grads, found, 1.0)
+        if rounds:
+            # the gradients as parameter-format storage would hold them
+            named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None] \
+                if self.model is not None else []
+            if len(named) == len(grads):
+                for n, p in named:
+                    quantize_(p.grad, resolve(self.policy.params, f"pgrad:{n}", p.grad,
+                                              self.controller))
+            else:
+                for g in grads:
+                    quantize_(g, resolve(self.policy.params, f"pgrad:{id(g)}", g,
+                                         self.controller))
+        self._check(grads, found, 1.0 if takes_scale else 1.0 / scale)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         found_inf = bool(found.item() > 0)
@@ -206,6 +256,10 @@ class Precision:
                 optimizer.step(grad_scale=1.0 / scale)
             else:
                 optimizer.step()
+            if self._binary:
+                from .binary import clip_latent_weights
+
+                clip_latent_weights(self.model)
         self.trace.append({"step": self.steps, "scale": scale, "found_inf": found_inf,
                            "skipped": skip})
         self.steps += 1
@@ -224,6 +278,7 @@ class Precision:
             "nonfinite": self.nonfinite,
             "trace": list(self.trace),
             "generator": None if self.generator is None else self.generator.get_state(),
+            "dynamic_ranges": None if self.controller is None else self.controller.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -236,6 +291,10 @@ class Precision:
         self.trace = list(state["trace"])
         if state.get("generator") is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
+        if state.get("dynamic_ranges") is not None:
+            if self.controller is None:
+                self.controller = Controller()
+            self.controller.load_state_dict(state["dynamic_ranges"])
 
     # -- measurement -------------------------------------------------------------------------
     def memory(self, model: nn.Module | None = None, batch=None, loss_fn=None) -> MemoryLedger:

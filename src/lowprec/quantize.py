@@ -89,12 +89,14 @@ def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int) -> torch.Te
     block gets scale_min_exp; a block holding NaN or Inf gets the NaN marker.
     """
     rows, row_len = x_rows.shape
-    nblocks = -(-row_len // block)
-    pad = nblocks * block - row_len
     a = x_rows.abs()
-    if pad:
-        a = torch.nn.functional.pad(a, (0, pad))
-    amax = a.reshape(rows, nblocks, block).amax(dim=-1)
+    nfull, rem = divmod(row_len, block)
+    parts = []
+    if nfull:  # whole blocks as a (rows, nfull, block) view: no copy, no padding
+        parts.append(a[:, :nfull * block].reshape(rows, nfull, block).amax(dim=-1))
+    if rem:  # the last, shorter block of each row
+        parts.append(a[:, nfull * block:].amax(dim=-1, keepdim=True))
+    amax = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     # frexp: amax = m * 2**e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly
     _, e = torch.frexp(amax)
     s = (e.to(torch.int32) - 1 - fmt.element.emax).clamp(fmt.scale_min_exp, fmt.scale_max_exp)
@@ -179,8 +181,10 @@ def quantize(
                 out = _blocks(xf, fmt, code, rmask, seed, impl)
             elif isinstance(fmt, (FloatFormat, FixedFormat)):
                 out = _elementwise(xf, fmt, code, rmask, seed, impl, None)
-            else:  # pragma: no cover - parse_format only returns the four kinds
-                raise TypeError(f"cannot quantize to {fmt!r}")
+            else:
+                raise TypeError(f"cannot quantize to {fmt} directly: dynamic fixed point keeps "
+                                "a range per group of tensors; use Precision, or "
+                                "fmt.at_range(r) for a given range")
         out = out.reshape(x.shape)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 

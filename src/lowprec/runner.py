@@ -38,6 +38,28 @@ __all__ = ["CompareConfig", "run_compare", "DEFAULT_POLICIES", "RunError", "envi
            "atomic_save"]
 
 DEFAULT_POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "16-master")
+
+#: Experiments of the literature, as compare settings (``lowprec compare --preset NAME``);
+#: explicit flags override them.
+PRESETS: dict[str, dict] = {
+    "default": {},
+    # Gupta et al. (2015): <IL, FL> fixed point, round-to-nearest against stochastic rounding,
+    # FL swept at a fixed IL of 6 (ReLU activations of the standardized digits stay below 32);
+    # q6.18-rn is Chen et al.'s (2014) remedy without stochastic rounding: a much wider word
+    "gupta": {"policies": ("32-true", "q6.8-rn", "q6.8-sr", "q6.10-rn", "q6.10-sr", "q6.12-rn",
+                           "q6.12-sr", "q6.14-rn", "q6.14-sr", "q6.18-rn"), "seeds": (0, 1)},
+    # Courbariaux, Bengio and David (2014): dynamic fixed point (10-bit propagations, 12-bit
+    # updates) against static fixed point of the same widths and against float
+    "courbariaux": {"policies": ("32-true", "16-true", "dfxp-10-12", "fixed-10-12"),
+                    "seeds": (0, 1)},
+    # BinaryNet (2016): an MLP with BatchNorm, Adam on the latent weights, no weight decay (it
+    # pulls latent weights to 0, where stochastic binarization is a coin toss)
+    "binarynet": {"model": "mlp", "optimizer": "adam", "lr": 0.005, "weight_decay": 0.0,
+                  "policies": ("32-true", "binary", "binary-stochastic"), "seeds": (0, 1)},
+    # OCP MX v1.0 block formats for the weights and activations of every matmul
+    "mx": {"policies": ("32-true", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
+                        "mxfp4", "mxint8"), "seeds": (0, 1)},
+}
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
 
@@ -116,9 +138,11 @@ class CompareConfig:
 def _split_policies(spec: str) -> list[str]:
     """Split a policy list on commas, keeping each compact spec (which has commas) whole:
     a piece containing '=' continues the previous spec when that spec also has '='."""
+    from .policy import _split_top
+
     out: list[str] = []
-    for piece in [p.strip() for p in spec.split(",") if p.strip()]:
-        if out and "=" in piece and "=" in out[-1] and "<" not in piece:
+    for piece in _split_top(spec):  # commas inside <...> (fixed<16,14>-sr) do not split
+        if out and "=" in piece and "=" in out[-1]:
             out[-1] += "," + piece
         else:
             out.append(piece)
@@ -160,9 +184,11 @@ def atomic_save(obj, path: Path) -> None:
 def certificate_formats(policy) -> list[str]:
     """The formats a trained run is certified in: its compute format, or fp16 and bf16 for a
     32-bit run (the paper's question: may this fp32 model run in 16 bits?)."""
-    from .formats import FP32
+    from .formats import FP32, BinaryFormat, DynamicFixedFormat
 
-    if policy.compute == FP32:
+    if isinstance(policy.compute, BinaryFormat):
+        return []  # a binarized network has no float twin to compare with
+    if policy.compute == FP32 or isinstance(policy.compute, DynamicFixedFormat):
         return ["fp16", "bf16"]
     return [str(policy.compute)]
 
@@ -378,7 +404,10 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                      "precision": prec.state_dict(), "epoch": epoch}, ckpt_path)
     if status == "finished":
-        analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
+        try:
+            analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
+        except Exception as err:  # the run itself finished: keep it, record why analysis did not
+            db.record_analysis(run_id, "analysis_error", {"error": repr(err)})
     db.finish_run(run_id, status, diverged_step=diverged_step)
     if ckpt_path.exists():
         ckpt_path.unlink()

@@ -46,7 +46,8 @@ def main(out_dir: str) -> None:
             prec.backward(loss)
             if step == INJECT and rank == 0:
                 with torch.no_grad():
-                    model[-1].weight.grad[0, 0] = float("inf")
+                    last = [p for p in model.parameters() if p.grad is not None][-1]
+                    last.grad.view(-1)[0] = float("inf")
             prec.step(opt)
         results[name] = {
             "params": [p.detach().float().clone() for p in model.parameters()],

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._util import fresh_grads
 from ..formats import FixedFormat, FloatFormat, Format, parse_format
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
@@ -76,12 +77,10 @@ class RangeProfile:
 
     def gradient_scale(self, headroom: float = 2.0**3, max_scale: float = 2.0**24) -> float:
         """The power-of-two loss scale this profile recommends (find_loss_scale's rule)."""
-        fmt = parse_format(self.format)
+        from ..loss_scale import power_of_two_scale
+
         gmax = max((r.max_abs for r in self.stats if r.role.endswith("grads") and r.n), default=0)
-        if not gmax:
-            return 1.0
-        k = math.floor(math.log2(fmt.max / (headroom * gmax)))
-        return float(min(max(2.0**k, 2.0**-24), max_scale))
+        return power_of_two_scale(gmax, parse_format(self.format), headroom, max_scale)
 
 
 def _stats(layer: str, role: str, t: torch.Tensor, fmt: Format) -> RoleStats:
@@ -113,35 +112,31 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
                         out.register_hook(lambda g, name=name: agrads.setdefault(
                             name, []).append(g.detach()))
             handles.append(m.register_forward_hook(hook))
-    saved = {p: p.grad for p in model.parameters()}
     try:
-        for p in model.parameters():
-            p.grad = None
-        loss = loss_fn(model(inputs), targets)
-        (loss.float() * loss_scale).backward()
-        stats: list[RoleStats] = []
-        for name, m in model.named_modules():
-            own = [(n, p) for n, p in m.named_parameters(recurse=False)]
-            if own:
-                w = torch.cat([p.detach().flatten() for _, p in own])
-                stats.append(_stats(name, "weights", w, fmt))
-                gs = [p.grad.flatten() for _, p in own if p.grad is not None]
-                if gs:
-                    stats.append(_stats(name, "weight_grads", torch.cat(gs), fmt))
-                if optimizer is not None:
-                    st = [v.flatten() for _, p in own for v in optimizer.state.get(p, {}).values()
-                          if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
-                    if st:
-                        stats.append(_stats(name, "optimizer_state", torch.cat(st).float(), fmt))
-            if name in acts:
-                stats.append(_stats(name, "activations", torch.cat([a.flatten() for a in
-                                                                    acts[name]]), fmt))
-            if name in agrads:
-                stats.append(_stats(name, "activation_grads", torch.cat(
-                    [g.flatten() for g in agrads[name]]), fmt))
+        with fresh_grads(model):
+            loss = loss_fn(model(inputs), targets)
+            (loss.float() * loss_scale).backward()
+            stats: list[RoleStats] = []
+            for name, m in model.named_modules():
+                own = [(n, p) for n, p in m.named_parameters(recurse=False)]
+                if own:
+                    w = torch.cat([p.detach().flatten() for _, p in own])
+                    stats.append(_stats(name, "weights", w, fmt))
+                    gs = [p.grad.flatten() for _, p in own if p.grad is not None]
+                    if gs:
+                        stats.append(_stats(name, "weight_grads", torch.cat(gs), fmt))
+                    if optimizer is not None:
+                        st = [v.flatten() for _, p in own for v in optimizer.state.get(p, {}).values()
+                              if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
+                        if st:
+                            stats.append(_stats(name, "optimizer_state", torch.cat(st).float(), fmt))
+                if name in acts:
+                    stats.append(_stats(name, "activations", torch.cat([a.flatten() for a in
+                                                                        acts[name]]), fmt))
+                if name in agrads:
+                    stats.append(_stats(name, "activation_grads", torch.cat(
+                        [g.flatten() for g in agrads[name]]), fmt))
     finally:
         for h in handles:
             h.remove()
-        for p, g in saved.items():
-            p.grad = g
     return RangeProfile(str(fmt), stats)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._util import fresh_grads
 from ..formats import Format, parse_format
 from ..quantize import quantize
 
@@ -58,11 +59,8 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer={optimizer!r}; accepted: sgd, adam")
     inputs, targets = batch
-    saved = {p: p.grad for p in model.parameters()}
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
-    try:
-        for p in model.parameters():
-            p.grad = None
+    with fresh_grads(model):
         loss_fn(model(inputs), targets).float().backward()
         rows = []
         for name, m in model.named_modules():
@@ -74,7 +72,4 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
             dw = -lr * g if optimizer == "sgd" else -lr * g / (g.abs() + eps)
             f = lost_fractions(w, dw, fmt, gen)
             rows.append(LostUpdates(name, f["n"], f["nearest"], f["stochastic"], f["kahan"]))
-    finally:
-        for p, g in saved.items():
-            p.grad = g
     return rows

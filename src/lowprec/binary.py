@@ -1,0 +1,167 @@
+"""BinaryNet (Courbariaux, Hubara, Soudry, El-Yaniv, Bengio 2016): binary weights and activations.
+
+* ``BinaryLinear`` / ``BinaryConv2d`` keep real-valued *latent* weights, clipped to [-1, 1]
+  after every update, and compute with their binarization: deterministic sign (0 maps to +1),
+  or stochastic, +1 with probability p = clip((w + 1) / 2, 0, 1) (so E[w_b] = w).
+* ``BinaryActivation`` outputs sign(x); its straight-through gradient is cancelled where
+  |x| > 1 (the derivative of hard tanh), as in the paper's Algorithm 1.
+* ``binarize(model)`` replaces, in place, every linear and convolution layer by its binary
+  version (sharing the latent weights) followed by BatchNorm, and every activation by
+  ``BinaryActivation``; the first layer therefore sees the real inputs, the others binary ones,
+  and the output layer is real-valued. The ``binary`` policy applies it in ``Precision.setup``
+  and, with lowprec's optimizers, scales each layer's latent-weight learning rate by the inverse
+  of its Glorot coefficient, as the paper does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["BinaryLinear", "BinaryConv2d", "BinaryActivation", "binarize", "binarize_weights",
+           "sign_ste", "clip_latent_weights", "binary_layers", "glorot_lr_scales",
+           "apply_lr_scales"]
+
+
+class _SignSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, stochastic, generator):
+        ctx.save_for_backward(x)
+        if stochastic:
+            p = ((x + 1) / 2).clamp(0, 1)
+            u = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device) \
+                if generator is None or generator.device == x.device else torch.rand(
+                    x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            return torch.where(u < p, 1.0, -1.0).to(x.dtype)
+        return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)  # sign, 0 -> +1
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        # hard-tanh straight-through estimator: pass where |x| <= 1, cancel elsewhere
+        return grad * (x.abs() <= 1).to(grad.dtype), None, None
+
+
+def sign_ste(x: torch.Tensor, stochastic: bool = False,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    return _SignSTE.apply(x, stochastic, generator)
+
+
+def binarize_weights(w: torch.Tensor, stochastic: bool = False,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    return sign_ste(w, stochastic, generator)
+
+
+class BinaryActivation(nn.Module):
+    def forward(self, x):
+        return sign_ste(x)
+
+
+class _BinaryMixin:
+    stochastic: bool = False
+    generator: torch.Generator | None = None
+
+    def binary_weight(self) -> torch.Tensor:
+        # the forward pass uses stochastic binarization only while training
+        return binarize_weights(self.weight, self.stochastic and self.training, self.generator)
+
+
+class BinaryLinear(_BinaryMixin, nn.Linear):
+    def forward(self, x):
+        return nn.functional.linear(x, self.binary_weight(), self.bias)
+
+
+class BinaryConv2d(_BinaryMixin, nn.Conv2d):
+    def forward(self, x):
+        return self._conv_forward(x, self.binary_weight(), self.bias)
+
+
+_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.LeakyReLU, nn.GELU, nn.SiLU,
+                nn.Sigmoid, nn.ELU)
+
+
+def _binary_copy(m: nn.Module, stochastic: bool, generator) -> nn.Module:
+    if isinstance(m, nn.Linear):
+        b = BinaryLinear.__new__(BinaryLinear)
+    else:
+        b = BinaryConv2d.__new__(BinaryConv2d)
+    b.__dict__ = m.__dict__  # the same parameters (the optimizer keeps pointing at them)
+    b.stochastic, b.generator = stochastic, generator
+    return b
+
+
+def binarize(model: nn.Module, *, stochastic: bool = False,
+             generator: torch.Generator | None = None, batchnorm: bool = True
+             ) -> list[nn.Parameter]:
+    """Transform ``model`` in place (see the module docstring); returns the parameters it
+    added (BatchNorm scales and shifts), for the optimizer."""
+    added: list[nn.Parameter] = []
+
+    def visit(parent: nn.Module) -> None:
+        names = list(parent._modules)
+        for i, name in enumerate(names):
+            child = parent._modules[name]
+            if child is None:
+                continue
+            if type(child) in (nn.Linear, nn.Conv2d):
+                b = _binary_copy(child, stochastic, generator)
+                nxt = parent._modules.get(names[i + 1]) if i + 1 < len(names) else None
+                if batchnorm and not isinstance(nxt, (nn.BatchNorm1d, nn.BatchNorm2d)):
+                    bn = (nn.BatchNorm1d if isinstance(child, nn.Linear) else nn.BatchNorm2d)(
+                        child.out_features if isinstance(child, nn.Linear) else
+                        child.out_channels).to(child.weight.device)
+                    added.extend(bn.parameters())
+                    parent._modules[name] = nn.Sequential(b, bn)
+                else:
+                    parent._modules[name] = b
+            elif isinstance(child, _ACTIVATIONS):
+                parent._modules[name] = BinaryActivation()
+            elif isinstance(child, (BinaryLinear, BinaryConv2d, BinaryActivation)):
+                continue
+            else:
+                visit(child)
+
+    visit(model)
+    clip_latent_weights(model)
+    return added
+
+
+def binary_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (BinaryLinear, BinaryConv2d))]
+
+
+def glorot_lr_scales(model: nn.Module) -> dict[int, float]:
+    """BinaryNet's learning-rate scale of each binary layer's latent weights: the inverse of
+    Glorot's initialization coefficient, sqrt((fan_in + fan_out) / 1.5) (Courbariaux et al.
+    2016, following their BinaryConnect code), keyed by id(weight)."""
+    scales = {}
+    for m in binary_layers(model):
+        w = m.weight
+        receptive = w[0][0].numel() if w.dim() > 2 else 1
+        fan_in, fan_out = w.shape[1] * receptive, w.shape[0] * receptive
+        scales[id(w)] = ((fan_in + fan_out) / 1.5) ** 0.5
+    return scales
+
+
+def apply_lr_scales(optimizer, scales: dict[int, float]) -> None:
+    """Move the scaled parameters into groups of their own carrying ``lr_scale`` (honoured by
+    lowprec's optimizers); call before the first step."""
+    new_groups = []
+    for group in optimizer.param_groups:
+        keep = [p for p in group["params"] if id(p) not in scales]
+        moved = [p for p in group["params"] if id(p) in scales]
+        group["params"] = keep
+        for p in moved:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = [p]
+            g["lr_scale"] = scales[id(p)]
+            new_groups.append(g)
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+    optimizer.param_groups.extend(new_groups)
+
+
+@torch.no_grad()
+def clip_latent_weights(model: nn.Module) -> None:
+    """Keep the latent weights in [-1, 1] (BinaryNet clips them after every update)."""
+    for m in binary_layers(model):
+        m.weight.clamp_(-1.0, 1.0)
