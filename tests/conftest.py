@@ -39,3 +39,16 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor, context=""):
         i = torch.nonzero(ia != ib)[:8].flatten()
         raise AssertionError(f"{context}: bits differ at {i.tolist()}: {a.flatten()[i]} vs "
                              f"{b.flatten()[i]}")
+
+
+def train_steps(prec, model, opt, x, y, steps: int) -> list[float]:
+    """The training loop every policy shares; returns the losses."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with prec.autocast():
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        prec.backward(loss)
+        prec.step(opt)
+        losses.append(loss.item())
+    return losses

@@ -165,6 +165,7 @@ def test_validation_names_the_field():
 
 def test_formats_are_frozen_and_hashable():
     f = parse_format("fp16")
-    with pytest.raises(Exception):
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
         f.exp_bits = 4
     assert len({parse_format(s) for s in ["fp16", "half", "e5m10", "float16"]}) == 1

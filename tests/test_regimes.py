@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import train_steps
 from torch import nn
 
 from lowprec import Precision, parse_format, parse_policy, quantize
@@ -35,14 +36,7 @@ def test_every_regime_trains_a_few_steps(name):
     model, opt = prec.setup(model, opt)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
-    losses = []
-    for _ in range(5):
-        opt.zero_grad()
-        with prec.autocast():
-            loss = nn.functional.cross_entropy(model(x).float(), y)
-        prec.backward(loss)
-        prec.step(opt)
-        losses.append(loss.item())
+    losses = train_steps(prec, model, opt, x, y, 5)
     assert all(math.isfinite(v) for v in losses), losses
     assert all(torch.isfinite(p).all() for p in model.parameters())
     st = prec.state_dict()
@@ -100,7 +94,7 @@ def test_dynamic_range_update_follows_the_rule(rate_r, rate_r1, change):
     fmt = DynamicFixedFormat(10, max_overflow=0.01, interval=3)
     ctrl = Controller()
     ctrl.start("g", fmt, range_=2)
-    for i in range(3):
+    for _ in range(3):
         assert ctrl.range_of("g") == 2  # unchanged inside an interval
         _feed(ctrl, "g", fmt, rate_r, rate_r1)
     assert ctrl.range_of("g") == 2 + change

@@ -5,12 +5,13 @@ import math
 
 import pytest
 import torch
+from conftest import train_steps
 from torch import nn
 
 import lowprec
 from lowprec import (POLICIES, DynamicLossScale, Precision, StaticLossScale, find_loss_scale,
                      parse_policy, quantize)
-from lowprec.formats import BF16, FP16, FP32
+from lowprec.formats import FP16, FP32
 from lowprec.optim import SGD, Adam, AdamW, FormatOptimizer
 
 
@@ -348,14 +349,7 @@ def test_policy_contract(name, opt_kind):
     prec = Precision(name, seed=0)
     model, opt = prec.setup(model, opt)
     x, y = cnn_batch()
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        with prec.autocast():
-            loss = nn.functional.cross_entropy(model(x).float(), y)
-        prec.backward(loss)
-        prec.step(opt)
-        losses.append(loss.item())
+    losses = train_steps(prec, model, opt, x, y, 4)
     assert all(math.isfinite(v) for v in losses)
     pol = prec.policy
     expected_dtype = DTYPES.get(name)

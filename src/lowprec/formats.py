@@ -24,7 +24,6 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from functools import cached_property
 from typing import Union
 
 import numpy as np

@@ -525,7 +525,7 @@ class FormatOptimizer:
     def state_bytes(self) -> tuple[int, int]:
         state = 0
         for p, s in self.optimizer.state.items():
-            for key, val in s.items():
+            for val in s.values():
                 if torch.is_tensor(val):
                     if val.is_floating_point() and val.dim() > 0:
                         state += format_bytes(self.storage.sformat(p), val.numel())

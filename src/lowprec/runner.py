@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -93,7 +93,6 @@ class CompareConfig:
     quiet: bool = False
     train_subset: int | None = None
     schedule: str = "cosine"
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if isinstance(self.policies, str):

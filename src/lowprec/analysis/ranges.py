@@ -11,7 +11,6 @@ keeps the largest gradient below max is :func:`lowprec.find_loss_scale`'s choice
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np

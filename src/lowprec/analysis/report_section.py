@@ -71,7 +71,7 @@ def sections(db: ResultsDB):
     lu_cols = ["policy", "parameter format", "lr", "worst layer", "lost: nearest %",
                "stochastic %", "kahan %"]
     lu = []
-    for (policy, fmt), items in lost.items():
+    for (policy, _fmt), items in lost.items():
         it = items[0]
         worst = max(it["layers"], key=lambda r: r["nearest"], default=None)
         if worst:
