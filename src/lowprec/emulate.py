@@ -33,7 +33,7 @@ from torch import nn
 
 from .autograd import quantize_ste
 from .dynamic_fixed import Controller, resolve
-from .formats import BlockFormat
+from .formats import BlockFormat, DynamicFixedFormat
 from .policy import Policy
 
 __all__ = ["Emulation", "GRID_PRESERVING", "MATMUL_LAYERS", "CONV_LAYERS"]
@@ -106,8 +106,6 @@ class Emulation:
         ctrl = self.controller
 
         def dyn(fmt, role):
-            from .formats import DynamicFixedFormat
-
             if isinstance(fmt, DynamicFixedFormat):
                 return lambda t: resolve(fmt, f"{role}:{key}", t, ctrl)
             return fmt
