@@ -102,6 +102,16 @@ def summary_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 # -- plots -----------------------------------------------------------------------------------
 
+def png_bytes(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (the figure is closed)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def _figures(db: ResultsDB, rows: list[dict]) -> dict[str, bytes]:
     import matplotlib
 
@@ -111,12 +121,6 @@ def _figures(db: ResultsDB, rows: list[dict]) -> dict[str, bytes]:
     figs: dict[str, bytes] = {}
     policies = [r["policy"] for r in rows]
     runs = db.runs()
-
-    def png(fig) -> bytes:
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        return buf.getvalue()
 
     # test accuracy per epoch: mean over seeds, band from min to max
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -144,7 +148,7 @@ def _figures(db: ResultsDB, rows: list[dict]) -> dict[str, bytes]:
     ax.set_title("Test accuracy per epoch (mean over seeds, band: min-max)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    figs["accuracy.png"] = png(fig)
+    figs["accuracy.png"] = png_bytes(fig)
 
     # loss-scale trace of the first seed of each policy that scales the loss
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -172,7 +176,7 @@ def _figures(db: ResultsDB, rows: list[dict]) -> dict[str, bytes]:
     else:
         ax.text(0.5, 0.5, "no policy in this comparison scales the loss", ha="center",
                 va="center", transform=ax.transAxes)
-    figs["loss_scale.png"] = png(fig)
+    figs["loss_scale.png"] = png_bytes(fig)
 
     # memory by role
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -186,7 +190,7 @@ def _figures(db: ResultsDB, rows: list[dict]) -> dict[str, bytes]:
     ax.set_title("Memory ledger by role")
     ax.legend(fontsize=8)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    figs["memory.png"] = png(fig)
+    figs["memory.png"] = png_bytes(fig)
     return figs
 
 

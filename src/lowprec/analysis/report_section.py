@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import html
-import io
 import json
 import math
 import statistics
 
+from ..report import _html_table, _md_table, png_bytes
 from ..results import ResultsDB
 
 __all__ = ["sections"]
@@ -52,8 +52,6 @@ def sections(db: ResultsDB):
     pc_cols = ["class", "inputs", "certified %", "same prediction %", "violations"]
     pc = [[str(r["class"]), str(r["n"]), f"{100 * r['certified']:.1f}",
            f"{100 * r['agreement']:.1f}", str(r["violations"])] for r in item["per_class"]]
-    from ..report import _html_table, _md_table
-
     title = f"{item['run_id']} in {key[1]}"
     caption = (f"Γ (gap of the two largest fp32 logits) against δ (largest logit change in "
                f"{key[1]}), {title}; above the line Γ = 2δ the prediction is certified.")
@@ -114,15 +112,6 @@ def sections(db: ResultsDB):
     return md, build, figs
 
 
-def _png(fig) -> bytes:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def _layer_plot(layers) -> bytes:
     import matplotlib
 
@@ -141,7 +130,7 @@ def _layer_plot(layers) -> bytes:
     ax.set_title("Error propagation through the layers")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def _range_plot(item: dict, key) -> bytes:
@@ -177,7 +166,7 @@ def _range_plot(item: dict, key) -> bytes:
     ax.set_title(f"Gradient magnitudes: {key[0]} against {key[1]}")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def _scatter(item: dict, key) -> bytes:
@@ -208,7 +197,4 @@ def _scatter(item: dict, key) -> bytes:
     ax.set_title(f"Certificate: {key[0]} in {key[1]}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
