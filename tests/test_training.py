@@ -195,8 +195,9 @@ def test_torch_adam_fails_in_pure_fp16_and_lowprec_adam_does_not():
     assert ok and losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("opt_cls", [SGD, torch.optim.SGD], ids=["lowprec", "torch"])
 @pytest.mark.parametrize("backend", ["native", "emulated"])
-def test_bf16_small_lr_nearest_loses_every_update(backend):
+def test_bf16_small_lr_nearest_loses_every_update(backend, opt_cls):
     """At a learning rate where |lr * g| < ulp(w) / 2 everywhere, nearest rounding changes
     nothing; stochastic and Kahan write-back still lower the loss."""
     torch.manual_seed(0)
@@ -209,7 +210,7 @@ def test_bf16_small_lr_nearest_loses_every_update(backend):
     for update in ["nearest", "stochastic", "kahan"]:
         model = copy.deepcopy(base)
         prec = Precision(f"p=bf16:{update},b={backend}", seed=0)
-        model, opt = prec.setup(model, SGD(model.parameters(), lr=1e-4))
+        model, opt = prec.setup(model, opt_cls(model.parameters(), lr=1e-4))
         start = [p.detach().clone() for p in model.parameters()]
         for _ in range(200):
             opt.zero_grad()

@@ -70,6 +70,20 @@ def _round(x32: torch.Tensor, fmt: Format, mode: str, generator) -> torch.Tensor
                     generator=generator)
 
 
+def _kahan_write(st: "_Storage", p: torch.Tensor, w32: torch.Tensor, w_new: torch.Tensor,
+                 comp: torch.Tensor) -> None:
+    """Kahan-compensated write-back (Zamirai et al. 2020): add the update less the previous
+    rounding error, round onto the parameter format, keep the new error in ``comp`` (stored in
+    the parameter format too)."""
+    pf = st.pformat(p)
+    y = (w_new - w32) - comp.float()
+    target = w32 + y
+    t = _round(target, st.now(pf, p, "param", target), "nearest", None)
+    err = (t - w32) - y
+    _write(comp, err, st.now(pf, p, "compensation", err), "nearest", None)
+    p.copy_(t)
+
+
 def _write(dst: torch.Tensor, x32: torch.Tensor, fmt: Format, mode: str, generator) -> None:
     """dst <- x32 rounded to fmt. When dst's own dtype is fmt, torch's cast in copy_ already
     rounds to nearest even, exactly as quantize would: one pass instead of two."""
@@ -190,8 +204,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                         state += nbytes
         return state, master
 
-    def grads_for_check(self) -> list[torch.Tensor]:
-        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def params_for_check(self) -> list[torch.Tensor]:
+        """The parameters whose gradients Precision checks and rounds."""
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | torch.Tensor | None = None):
@@ -223,11 +238,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     m32 = state["master"].float()
                     _write(p, m32, st.now(pf, p, "param", m32), st.update, st.generator)
                 elif st.update == "kahan":
-                    c32 = state["compensation"].float()
-                    y = (w_new - w32) - c32
-                    t = _round(w32 + y, st.now(pf, p, "param", w32 + y), "nearest", None)
-                    self._save(state["compensation"], (t - w32) - y, pf, p, "compensation")
-                    p.copy_(t)
+                    _kahan_write(st, p, w32, w_new, state["compensation"])
                 else:
                     _write(p, w_new, st.now(pf, p, "param", w_new), st.update, st.generator)
         return loss
@@ -432,6 +443,10 @@ class FormatOptimizer:
     and the parameters receive the rounded result. Without, it steps the parameters themselves
     (fp32 carriers in emulation) and the result is rounded onto the parameter format with the
     write-back mode; its floating state is rounded onto the state format after each step.
+    Native 16-bit parameters with a stochastic or Kahan write-back get fp32 *shadows* instead:
+    copied from the parameters before each step (no precision is kept across steps, unlike
+    master weights), so the update is computed in fp32 and the write-back mode sees it whole;
+    a torch optimizer stepping bf16 tensors itself would have rounded it to nearest already.
     """
 
     accepts_grad_scale = True
@@ -440,8 +455,10 @@ class FormatOptimizer:
                  master_format=None, update="nearest", generator=None) -> None:
         self.storage = _Storage(param_format, state_format, master_format, update, generator)
         self.model_params = [p for g in optimizer.param_groups for p in g["params"]]
-        if master_format is not None:
-            mdt = storage_dtype(self.storage.master_format)
+        self.shadow = master_format is None and self.storage.update != "nearest" and any(
+            p.dtype != torch.float32 for p in self.model_params)
+        if master_format is not None or self.shadow:
+            mdt = torch.float32 if self.shadow else storage_dtype(self.storage.master_format)
             self.masters = [p.detach().to(mdt).clone().requires_grad_(True)
                             for p in self.model_params]
             it = iter(self.masters)
@@ -464,8 +481,9 @@ class FormatOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def grads_for_check(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.model_params if p.grad is not None]
+    def params_for_check(self) -> list[torch.Tensor]:
+        """The model's parameters (not the masters) whose gradients Precision checks."""
+        return [p for p in self.model_params if p.grad is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params + (self.masters or []):
@@ -480,6 +498,8 @@ class FormatOptimizer:
         st = self.storage
         if self.masters is not None:
             for p, m in zip(self.model_params, self.masters):
+                if self.shadow:
+                    m.copy_(p)  # this step starts from the stored value
                 if p.grad is None:
                     m.grad = None
                     continue
@@ -488,8 +508,13 @@ class FormatOptimizer:
             loss = self.optimizer.step(closure)
             for p, m in zip(self.model_params, self.masters):
                 m32 = m.float()
-                p.copy_(_round(m32, st.now(st.pformat(p), p, "param", m32), st.update,
-                               st.generator))
+                if self.shadow and st.update == "kahan":
+                    c = self.compensation.setdefault(
+                        id(p), torch.zeros_like(p, dtype=storage_dtype(st.pformat(p))))
+                    _kahan_write(st, p, p.float(), m32, c)
+                else:
+                    p.copy_(_round(m32, st.now(st.pformat(p), p, "param", m32), st.update,
+                                   st.generator))
             return loss
         old = {}
         for p in self.model_params:
@@ -503,13 +528,9 @@ class FormatOptimizer:
                 continue
             pf = st.pformat(p)
             if st.update == "kahan":
-                w32 = old[p]
                 c = self.compensation.setdefault(
                     id(p), torch.zeros_like(p, dtype=storage_dtype(pf)))
-                y = (p.float() - w32) - c.float()
-                t = _round(w32 + y, pf, "nearest", None)
-                c.copy_(_round((t - w32) - y, pf, "nearest", None))
-                p.copy_(t)
+                _kahan_write(st, p, old[p], p.float(), c)
             else:
                 w32 = p.float()
                 p.copy_(_round(w32, st.now(pf, p, "param", w32), st.update, st.generator))
@@ -531,9 +552,12 @@ class FormatOptimizer:
                         state += format_bytes(self.storage.sformat(p), val.numel())
                     else:
                         state += val.numel() * val.element_size()
-        if self.storage.update == "kahan" and self.masters is None:
+        if self.storage.update == "kahan" and (self.masters is None or self.shadow):
             state += sum(format_bytes(self.storage.pformat(p), p.numel())
                          for p in self.model_params)
+        if self.shadow:  # fp32 copies that live between steps, though they carry nothing over
+            state += sum(4 * m.numel() for m in self.masters)
+            return state, 0
         master = 0 if self.masters is None else sum(
             format_bytes(self.storage.master_format, m.numel()) for m in self.masters)
         return state, master

@@ -155,7 +155,9 @@ class Precision:
             optimizer.storage.configure(**kwargs)
             return optimizer
         lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
-        needs_wrap = pol.master is not None or pol.update == "kahan" or (emulated and lowp_storage)
+        # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
+        # stepping 16-bit tensors itself would already have rounded to nearest
+        needs_wrap = pol.master is not None or pol.update != "nearest" or (emulated and lowp_storage)
         if needs_wrap:
             wrapped = FormatOptimizer(optimizer, **{k: v for k, v in kwargs.items()
                                                     if k not in ("controller", "names")})
@@ -200,10 +202,11 @@ class Precision:
         else:
             (loss.float() * self.loss_scale.scale).backward(**kwargs)
 
-    def _grads(self, optimizer) -> list[torch.Tensor]:
-        if hasattr(optimizer, "grads_for_check"):
-            return optimizer.grads_for_check()
-        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    @staticmethod
+    def _params_with_grads(optimizer) -> list[torch.Tensor]:
+        if hasattr(optimizer, "params_for_check"):
+            return optimizer.params_for_check()
+        return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     @staticmethod
     def _check(grads, found: torch.Tensor, inv_scale: float) -> None:
@@ -225,7 +228,8 @@ class Precision:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None:
             raise ValueError("step() needs an optimizer (pass it, or give one to setup())")
-        grads = self._grads(optimizer)
+        params = self._params_with_grads(optimizer)
+        grads = [p.grad for p in params]
         scale = self.loss_scale.scale
         takes_scale = getattr(optimizer, "accepts_grad_scale", False)
         device = grads[0].device if grads else torch.device("cpu")
@@ -236,16 +240,9 @@ class Precision:
             self._check(grads, found, 1.0)
         if rounds:
             # the gradients as parameter-format storage would hold them
-            named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None] \
-                if self.model is not None else []
-            if len(named) == len(grads):
-                for n, p in named:
-                    quantize_(p.grad, resolve(self.policy.params, f"pgrad:{n}", p.grad,
-                                              self.controller))
-            else:
-                for g in grads:
-                    quantize_(g, resolve(self.policy.params, f"pgrad:{id(g)}", g,
-                                         self.controller))
+            for p in params:
+                key = f"pgrad:{self._names.get(id(p), id(p))}"
+                quantize_(p.grad, resolve(self.policy.params, key, p.grad, self.controller))
         self._check(grads, found, 1.0 if takes_scale else 1.0 / scale)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
