@@ -245,3 +245,21 @@ def test_report_displays_in_a_real_headless_chromium(tmp_path):
     hist = shot.histogram()
     assert sum(1 for h in hist if h > 0) > 20  # not a blank page
     assert hist[255] < 0.98 * sum(hist)
+
+
+def test_resume_before_the_first_checkpoint_redoes_the_run_in_place(tmp_path):
+    """Killed after epoch 0's row was written but before its checkpoint: resume keeps the run
+    (same start time) and recomputes the same numbers."""
+    cfg = small(tmp_path / "r", policies=("32-true",), epochs=2)
+    out = run_compare(cfg)
+    rows, started = _final(out / "results.db")
+    c = sqlite3.connect(out / "results.db")
+    c.execute("UPDATE runs SET status = 'running', finished = NULL")
+    c.execute("DELETE FROM epochs WHERE epoch > 0")
+    c.commit()
+    c.close()
+    assert not list((out / "checkpoints").iterdir())
+    cfg.resume = True
+    run_compare(cfg)
+    rows_after, started_after = _final(out / "results.db")
+    assert rows_after == rows and started_after == started

@@ -349,6 +349,10 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         prec.load_state_dict(ckpt["precision"])
         start_epoch = ckpt["epoch"] + 1
         db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
+    elif existing and existing["status"] == "running" and db.memory(run_id) is not None:
+        # interrupted before its first checkpoint: the same run, redone from its first epoch
+        # (its row, start time and ledger are kept; what it recorded after them is dropped)
+        db.truncate(run_id, last_epoch=-1, last_step=-1)
     else:
         db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
                      config=cfg.to_json(), versions=env["versions"], git=env["git"],
