@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # headless browser) and the Fashion-MNIST files. Installed once when apt-get can run.
 SYSTEM_STAMP := $(VENV)/.system-deps
 
-$(STAMP): pyproject.toml setup.py src/lowprec/_qkernel.c
+$(STAMP): pyproject.toml setup.py src/lowprec/numerics/_qkernel.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
 	$(PIP) install -q "$(TORCH)"
@@ -47,4 +47,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/lowprec/*.so
+	rm -rf $(VENV) build src/*.egg-info src/lowprec/*.so src/lowprec/numerics/*.so

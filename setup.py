@@ -27,8 +27,8 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "lowprec._qkernel",
-            sources=["src/lowprec/_qkernel.c"],
+            "lowprec.numerics._qkernel",
+            sources=["src/lowprec/numerics/_qkernel.c"],
             # No -ffast-math: the kernel relies on exact IEEE multiplication and subnormals.
             extra_compile_args=["-O3", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-ffp-contract=off",
                                 "-fno-math-errno"],

@@ -17,7 +17,7 @@ import time
 import torch
 
 import lowprec
-from lowprec import _kernel, quantize
+from lowprec.numerics import kernel as _kernel, quantize
 
 
 def best_rate(fn, n: int, repeat: int) -> float:

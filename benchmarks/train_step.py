@@ -19,7 +19,7 @@ from torch import nn
 
 import lowprec
 from lowprec import POLICIES, Precision
-from lowprec.optim import SGD
+from lowprec.training.optim import SGD
 
 
 def lenet():
@@ -72,9 +72,11 @@ def main() -> None:
                     help="comma-separated policies (default: every named policy)")
     ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp or both")
     args = ap.parse_args()
-    from lowprec.runner import _split_policies
+    from lowprec.experiments.config import split_policies
+    from lowprec.experiments.system import tune_cpu_allocator
 
-    names = _split_policies(args.policies) if args.policies else list(POLICIES)
+    tune_cpu_allocator()  # as the lowprec command does; the same for every policy measured
+    names = split_policies(args.policies) if args.policies else list(POLICIES)
     if "32-true" not in names:
         names.insert(0, "32-true")
     models = [m for m in [("LeNet-5 CNN", lenet, "cnn"), ("MLP 784-512-512-10", mlp, "mlp")]

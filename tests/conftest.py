@@ -1,54 +1,14 @@
-import numpy as np
 import pytest
-import torch
 from hypothesis import settings
 
 # fixed seeds: hypothesis draws the same examples on every run (no flaky CI)
 settings.register_profile("lowprec", derandomize=True, deadline=None, database=None)
 settings.load_profile("lowprec")
 
-from lowprec import _kernel
-
-IMPLS = ["kernel", "torch"] if _kernel.available() else ["torch"]
+from helpers import IMPLS
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request):
     """Both quantization paths: the compiled kernel (when built) and the plain-torch one."""
     return request.param
-
-
-def assert_same_values(got, expected, context=""):
-    """Equal values, equal signs of zero, NaN where NaN; reports the first mismatches."""
-    got = np.asarray(got.double().cpu() if torch.is_tensor(got) else got, dtype=np.float64).ravel()
-    expected = np.asarray(expected.double().cpu() if torch.is_tensor(expected) else expected,
-                          dtype=np.float64).ravel()
-    both_nan = np.isnan(got) & np.isnan(expected)
-    ok = both_nan | ((got == expected) & (np.signbit(got) == np.signbit(expected)))
-    if not ok.all():
-        i = np.nonzero(~ok)[0][:8]
-        raise AssertionError(
-            f"{context}: {(~ok).sum()} of {ok.size} differ; got {got[i]} expected {expected[i]}")
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, context=""):
-    """Identical float32 bit patterns (NaN payloads included)."""
-    ia = a.float().contiguous().view(torch.int32)
-    ib = b.float().contiguous().view(torch.int32)
-    if not torch.equal(ia, ib):
-        i = torch.nonzero(ia != ib)[:8].flatten()
-        raise AssertionError(f"{context}: bits differ at {i.tolist()}: {a.flatten()[i]} vs "
-                             f"{b.flatten()[i]}")
-
-
-def train_steps(prec, model, opt, x, y, steps: int) -> list[float]:
-    """The training loop every policy shares; returns the losses."""
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        with prec.autocast():
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-        prec.backward(loss)
-        prec.step(opt)
-        losses.append(loss.item())
-    return losses

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lowprec.formats import FixedFormat, FloatFormat, Overflow
+from lowprec.numerics.formats import FixedFormat, FloatFormat, Overflow
 
 
 def _tables(fmt):

@@ -1,11 +1,15 @@
 """lowprec: reduced-precision neural-network training on PyTorch.
 
-Number formats (:mod:`lowprec.formats`), rounding modes (:class:`Rounding`), one exact quantization
-function (:func:`quantize`) and its autograd wrappers (:class:`Quantizer`, :func:`quantize_ste`).
+Four layers, data flowing one way: :mod:`lowprec.numerics` (formats, rounding, quantize) ->
+:mod:`lowprec.training` (policies, Precision, emulation, optimizers, loss scaling) ->
+:mod:`lowprec.analysis` (certificate, ranges, lost updates...) -> :mod:`lowprec.experiments`
+(data, models, runner, report) -> :mod:`lowprec.cli`. This module re-exports the public API.
 """
 
-from .autograd import Quantizer, quantize_ste
-from .formats import (
+__version__ = "0.1.0"  # first: lowprec.experiments records it with every run
+
+from .numerics.autograd import Quantizer, quantize_ste
+from .numerics.formats import (
     BinaryFormat,
     BlockFormat,
     FixedFormat,
@@ -14,21 +18,16 @@ from .formats import (
     Style,
     parse_format,
 )
-from .loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoLossScale,
-    StaticLossScale,
-    find_loss_scale,
-)
-from .memory import MemoryLedger
-from .policy import POLICIES, Policy, parse_policy, register_policy
-from .precision import Precision
-from .quantize import quantize, quantize_
-from .rounding import Rounding, parse_rounding
-from . import optim
-
-__version__ = "0.1.0"
+from .training.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from .training.memory import MemoryLedger
+from .training.policy import POLICIES, Policy, parse_policy, register_policy
+from .training.precision import Precision
+from .numerics.quantize import quantize, quantize_
+from .numerics.rounding import Rounding, parse_rounding
+from .training import optim
+from .training.regimes import binary, dynamic_fixed
+from . import analysis
+from .analysis.scaling import find_loss_scale
 
 __all__ = [
     "DynamicLossScale",
@@ -41,6 +40,9 @@ __all__ = [
     "StaticLossScale",
     "find_loss_scale",
     "optim",
+    "analysis",
+    "binary",
+    "dynamic_fixed",
     "parse_policy",
     "register_policy",
     "BinaryFormat",

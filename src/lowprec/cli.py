@@ -32,7 +32,7 @@ def _fmt_num(v: float) -> str:
 
 
 def cmd_formats(args, console: Console) -> int:
-    from .formats import NAMED_FORMATS, describe, parse_format
+    from .numerics.formats import NAMED_FORMATS, describe, parse_format
 
     fmts = ([_user(parse_format, s) for s in args.formats] if args.formats
             else list(NAMED_FORMATS.values()))
@@ -51,9 +51,9 @@ def cmd_formats(args, console: Console) -> int:
 def cmd_quantize(args, console: Console) -> int:
     import torch
 
-    from .formats import parse_format
-    from .quantize import quantize
-    from .rounding import parse_rounding
+    from .numerics.formats import parse_format
+    from .numerics.quantize import quantize
+    from .numerics.rounding import parse_rounding
 
     fmts = [_user(parse_format, s) for s in args.format]
     mode, _ = _user(parse_rounding, args.rounding)
@@ -75,8 +75,8 @@ def cmd_quantize(args, console: Console) -> int:
 
 
 def _print_summary(run_dir, console: Console) -> None:
-    from .report import summarize, summary_rows
-    from .results import ResultsDB
+    from .experiments.report import summarize, summary_rows
+    from .experiments.results import ResultsDB
 
     db = ResultsDB(run_dir / "results.db", create=False)
     try:
@@ -94,7 +94,7 @@ def _print_summary(run_dir, console: Console) -> None:
 
 def _config_from(args, **overrides):
     """CompareConfig from the flags: the preset's settings, then every flag given explicitly."""
-    from .runner import PRESETS, CompareConfig, _split_policies
+    from .experiments.config import PRESETS, CompareConfig, split_policies
 
     preset = getattr(args, "preset", None) or "default"
     if preset not in PRESETS:
@@ -106,7 +106,7 @@ def _config_from(args, **overrides):
         if v is not None:
             values[key] = v
     if getattr(args, "policies", None) is not None:
-        values["policies"] = tuple(_split_policies(args.policies))
+        values["policies"] = tuple(split_policies(args.policies))
     if getattr(args, "seeds", None) is not None:
         values["seeds"] = tuple(range(args.seeds))
     values.update(overrides)
@@ -116,9 +116,10 @@ def _config_from(args, **overrides):
 def _run(cfg, console: Console, quiet: bool) -> int:
     from pathlib import Path
 
-    from .data import DatasetNotFound
-    from .results import CorruptDatabase
-    from .runner import RunError, run_compare
+    from .experiments.data import DatasetNotFound
+    from .experiments.results import CorruptDatabase
+    from .experiments.config import RunError
+    from .experiments.runner import run_compare
 
     try:
         out = run_compare(cfg)
@@ -148,8 +149,8 @@ def cmd_train(args, console: Console) -> int:
 def cmd_report(args, console: Console) -> int:
     from pathlib import Path
 
-    from .report import write_report
-    from .results import CorruptDatabase
+    from .experiments.report import write_report
+    from .experiments.results import CorruptDatabase
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "results.db").exists():
@@ -167,8 +168,8 @@ def _trained_model(args, console: Console):
     import torch
     from torch import nn
 
-    from .data import DatasetNotFound, load_dataset
-    from .models import build_model
+    from .experiments.data import DatasetNotFound, load_dataset
+    from .experiments.models import build_model
 
     try:
         data = load_dataset(args.data)
@@ -227,7 +228,7 @@ def cmd_advise(args, console: Console) -> int:
 
 
 def parse_format_checked(spec: str):
-    from .formats import parse_format
+    from .numerics.formats import parse_format
 
     return parse_format(spec)
 
@@ -245,14 +246,14 @@ def _add_analysis_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
-    from .runner import DEFAULT_POLICIES
+    from .experiments.config import DEFAULT_POLICIES
 
     p.add_argument("--data", default=None, help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
                    "idx:DIR, cifar10:DIR, module:function (default: mnist, 5,000 real digits)")
     p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, cnn1d, "
                    "transformer, module:function (default: lenet5)")
     if compare:
-        from .runner import PRESETS
+        from .experiments.config import PRESETS
 
         p.add_argument("--policies", default=None,
                        help="comma-separated names or specs (default: "
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # a pipe or a log file gets wide tables rather than rich's 80-column default
     console = Console() if sys.stdout.isatty() else Console(width=160)
+    from .experiments.system import tune_cpu_allocator
+
+    tune_cpu_allocator()  # the application's choice, not the library's (see experiments/system.py)
     try:
         return int(args.func(args, console) or 0)
     except UserError as err:

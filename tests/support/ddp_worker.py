@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lowprec import POLICIES, Precision
-from lowprec.optim import SGD
+from lowprec.training.optim import SGD
 
 INJECT = 3
 STEPS = 6

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..formats import Format, parse_format
-from ..loss_scale import find_loss_scale
+from ..numerics.formats import Format, parse_format
+from .scaling import find_loss_scale
 from .certify import Certificate, certify
 from .layers import LayerError, layer_errors
 from .nonfinite import NonFiniteReport, first_nonfinite
@@ -57,7 +57,7 @@ class Advice:
 def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
            batches: int = 4, batch_size: int = 64, lr: float = 0.01,
            optimizer: str = "sgd") -> Advice:
-    """``data``: a :class:`lowprec.data.Dataset`. The model is analysed as given (train it first,
+    """``data``: a :class:`lowprec.experiments.data.Dataset`. The model is analysed as given (train it first,
     or let ``lowprec advise --epochs N`` do it)."""
     fmt = parse_format(fmt)
     loss_fn = loss_fn or nn.functional.cross_entropy

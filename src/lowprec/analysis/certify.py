@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..formats import Format, parse_format
-from ..quantize import quantize
-from ._common import as_batches, fp32_twin, low_precision_copy
+from ..numerics.formats import Format, parse_format
+from ..numerics.quantize import quantize
+from .common import as_batches, fp32_twin, low_precision_copy
 
 __all__ = ["certify", "Certificate", "certificate_from_outputs"]
 
@@ -114,7 +114,7 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
             batch_size: int = 1000) -> Certificate:
     """Run the same weights in float32 and in ``fmt`` on every input of ``data`` and certify.
 
-    ``data``: a :class:`lowprec.data.Dataset` (its test split), an (x, y) pair, a tensor of
+    ``data``: a :class:`lowprec.experiments.data.Dataset` (its test split), an (x, y) pair, a tensor of
     inputs, or an iterable of (x, y). ``outputs``: ``"logits"`` or ``"probs"`` (softmax, taken
     in each model's own precision). ``backend``: how the 16-bit twin runs (see Precision).
     """

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import Format, parse_format
-from ._common import fp32_twin, low_precision_copy
+from ..numerics.formats import Format, parse_format
+from .common import fp32_twin, low_precision_copy
 
 __all__ = ["layer_errors", "LayerError"]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import FP32
-from ..precision import Precision
-from ..quantize import quantize
-from ._common import tensor_range
+from ..numerics.formats import FP32
+from ..training.precision import Precision
+from ..numerics.quantize import quantize
+from .common import tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
 

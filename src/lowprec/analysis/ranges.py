@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._util import fresh_grads
-from ..formats import FixedFormat, FloatFormat, Format, parse_format
+from .common import fresh_grads
+from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
 
@@ -76,7 +76,7 @@ class RangeProfile:
 
     def gradient_scale(self, headroom: float = 2.0**3, max_scale: float = 2.0**24) -> float:
         """The power-of-two loss scale this profile recommends (find_loss_scale's rule)."""
-        from ..loss_scale import power_of_two_scale
+        from .scaling import power_of_two_scale
 
         gmax = max((r.max_abs for r in self.stats if r.role.endswith("grads") and r.n), default=0)
         return power_of_two_scale(gmax, parse_format(self.format), headroom, max_scale)

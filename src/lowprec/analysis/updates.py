@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._util import fresh_grads
-from ..formats import Format, parse_format
-from ..quantize import quantize
+from .common import fresh_grads
+from ..numerics.formats import Format, parse_format
+from ..numerics.quantize import quantize
 
 __all__ = ["lost_updates", "lost_fractions", "LostUpdates"]
 

@@ -1,0 +1,91 @@
+"""Helpers shared by the analyses: clean fp32 twins of a model and low-precision copies."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+from ..numerics.formats import Format, parse_format
+from ..training.precision import Precision
+
+__all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range"]
+
+
+def _strip_hooks(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                     "_backward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+            d = getattr(m, name, None)
+            if d is not None:
+                d.clear()
+        m.__dict__.pop("_lowprec_saved", None)
+    return model
+
+
+def fp32_twin(model: nn.Module) -> nn.Module:
+    """A float32 copy of ``model`` without hooks (a model set up under a 16-bit policy carries
+    lowprec's rounding hooks; its twin must not)."""
+    return _strip_hooks(copy.deepcopy(model)).float()
+
+
+def low_precision_copy(model: nn.Module, fmt: str | Format, backend: str = "emulated",
+                       rounding: str = "nearest") -> tuple[nn.Module, Precision]:
+    """The same weights rounded to ``fmt`` and run in it: every layer's output and weight on the
+    format's grid (pure ``fmt``), as a 16-bit network computes."""
+    fmt = parse_format(fmt)
+    twin = fp32_twin(model)
+    mode = "" if rounding == "nearest" else f":{rounding}"
+    prec = Precision(f"p={fmt},c={fmt}{mode},g={fmt},o={fmt},b={backend}")
+    twin, _ = prec.setup(twin)
+    return twin, prec
+
+
+def as_batches(data, batch_size: int = 1000):
+    """Yield (x, y-or-None) batches from a data set with a test split (``x_test``, ``y_test``,
+    as :class:`lowprec.experiments.data.Dataset`), an (x, y) pair, a tensor or any iterable of
+    (x, y)."""
+    if hasattr(data, "x_test") and hasattr(data, "y_test"):
+        data = (data.x_test, data.y_test)
+    if torch.is_tensor(data):
+        data = (data, None)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and torch.is_tensor(data[0]):
+        x, y = data
+        for i in range(0, len(x), batch_size):
+            yield x[i:i + batch_size], (None if y is None else y[i:i + batch_size])
+        return
+    for item in data:
+        if isinstance(item, (tuple, list)):
+            yield item[0], item[1]
+        else:
+            yield item, None
+
+
+def tensor_range(t: torch.Tensor) -> dict:
+    """min/max of |finite values| and the counts of Inf and NaN."""
+    t = t.detach().float()
+    finite = t[torch.isfinite(t)].abs()
+    return {
+        "min_abs": float(finite.min()) if finite.numel() else None,
+        "max_abs": float(finite.max()) if finite.numel() else None,
+        "inf": int(torch.isinf(t).sum()),
+        "nan": int(torch.isnan(t).sum()),
+        "numel": int(t.numel()),
+    }
+
+
+@contextlib.contextmanager
+def fresh_grads(model: nn.Module):
+    """Run a measuring backward pass without touching the caller's gradients: they are set
+    aside, cleared for the block, and put back afterwards."""
+    saved = {p: p.grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.grad = None
+        yield
+    finally:
+        for p, g in saved.items():
+            p.grad = g

@@ -1,0 +1,119 @@
+"""What a comparison is: its configuration, validated, and the presets of the literature."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..training.policy import parse_policy, split_top
+
+__all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "OPTIMIZERS", "SCHEDULES", "RunError",
+           "lr_at", "split_policies"]
+
+DEFAULT_POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "16-master")
+
+#: Experiments of the literature, as compare settings (``lowprec compare --preset NAME``);
+#: explicit flags override them.
+PRESETS: dict[str, dict] = {
+    "default": {},
+    # Gupta et al. (2015): <IL, FL> fixed point, round-to-nearest against stochastic rounding,
+    # FL swept at a fixed IL of 6 (ReLU activations of the standardized digits stay below 32);
+    # q6.18-rn is Chen et al.'s (2014) remedy without stochastic rounding: a much wider word
+    "gupta": {"policies": ("32-true", "q6.8-rn", "q6.8-sr", "q6.10-rn", "q6.10-sr", "q6.12-rn",
+                           "q6.12-sr", "q6.14-rn", "q6.14-sr", "q6.18-rn"), "seeds": (0, 1)},
+    # Courbariaux, Bengio and David (2014): dynamic fixed point (10-bit propagations, 12-bit
+    # updates) against static fixed point of the same widths and against float
+    "courbariaux": {"policies": ("32-true", "16-true", "dfxp-10-12", "fixed-10-12"),
+                    "seeds": (0, 1)},
+    # BinaryNet (2016): an MLP with BatchNorm, Adam on the latent weights, no weight decay (it
+    # pulls latent weights to 0, where stochastic binarization is a coin toss)
+    "binarynet": {"model": "mlp", "optimizer": "adam", "lr": 0.005, "weight_decay": 0.0,
+                  "policies": ("32-true", "binary", "binary-stochastic"), "seeds": (0, 1)},
+    # OCP MX v1.0 block formats for the weights and activations of every matmul
+    "mx": {"policies": ("32-true", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
+                        "mxfp4", "mxint8"), "seeds": (0, 1)},
+}
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("cosine", "constant")
+
+
+def lr_at(cfg: "CompareConfig", epoch: int) -> float:
+    """The learning rate of an epoch: cosine annealing from lr towards 0 (Loshchilov & Hutter
+    2017), or constant. A function of the epoch alone, so a resumed run gets the same rates."""
+    if cfg.schedule == "constant":
+        return cfg.lr
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
+
+
+class RunError(Exception):
+    """A configuration or output-folder problem, reported to the user in one line."""
+
+
+@dataclass
+class CompareConfig:
+    data: str = "mnist"
+    model: str = "lenet5"
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    seeds: tuple[int, ...] = (0, 1, 2)
+    epochs: int = 15
+    batch_size: int = 32
+    lr: float = 0.02
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    out: str = "runs/compare"
+    resume: bool = False
+    quiet: bool = False
+    train_subset: int | None = None
+    schedule: str = "cosine"
+
+    def validate(self) -> None:
+        if isinstance(self.policies, str):
+            self.policies = tuple(p.strip() for p in split_policies(self.policies))
+        if not self.policies:
+            raise RunError("no policies given")
+        for p in self.policies:
+            try:
+                parse_policy(p)
+            except ValueError as err:
+                raise RunError(str(err)) from None
+        if isinstance(self.seeds, int):
+            self.seeds = tuple(range(self.seeds))
+        self.seeds = tuple(int(s) for s in self.seeds)
+        if not self.seeds:
+            raise RunError("no seeds given")
+        for name, value, ok in [("epochs", self.epochs, isinstance(self.epochs, int) and
+                                 self.epochs > 0),
+                                ("batch_size", self.batch_size, isinstance(self.batch_size, int)
+                                 and self.batch_size > 0),
+                                ("lr", self.lr, self.lr > 0 and math.isfinite(self.lr)),
+                                ("momentum", self.momentum, 0 <= self.momentum < 1),
+                                ("weight_decay", self.weight_decay, self.weight_decay >= 0)]:
+            if not ok:
+                raise RunError(f"{name}={value!r} is not valid (must be positive)")
+        if self.schedule not in SCHEDULES:
+            raise RunError(f"schedule={self.schedule!r}; accepted: {', '.join(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise RunError(f"optimizer={self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        if self.train_subset is not None and self.train_subset <= 0:
+            raise RunError(f"train_subset={self.train_subset!r} must be positive")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("resume")
+        d.pop("quiet")
+        d["policies"] = list(self.policies)
+        d["seeds"] = list(self.seeds)
+        return d
+
+
+def split_policies(spec: str) -> list[str]:
+    """Split a policy list on commas, keeping each compact spec (which has commas) whole:
+    a piece containing '=' continues the previous spec when that spec also has '='."""
+    out: list[str] = []
+    for piece in split_top(spec):  # commas inside <...> (fixed<16,14>-sr) do not split
+        if out and "=" in piece and "=" in out[-1]:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out

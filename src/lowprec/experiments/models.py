@@ -1,0 +1,180 @@
+"""Models: one definition serves every policy (no ``vgg_low.py`` beside ``vgg.py``).
+
+``build_model(name, input_shape, num_classes)`` with name one of ``mlp``, ``lenet5``,
+``resnet20``, ``vgg``, ``cnn1d``, ``transformer``, or ``module:function`` for your own
+(called as ``function(input_shape, num_classes)``, returning an ``nn.Module``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .util import import_callable
+
+__all__ = ["build_model", "MODELS", "MLP", "LeNet5", "ResNet20", "SmallVGG", "CNN1d",
+           "TransformerClassifier"]
+
+
+class MLP(nn.Sequential):
+    def __init__(self, input_shape, num_classes, hidden=(256, 128)):
+        layers: list[nn.Module] = [nn.Flatten()]
+        d = math.prod(input_shape)
+        for h in hidden:
+            layers += [nn.Linear(d, h), nn.ReLU()]
+            d = h
+        layers.append(nn.Linear(d, num_classes))
+        super().__init__(*layers)
+
+
+def _flat_size(features: nn.Module, input_shape) -> int:
+    with torch.no_grad():
+        return int(features(torch.zeros(1, *input_shape)).numel())
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 (LeCun et al. 1998) with ReLU: conv 6@5x5 (padded), pool, conv 16@5x5, pool,
+    120-84-classes. Max-pooling, as modern LeNet-5 variants use; small inputs (8x8 digits) get a
+    padded second convolution so that the shapes stay valid."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        c, h = input_shape[0], input_shape[-1]
+        pad2 = 0 if h >= 16 else 2
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5, padding=pad2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        n = _flat_size(self.features, input_shape)
+        self.classifier = nn.Sequential(nn.Linear(n, 120), nn.ReLU(), nn.Linear(120, 84),
+                                        nn.ReLU(), nn.Linear(84, num_classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.relu2 = nn.ReLU()
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        return self.relu2(out + self.shortcut(x))
+
+
+class ResNet20(nn.Module):
+    """The CIFAR ResNet-20 of He et al. (2016): 3 stages of 3 basic blocks, 16/32/64 channels,
+    BatchNorm; the paper behind this project trains it on CIFAR-10 in pure fp16."""
+
+    def __init__(self, input_shape, num_classes, width=16):
+        super().__init__()
+        c = input_shape[0]
+        self.stem = nn.Sequential(nn.Conv2d(c, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU())
+        blocks, cin = [], width
+        for stage, cout in enumerate((width, 2 * width, 4 * width)):
+            for i in range(3):
+                blocks.append(_Block(cin, cout, 2 if (i == 0 and stage > 0) else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+class SmallVGG(nn.Module):
+    """A small VGG (Simonyan & Zisserman 2015): two 3x3 conv stages of 32 and 64 channels with
+    BatchNorm, then 256-classes."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        c = input_shape[0]
+
+        def stage(cin, cout):
+            return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                    nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                    nn.MaxPool2d(2)]
+
+        self.features = nn.Sequential(*stage(c, 32), *stage(32, 64), nn.Flatten())
+        n = _flat_size(self.features, input_shape)
+        self.classifier = nn.Sequential(nn.Linear(n, 256), nn.ReLU(), nn.Linear(256, num_classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class CNN1d(nn.Module):
+    """A 1-D CNN for MNIST-1D (Greydanus 2020): three conv layers of 25 channels."""
+
+    def __init__(self, input_shape, num_classes, channels=25):
+        super().__init__()
+        c = input_shape[0]
+        self.features = nn.Sequential(
+            nn.Conv1d(c, channels, 5, stride=2, padding=1), nn.ReLU(),
+            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten())
+        n = _flat_size(self.features, input_shape)
+        self.classifier = nn.Linear(n, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+class TransformerClassifier(nn.Module):
+    """A small transformer encoder (Vaswani et al. 2017): the rows of an image (or the positions
+    of a 1-D signal) are tokens; 2 layers, 4 heads, width 64, mean pooling."""
+
+    def __init__(self, input_shape, num_classes, d_model=64, layers=2, heads=4):
+        super().__init__()
+        if len(input_shape) == 3:
+            c, h, w = input_shape
+            self.tokens, feat = h, c * w
+        else:
+            c, length = input_shape
+            self.tokens, feat = length, c
+        self.embed = nn.Linear(feat, d_model)
+        self.pos = nn.Parameter(torch.zeros(1, self.tokens, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, heads, 2 * d_model, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x):
+        if x.dim() == 4:  # (N, C, H, W) -> (N, H, C*W)
+            x = x.permute(0, 2, 1, 3).flatten(2)
+        else:  # (N, C, L) -> (N, L, C)
+            x = x.transpose(1, 2)
+        z = self.encoder(self.embed(x) + self.pos)
+        return self.head(self.norm(z.mean(dim=1)))
+
+
+MODELS = {"mlp": MLP, "lenet5": LeNet5, "resnet20": ResNet20, "vgg": SmallVGG, "cnn1d": CNN1d,
+          "transformer": TransformerClassifier}
+_ACCEPTED = ", ".join(MODELS) + ", module:function"
+
+
+def build_model(name: str, input_shape, num_classes: int) -> nn.Module:
+    if not isinstance(name, str):
+        raise ValueError(f"model {name!r}; accepted: {_ACCEPTED}")
+    key = name.strip().lower()
+    if key in MODELS:
+        return MODELS[key](tuple(input_shape), num_classes)
+    _, sep, fn_name = name.partition(":")
+    if sep and fn_name.isidentifier():
+        model = import_callable(name, "model")(tuple(input_shape), num_classes)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model {name!r}: {fn_name}() returned {type(model).__name__}, "
+                             "not an nn.Module")
+        return model
+    raise ValueError(f"unknown model {name!r}; accepted: {_ACCEPTED}")

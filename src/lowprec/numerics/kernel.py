@@ -1,0 +1,127 @@
+"""ctypes binding of the compiled kernel ``_qkernel`` (built by setup.py at install time).
+
+``available()`` says whether it loaded; ``LOWPREC_KERNEL=0`` in the environment disables it, and
+lowprec then uses the plain-torch path, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from functools import lru_cache
+
+import torch
+
+from .params import ElementParams
+
+__all__ = ["available", "quantize_f32", "quantize_blocks_f32", "LPParams"]
+
+
+class LPParams(ctypes.Structure):
+    _fields_ = [
+        ("man", ctypes.c_int32),
+        ("bemin", ctypes.c_int32),
+        ("qsub", ctypes.c_int32),
+        ("overflow", ctypes.c_int32),
+        ("signed_zero", ctypes.c_int32),
+        ("rounding", ctypes.c_int32),
+        ("maxpos", ctypes.c_uint32),
+        ("maxneg", ctypes.c_uint32),
+        ("rmask", ctypes.c_uint32),
+        ("k0", ctypes.c_uint32),
+        ("k1", ctypes.c_uint32),
+    ]
+
+
+class LPOpt(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "kind", "p_dtype", "g_dtype", "s_dtype", "nesterov", "first", "decoupled",
+        "sqrt_storage", "has_momentum")] + [(name, ctypes.c_float) for name in (
+        "lr", "momentum", "dampening", "wd", "beta1", "beta2", "eps", "step_size", "bc2_sqrt",
+        "grad_scale")] + [("p_is_bf16", ctypes.c_int32), ("s_is_bf16", ctypes.c_int32)]
+
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def opt_dtype_code(dtype: torch.dtype) -> int | None:
+    return _DT.get(dtype)
+
+
+def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
+             sq: ElementParams) -> None:
+    """Fused optimizer step on contiguous CPU tensors (see lp_opt_step in _qkernel.c)."""
+    from .params import random_mask
+
+    pp = _params(pq, p_rounding, random_mask(32) if p_rounding == 5 else 0, seed)
+    sp = _params(sq, 0, 0, (0, 0))
+    dummy = p.data_ptr()
+    _lib().lp_opt_step(p.data_ptr(), g.data_ptr(), s1.data_ptr() if s1 is not None else dummy,
+                       s2.data_ptr() if s2 is not None else dummy, p.numel(), ctypes.byref(opt),
+                       ctypes.byref(pp), ctypes.byref(sp), torch.get_num_threads())
+
+
+@lru_cache(maxsize=1)
+def _lib():
+    if os.environ.get("LOWPREC_KERNEL", "1") == "0":
+        return None
+    spec = importlib.util.find_spec("lowprec.numerics._qkernel")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    if lib.lp_abi_version() != 3:
+        return None
+    p = ctypes.c_void_p
+    lib.lp_quantize_f32.argtypes = [p, p, ctypes.c_int64, ctypes.POINTER(LPParams), ctypes.c_int]
+    lib.lp_quantize_f32.restype = None
+    lib.lp_quantize_blocks_f32.argtypes = [
+        p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, p, ctypes.POINTER(LPParams),
+        ctypes.c_int,
+    ]
+    lib.lp_quantize_blocks_f32.restype = None
+    lib.lp_opt_step.argtypes = [p, p, p, p, ctypes.c_int64, ctypes.POINTER(LPOpt),
+                                ctypes.POINTER(LPParams), ctypes.POINTER(LPParams), ctypes.c_int]
+    lib.lp_opt_step.restype = None
+    lib.lp_count_abs_ge.argtypes = [p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                                    ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    lib.lp_count_abs_ge.restype = None
+    return lib
+
+
+def available() -> bool:
+    """True when the compiled kernel is loaded (and not disabled by LOWPREC_KERNEL=0)."""
+    return _lib() is not None
+
+
+def _params(ep: ElementParams, rounding: int, rmask: int, seed: tuple[int, int]) -> LPParams:
+    return LPParams(ep.man, ep.bemin, ep.qsub, ep.overflow, ep.signed_zero, rounding, ep.maxpos,
+                    ep.maxneg, rmask, seed[0], seed[1])
+
+
+def quantize_f32(x: torch.Tensor, out: torch.Tensor, ep: ElementParams, rounding: int,
+                 rmask: int, seed: tuple[int, int]) -> None:
+    """Quantize the contiguous float32 CPU tensor ``x`` into ``out`` (which may be ``x``)."""
+    prm = _params(ep, rounding, rmask, seed)
+    _lib().lp_quantize_f32(x.data_ptr(), out.data_ptr(), x.numel(), ctypes.byref(prm),
+                           torch.get_num_threads())
+
+
+def quantize_blocks_f32(x: torch.Tensor, out: torch.Tensor, row_len: int, block: int,
+                        shifts: torch.Tensor, ep: ElementParams, rounding: int, rmask: int,
+                        seed: tuple[int, int]) -> None:
+    """Blocked variant: ``shifts`` (int32, contiguous) holds one scale exponent per block."""
+    prm = _params(ep, rounding, rmask, seed)
+    rows = x.numel() // row_len
+    _lib().lp_quantize_blocks_f32(x.data_ptr(), out.data_ptr(), rows, row_len, block,
+                                  shifts.data_ptr(), ctypes.byref(prm), torch.get_num_threads())
+
+
+def count_abs_ge(x: torch.Tensor, t1: float, t2: float) -> tuple[int, int]:
+    """(#|x| >= t1, #|x| >= t2) of a contiguous float32 CPU tensor, in one pass."""
+    out = (ctypes.c_int64 * 2)()
+    _lib().lp_count_abs_ge(x.data_ptr(), x.numel(), t1, t2, out, torch.get_num_threads())
+    return int(out[0]), int(out[1])

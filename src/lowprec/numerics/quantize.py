@@ -1,0 +1,217 @@
+"""``quantize``: map a tensor onto a number format's grid, exactly, with any rounding mode.
+
+One pure function does the numerics; modules, optimizers and analysis are thin wrappers over it.
+Two paths compute it with identical bits: the compiled kernel (float32 CPU tensors, one fused
+pass, several threads) and a plain-torch path (any device). ``impl=`` chooses one explicitly,
+which the tests and the benchmark use to compare them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import kernel as _kernel, reference as _reference
+from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
+from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
+from .rounding import Rounding, parse_rounding
+
+__all__ = ["quantize", "quantize_", "draw_seed", "block_shifts"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# formats whose nearest-even rounding torch's casts perform exactly (the plain-torch fast path)
+_NATIVE_CASTS = {
+    FloatFormat(5, 10): torch.float16,
+    FloatFormat(8, 7): torch.bfloat16,
+    FloatFormat(5, 2): torch.float8_e5m2,
+    FloatFormat(4, 3, "fn", overflow="saturate"): torch.float8_e4m3fn,
+}
+Impl = Literal["auto", "kernel", "torch"]
+
+
+def draw_seed(generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Two 32-bit keys for the counter-based generator of stochastic rounding.
+
+    They come from ``generator`` (or torch's default CPU generator, i.e. ``torch.manual_seed``),
+    so the same seed gives the same bits on any device and any number of threads.
+    """
+    device = generator.device if generator is not None else "cpu"
+    k = torch.randint(0, 2**32, (2,), generator=generator, dtype=torch.int64, device=device)
+    k0, k1 = k.tolist()
+    return int(k0), int(k1)
+
+
+def _check_input(x) -> None:
+    if not torch.is_tensor(x):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        accepted = ", ".join(str(d) for d in _DTYPES)
+        raise TypeError(f"quantize expects a floating tensor of dtype {accepted}; got {x.dtype}")
+
+
+def _use_kernel(x: torch.Tensor, impl: Impl) -> bool:
+    if impl == "torch":
+        return False
+    ok = x.device.type == "cpu" and _kernel.available()
+    if impl == "kernel" and not ok:
+        raise RuntimeError("the compiled kernel is not available for this tensor "
+                           f"(device {x.device}, kernel loaded: {_kernel.available()})")
+    return ok
+
+
+def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    ep = element_params(fmt)
+    if _use_kernel(xf, impl):
+        xc = xf.contiguous()
+        if out is None:
+            out = torch.empty_like(xc, memory_format=torch.contiguous_format)
+        _kernel.quantize_f32(xc, out, ep, code, rmask, seed)
+        return out
+    native = _NATIVE_CASTS.get(fmt) if code == 0 else None
+    if native is not None:
+        # torch's own cast rounds to nearest-even with these exact overflow rules; NaNs keep
+        # their input bits, as in the kernel
+        res = torch.where(torch.isnan(xf), xf, xf.to(native).float())
+    else:
+        res = _reference.quantize_f32(xf, ep, code, rmask, seed)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int) -> torch.Tensor:
+    """Scale exponent of every block of ``x_rows`` (float32, shape (rows, row_len)), int32.
+
+    s = floor(log2(amax)) - element.emax, clamped to [scale_min_exp, scale_max_exp]; an all-zero
+    block gets scale_min_exp; a block holding NaN or Inf gets the NaN marker.
+    """
+    rows, row_len = x_rows.shape
+    a = x_rows.abs()
+    nfull, rem = divmod(row_len, block)
+    parts = []
+    if nfull:  # whole blocks as a (rows, nfull, block) view: no copy, no padding
+        parts.append(a[:, :nfull * block].reshape(rows, nfull, block).amax(dim=-1))
+    if rem:  # the last, shorter block of each row
+        parts.append(a[:, nfull * block:].amax(dim=-1, keepdim=True))
+    amax = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    # frexp: amax = m * 2**e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly
+    _, e = torch.frexp(amax)
+    s = (e.to(torch.int32) - 1 - fmt.element.emax).clamp(fmt.scale_min_exp, fmt.scale_max_exp)
+    s = torch.where(amax == 0, fmt.scale_min_exp, s)
+    s = torch.where(torch.isfinite(amax), s, NAN_SHIFT)
+    return s.to(torch.int32).contiguous()
+
+
+def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
+            impl: Impl) -> torch.Tensor:
+    if xf.dim() == 0:
+        xf = xf.reshape(1)
+        return _blocks(xf, fmt, code, rmask, seed, impl).reshape(())
+    axis = fmt.axis if fmt.axis >= 0 else xf.dim() + fmt.axis
+    if not 0 <= axis < xf.dim():
+        raise ValueError(f"block axis {fmt.axis} is out of range for a {xf.dim()}-d tensor")
+    moved = xf.movedim(axis, -1).contiguous()
+    if fmt.block_size is None:  # one exponent for the whole tensor
+        rows, row_len, block = 1, moved.numel(), moved.numel()
+    else:
+        row_len = moved.shape[-1]
+        rows, block = moved.numel() // row_len, fmt.block_size
+    flat = moved.reshape(rows, row_len)
+    shifts = block_shifts(flat, fmt, block)
+    ep = element_params(fmt.element)
+    if _use_kernel(xf, impl):
+        out = torch.empty_like(flat)
+        _kernel.quantize_blocks_f32(flat, out, row_len, block, shifts, ep, code, rmask, seed)
+    else:
+        sh = shifts.to(torch.int64).repeat_interleave(block, dim=1)[:, :row_len].reshape(-1)
+        out = _reference.quantize_f32(flat, ep, code, rmask, seed, sh)
+    return out.reshape(moved.shape).movedim(-1, axis).contiguous()
+
+
+def _binary(xf: torch.Tensor) -> torch.Tensor:
+    # sign with 0 (and -0) mapped to +1, as in BinaryNet; NaN stays NaN
+    one = torch.ones_like(xf)
+    return torch.where(torch.isnan(xf), xf, torch.where(xf < 0, -one, one))
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Format,
+    rounding: str | Rounding = "nearest",
+    *,
+    generator: torch.Generator | None = None,
+    random_bits: int | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Return ``x`` rounded onto the grid of ``fmt``: same dtype, shape and device.
+
+    Args:
+        x: a float32, float16 or bfloat16 tensor of any shape, contiguous or not. Its values are
+            processed in float32 and the result cast back to ``x.dtype``.
+        fmt: a format object or its string (``"fp16"``, ``"e4m3fn"``, ``"q2.14"``, ``"mxfp4"``...).
+        rounding: a :class:`Rounding` or its name (``"nearest"``, ``"stochastic"``, ``"sr8"``...).
+        generator: source of the stochastic-rounding seed (default: torch's global generator).
+        random_bits: random bits per element for ``stochastic_limited`` (default 8).
+        impl: ``"kernel"``, ``"torch"`` or ``"auto"`` (kernel for CPU float32 when built).
+
+    NaN stays NaN. Inf and values beyond ``fmt.max`` follow the format's overflow rule
+    (IEEE 754 section 7.4 for the directed modes: rounding toward zero gives ±max). -0 is kept
+    where the format has it. The result carries no autograd history: use
+    :func:`lowprec.quantize_ste` or :class:`lowprec.Quantizer` to quantize inside a model.
+    """
+    _check_input(x)
+    fmt = parse_format(fmt)
+    mode, rbits = parse_rounding(rounding, random_bits)
+    if impl not in ("auto", "kernel", "torch"):
+        raise ValueError(f"impl={impl!r}; accepted: auto, kernel, torch")
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    with torch.no_grad():
+        xf = x.detach()
+        xf = xf if xf.dtype == torch.float32 else xf.float()
+        if isinstance(fmt, BinaryFormat):
+            out = _binary(xf)
+        else:
+            seed = draw_seed(generator) if mode.is_stochastic else (0, 0)
+            code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
+            if isinstance(fmt, BlockFormat):
+                out = _blocks(xf, fmt, code, rmask, seed, impl)
+            elif isinstance(fmt, (FloatFormat, FixedFormat)):
+                out = _elementwise(xf, fmt, code, rmask, seed, impl, None)
+            else:
+                raise TypeError(f"cannot quantize to {fmt} directly: dynamic fixed point keeps "
+                                "a range per group of tensors; use Precision, or "
+                                "fmt.at_range(r) for a given range")
+        out = out.reshape(x.shape)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def quantize_(
+    x: torch.Tensor,
+    fmt: str | Format,
+    rounding: str | Rounding = "nearest",
+    *,
+    generator: torch.Generator | None = None,
+    random_bits: int | None = None,
+) -> torch.Tensor:
+    """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy."""
+    _check_input(x)
+    fmt = parse_format(fmt)
+    mode, rbits = parse_rounding(rounding, random_bits)
+    with torch.no_grad():
+        if (
+            isinstance(fmt, (FloatFormat, FixedFormat))
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and x.numel() > 0
+            and _use_kernel(x, "auto")
+        ):
+            seed = draw_seed(generator) if mode.is_stochastic else (0, 0)
+            _elementwise(x, fmt, ROUNDING_CODES[mode], random_mask(rbits), seed, "kernel", x)
+            return x
+        x.copy_(quantize(x, fmt, mode, generator=generator, random_bits=rbits or None))
+    return x
+

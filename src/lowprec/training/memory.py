@@ -1,0 +1,155 @@
+"""The memory ledger: exact bytes of one training step, by role.
+
+Parameters and gradients are counted at the parameter format's width; optimizer state and master
+weights from the optimizer's own layout; activations are the tensors autograd saves for backward
+during one forward pass and loss, caught with ``torch.autograd.graph.saved_tensors_hooks`` and
+counted once per storage (a tensor saved by two layers is stored once), parameters excluded.
+
+Under emulation values are carried in fp32, but a tensor whose values all lie on the compute
+format's grid would be stored in that format: it is counted at that width. That is what the
+regime costs on hardware that has the format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..numerics.formats import FP32, Format
+from ..numerics.storage import format_bytes
+from ..numerics.quantize import quantize
+
+__all__ = ["MemoryLedger", "measure_memory", "saved_activation_bytes"]
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    params: int
+    grads: int
+    optimizer_state: int
+    master: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.master + self.activations
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+    def ratio_to(self, other: "MemoryLedger") -> float:
+        return self.total / other.total if other.total else float("nan")
+
+
+def _on_grid(t: torch.Tensor, fmt: Format) -> bool:
+    """Whether every value of ``t`` is representable in ``fmt`` (for dynamic fixed point: at
+    the range its largest value needs, or one or two above)."""
+    from ..numerics.formats import DynamicFixedFormat
+
+    if isinstance(fmt, DynamicFixedFormat):
+        amax = float(t.abs().max()) if t.numel() else 0.0
+        if not amax or amax != amax or amax == float("inf"):
+            return amax == 0.0
+        r0 = math.floor(math.log2(amax)) + 1
+        return any(_on_grid(t, fmt.at_range(r)) for r in (r0, r0 + 1, r0 + 2)
+                   if fmt.bits - 150 <= r <= fmt.bits - 1)
+    return torch.equal(torch.nan_to_num(quantize(t, fmt)), torch.nan_to_num(t))
+
+
+def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format | None = None
+                           ) -> int:
+    """Bytes of the tensors autograd saves while ``run()`` executes.
+
+    ``exclude``: tensors (parameters) whose storage is not counted. ``compute``: with emulation,
+    float32 tensors lying on this format's grid are counted at its width.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    # per storage: the byte span its saved views cover, and whether all of them lie on the
+    # compute grid (a slice of a large tensor counts only the slice)
+    spans: dict[int, list] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in skip or t.numel() == 0:
+            return t
+        size = t.element_size()
+        lo = t.storage_offset() * size
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size
+        on_grid = False
+        if compute is not None and compute != FP32 and t.dtype == torch.float32:
+            with torch.no_grad():
+                on_grid = _on_grid(t, compute)
+        if key in spans:
+            s_ = spans[key]
+            s_[0], s_[1], s_[2] = min(s_[0], lo), max(s_[1], hi), s_[2] and on_grid
+        else:
+            spans[key] = [lo, hi, on_grid]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    total = 0
+    for lo, hi, on_grid in spans.values():
+        nbytes = hi - lo
+        total += format_bytes(compute, nbytes // 4) if on_grid else nbytes
+    return total
+
+
+def measure_memory(model: torch.nn.Module, batch, loss_fn, *, param_format: Format,
+                   optimizer=None, compute: Format | None = None,
+                   autocast=contextlib.nullcontext) -> MemoryLedger:
+    """The ledger of one training step of ``model`` on ``batch`` (inputs, targets)."""
+    params = [p for p in model.parameters()]
+    n_params = sum(p.numel() for p in params)
+    n_grad = sum(p.numel() for p in params if p.requires_grad)
+    pbytes = format_bytes(param_format, n_params)
+    gbytes = format_bytes(param_format, n_grad)
+    state = master = 0
+    if optimizer is not None:
+        if hasattr(optimizer, "state_bytes"):
+            state, master = optimizer.state_bytes()
+        else:
+            state = _torch_optimizer_state_bytes(optimizer, param_format)
+    inputs, targets = batch
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    try:
+        def run():
+            with autocast():
+                return loss_fn(model(inputs), targets)
+
+        act = saved_activation_bytes(run, exclude=params, compute=compute)
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])  # the forward pass must not move BatchNorm statistics
+    return MemoryLedger(pbytes, gbytes, state, master, act)
+
+
+def _torch_optimizer_state_bytes(opt: torch.optim.Optimizer, param_format: Format) -> int:
+    """State of a torch optimizer: counted if it exists, else from its known layout."""
+    if any(opt.state.values()):
+        total = 0
+        for s in opt.state.values():
+            for v in s.values():
+                if torch.is_tensor(v):
+                    total += v.numel() * v.element_size()
+        return total
+    per_param = 0
+    if isinstance(opt, torch.optim.SGD):
+        per_param = 1 if opt.defaults.get("momentum", 0) else 0
+    elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        per_param = 3 if opt.defaults.get("amsgrad") else 2
+    total = 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            total += per_param * p.numel() * p.element_size()
+            if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                total += 4  # the 0-dim float32 step counter
+    return total

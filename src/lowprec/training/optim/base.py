@@ -1,0 +1,161 @@
+"""``LowPrecisionOptimizer``: the base of lowprec's optimizers (fp32 maths, storage formats)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...numerics.formats import BF16, FP32, FixedFormat, FloatFormat, Format
+from ...numerics.storage import format_bytes, storage_dtype
+from .writeback import Storage, kahan_write, write
+
+__all__ = ["LowPrecisionOptimizer"]
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """Base of lowprec's optimizers: subclasses give the fp32 maths in ``_new_weight``."""
+
+    accepts_grad_scale = True
+
+    def __init__(self, params, defaults, *, param_format=None, state_format=None,
+                 master_format=None, update="nearest", generator=None) -> None:
+        super().__init__(params, defaults)
+        self.storage = Storage(param_format, state_format, master_format, update, generator)
+
+    def configure(self, **kwargs) -> None:
+        if any(self.state.values()):
+            raise RuntimeError("configure() must be called before the first step")
+        self.storage.configure(**kwargs)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts floating state to the parameter's dtype when loading; lowprec keeps each
+        tensor's own dtype (fp32 master weights of fp16 parameters must stay fp32)."""
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            for key, val in state_dict["state"].get(pid, {}).items():
+                if torch.is_tensor(val):
+                    self.state[p][key] = val.to(device=p.device, copy=True)
+
+    # -- state in a format -----------------------------------------------------------------
+    def _state_tensor(self, p, like32: torch.Tensor, fmt: Format) -> torch.Tensor:
+        return torch.zeros_like(like32, dtype=storage_dtype(fmt))
+
+    def _save(self, dst: torch.Tensor, value32: torch.Tensor, fmt: Format, p=None,
+              role: str = "state") -> None:
+        if p is not None:
+            fmt = self.storage.now(fmt, p, role, value32)
+        write(dst, value32, fmt, "nearest", None)
+
+    def _init_common(self, p, state) -> None:
+        st = self.storage
+        if st.master_format is not None:
+            state["master"] = p.detach().to(storage_dtype(st.master_format)).clone()
+        elif st.update == "kahan":
+            state["compensation"] = torch.zeros_like(p, dtype=storage_dtype(st.pformat(p)))
+
+    def state_layout(self, p) -> dict[str, Format]:
+        """Format of every state tensor this optimizer keeps for ``p`` (for the memory ledger)."""
+        st = self.storage
+        layout = dict(self._moment_layout(p))
+        if st.master_format is not None:
+            layout["master"] = st.master_format
+        elif st.update == "kahan":
+            layout["compensation"] = st.pformat(p)
+        return layout
+
+    def _moment_layout(self, p) -> dict[str, Format]:  # pragma: no cover - overridden
+        return {}
+
+    def state_bytes(self) -> tuple[int, int]:
+        """(optimizer-state bytes, master-weight bytes) for all parameters."""
+        state = master = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                for name, fmt in self.state_layout(p).items():
+                    nbytes = format_bytes(fmt, p.numel())
+                    if name == "master":
+                        master += nbytes
+                    else:
+                        state += nbytes
+        return state, master
+
+    def params_for_check(self) -> list[torch.Tensor]:
+        """The parameters whose gradients Precision checks and rounds."""
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | torch.Tensor | None = None):
+        """One update. ``grad_scale`` multiplies the gradients in fp32 (Precision passes
+        1 / loss_scale here, so fp16 gradients are never unscaled in fp16)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        st = self.storage
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._init_common(p, state)
+                    self._init_state(p, state)
+                pf = st.pformat(p)
+                if self._can_fuse(p, state) and self._fused(p, state, group, grad_scale):
+                    continue
+                g32 = p.grad.float()
+                if grad_scale is not None:
+                    g32 = g32 * grad_scale
+                w32 = state["master"].float() if "master" in state else p.float()
+                w_new = self._new_weight(p, w32, g32, state, group)
+                if "master" in state:
+                    self._save(state["master"], w_new, st.master_format, p, "master")
+                    m32 = state["master"].float()
+                    write(p, m32, st.now(pf, p, "param", m32), st.update, st.generator)
+                elif st.update == "kahan":
+                    kahan_write(st, p, w32, w_new, state["compensation"])
+                else:
+                    write(p, w_new, st.now(pf, p, "param", w_new), st.update, st.generator)
+        return loss
+
+
+    # -- the fused CPU kernel ---------------------------------------------------------------
+    def _can_fuse(self, p, state) -> bool:
+        from ...numerics import kernel as _kernel
+
+        st = self.storage
+        pf, sf = st.pformat(p), st.sformat(p)
+        return (
+            _kernel.available() and p.device.type == "cpu" and p.is_contiguous()
+            and p.grad.is_contiguous() and "master" not in state and st.update != "kahan"
+            and (pf != FP32 or sf != FP32)  # fp32 storage keeps torch's exact op sequence
+            and isinstance(pf, (FloatFormat, FixedFormat)) and isinstance(sf, (FloatFormat,
+                                                                               FixedFormat))
+            and _kernel.opt_dtype_code(p.dtype) is not None
+            and _kernel.opt_dtype_code(p.grad.dtype) is not None
+            and storage_dtype(sf) in (torch.float32, torch.bfloat16, torch.float16)
+        )
+
+    def _run_fused(self, p, s1, s2, opt, grad_scale) -> None:
+        from ...numerics import kernel as _kernel
+        from ...numerics.params import ROUNDING_CODES, element_params
+        from ...numerics.quantize import draw_seed
+        from ...numerics.rounding import Rounding
+
+        st = self.storage
+        opt.p_dtype = _kernel.opt_dtype_code(p.dtype)
+        opt.g_dtype = _kernel.opt_dtype_code(p.grad.dtype)
+        opt.s_dtype = _kernel.opt_dtype_code(storage_dtype(st.sformat(p)))
+        opt.grad_scale = 1.0 if grad_scale is None else float(grad_scale)
+        opt.p_is_bf16 = int(st.pformat(p) == BF16)
+        opt.s_is_bf16 = int(st.sformat(p) == BF16)
+        mode = Rounding.STOCHASTIC if st.update == "stochastic" else Rounding.NEAREST_EVEN
+        seed = draw_seed(st.generator) if st.update == "stochastic" else (0, 0)
+        _kernel.opt_step(p, p.grad, s1, s2, opt, element_params(st.pformat(p)),
+                         ROUNDING_CODES[mode], seed, element_params(st.sformat(p)))
+
+    def _fused(self, p, state, group, grad_scale) -> bool:
+        return False
+
+

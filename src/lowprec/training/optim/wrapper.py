@@ -1,0 +1,158 @@
+"""``FormatOptimizer``: any torch optimizer under a policy's storage rules."""
+
+from __future__ import annotations
+
+import torch
+
+from ...numerics.formats import FP32
+from ...numerics.storage import format_bytes, storage_dtype
+from .writeback import Storage, kahan_write, round_to
+
+__all__ = ["FormatOptimizer"]
+
+
+class FormatOptimizer:
+    """Any torch optimizer under a policy's storage rules.
+
+    With master weights (Apex O2), the wrapped optimizer steps fp32 copies of the parameters
+    and the parameters receive the rounded result. Without, it steps the parameters themselves
+    (fp32 carriers in emulation) and the result is rounded onto the parameter format with the
+    write-back mode; its floating state is rounded onto the state format after each step.
+    Native 16-bit parameters with a stochastic or Kahan write-back get fp32 *shadows* instead:
+    copied from the parameters before each step (no precision is kept across steps, unlike
+    master weights), so the update is computed in fp32 and the write-back mode sees it whole;
+    a torch optimizer stepping bf16 tensors itself would have rounded it to nearest already.
+    """
+
+    accepts_grad_scale = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, param_format=None, state_format=None,
+                 master_format=None, update="nearest", generator=None) -> None:
+        self.storage = Storage(param_format, state_format, master_format, update, generator)
+        self.model_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.shadow = master_format is None and self.storage.update != "nearest" and any(
+            p.dtype != torch.float32 for p in self.model_params)
+        if master_format is not None or self.shadow:
+            mdt = torch.float32 if self.shadow else storage_dtype(self.storage.master_format)
+            self.masters = [p.detach().to(mdt).clone().requires_grad_(True)
+                            for p in self.model_params]
+            it = iter(self.masters)
+            groups = []
+            for g in optimizer.param_groups:
+                ng = {k: v for k, v in g.items() if k != "params"}
+                ng["params"] = [next(it) for _ in g["params"]]
+                groups.append(ng)
+            self.optimizer = type(optimizer)(groups, **optimizer.defaults)
+        else:
+            self.masters = None
+            self.optimizer = optimizer
+        self.compensation: dict[int, torch.Tensor] = {}
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def params_for_check(self) -> list[torch.Tensor]:
+        """The model's parameters (not the masters) whose gradients Precision checks."""
+        return [p for p in self.model_params if p.grad is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params + (self.masters or []):
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | torch.Tensor | None = None):
+        st = self.storage
+        if self.masters is not None:
+            for p, m in zip(self.model_params, self.masters):
+                if self.shadow:
+                    m.copy_(p)  # this step starts from the stored value
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                g = p.grad.to(m.dtype)
+                m.grad = g * grad_scale if grad_scale is not None else g
+            loss = self.optimizer.step(closure)
+            for p, m in zip(self.model_params, self.masters):
+                m32 = m.float()
+                if self.shadow and st.update == "kahan":
+                    c = self.compensation.setdefault(
+                        id(p), torch.zeros_like(p, dtype=storage_dtype(st.pformat(p))))
+                    kahan_write(st, p, p.float(), m32, c)
+                else:
+                    p.copy_(round_to(m32, st.now(st.pformat(p), p, "param", m32), st.update,
+                                   st.generator))
+            return loss
+        old = {}
+        for p in self.model_params:
+            if p.grad is not None and grad_scale is not None:
+                p.grad.mul_(grad_scale)
+            if st.update == "kahan" and p.grad is not None:
+                old[p] = p.float().clone()
+        loss = self.optimizer.step(closure)
+        for p in self.model_params:
+            if p.grad is None:
+                continue
+            pf = st.pformat(p)
+            if st.update == "kahan":
+                c = self.compensation.setdefault(
+                    id(p), torch.zeros_like(p, dtype=storage_dtype(pf)))
+                kahan_write(st, p, old[p], p.float(), c)
+            else:
+                w32 = p.float()
+                p.copy_(round_to(w32, st.now(pf, p, "param", w32), st.update, st.generator))
+            sf = st.sformat(p)
+            if sf != FP32:
+                for key, val in self.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
+                        v32 = val.float()
+                        val.copy_(round_to(v32, st.now(sf, p, f"state.{key}", v32), "nearest",
+                                         None))
+        return loss
+
+    def state_bytes(self) -> tuple[int, int]:
+        state = 0
+        for p, s in self.optimizer.state.items():
+            for val in s.values():
+                if torch.is_tensor(val):
+                    if val.is_floating_point() and val.dim() > 0:
+                        state += format_bytes(self.storage.sformat(p), val.numel())
+                    else:
+                        state += val.numel() * val.element_size()
+        if self.storage.update == "kahan" and (self.masters is None or self.shadow):
+            state += sum(format_bytes(self.storage.pformat(p), p.numel())
+                         for p in self.model_params)
+        if self.shadow:  # fp32 copies that live between steps, though they carry nothing over
+            state += sum(4 * m.numel() for m in self.masters)
+            return state, 0
+        master = 0 if self.masters is None else sum(
+            format_bytes(self.storage.master_format, m.numel()) for m in self.masters)
+        return state, master
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": None if self.masters is None else [m.detach().clone() for m in self.masters],
+            "compensation": {i: self.compensation[id(p)].clone()
+                             for i, p in enumerate(self.model_params) if id(p) in self.compensation},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("masters") is not None:
+            with torch.no_grad():
+                for m, v in zip(self.masters, state["masters"]):
+                    m.copy_(v)
+        self.compensation = {id(self.model_params[int(i)]): v.clone()
+                             for i, v in state.get("compensation", {}).items()}
+
+    def __repr__(self) -> str:
+        return f"FormatOptimizer({type(self.optimizer).__name__}, masters={self.masters is not None})"

@@ -1,0 +1,99 @@
+"""The write-back rules of lowprec's optimizers: an fp32 result onto a storage format.
+
+``nearest`` rounds to nearest even (small updates are lost: w + dw rounds back to w when
+|dw| < ulp(w) / 2); ``stochastic`` rounds up with probability proportional to the distance, so
+E[w'] = w + dw (Gupta et al. 2015); ``kahan`` keeps what rounding dropped in a compensation
+buffer in the parameter format and adds it back at the next step (Kahan 1965; Zamirai et al.
+2020). :class:`Storage` holds the formats and the mode an optimizer applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...numerics.formats import FP32, Format, parse_format
+from ...numerics.quantize import quantize
+from ...numerics.storage import NATIVE_DTYPES, format_of_dtype
+from ..policy import UPDATE_MODES
+
+__all__ = ["Storage", "group_lr", "round_to", "write", "kahan_write"]
+
+
+def group_lr(group: dict) -> float:
+    """The group's learning rate times its ``lr_scale`` (BinaryNet scales the latent weights'
+    rate per layer; a scheduler that sets ``lr`` keeps the scale)."""
+    return group["lr"] * group.get("lr_scale", 1.0)
+
+
+def round_to(x32: torch.Tensor, fmt: Format, mode: str, generator) -> torch.Tensor:
+    if fmt == FP32:
+        return x32
+    return quantize(x32, fmt, "stochastic" if mode == "stochastic" else "nearest",
+                    generator=generator)
+
+
+def kahan_write(st: "Storage", p: torch.Tensor, w32: torch.Tensor, w_new: torch.Tensor,
+                 comp: torch.Tensor) -> None:
+    """Kahan-compensated write-back (Zamirai et al. 2020): add the update less the previous
+    rounding error, round onto the parameter format, keep the new error in ``comp`` (stored in
+    the parameter format too)."""
+    pf = st.pformat(p)
+    y = (w_new - w32) - comp.float()
+    target = w32 + y
+    t = round_to(target, st.now(pf, p, "param", target), "nearest", None)
+    err = (t - w32) - y
+    write(comp, err, st.now(pf, p, "compensation", err), "nearest", None)
+    p.copy_(t)
+
+
+def write(dst: torch.Tensor, x32: torch.Tensor, fmt: Format, mode: str, generator) -> None:
+    """dst <- x32 rounded to fmt. When dst's own dtype is fmt, torch's cast in copy_ already
+    rounds to nearest even, exactly as quantize would: one pass instead of two."""
+    if mode != "stochastic" and NATIVE_DTYPES.get(fmt) == dst.dtype:
+        dst.copy_(x32)
+    else:
+        dst.copy_(round_to(x32, fmt, mode, generator))
+
+
+class Storage:
+    """The storage rules an optimizer applies: formats and the write-back mode."""
+
+    def __init__(self, param_format=None, state_format=None, master_format=None,
+                 update: str = "nearest", generator: torch.Generator | None = None) -> None:
+        self.configure(param_format=param_format, state_format=state_format,
+                       master_format=master_format, update=update, generator=generator)
+
+    def configure(self, *, param_format=None, state_format=None, master_format=None,
+                  update: str | None = None, generator=None, controller=None,
+                  names: dict | None = None) -> None:
+        """Set the formats (``None`` keeps a parameter's own dtype); used by Precision.setup.
+        ``controller`` holds the ranges of dynamic fixed-point formats, ``names`` maps
+        ``id(param)`` to the parameter's name (the key of its groups)."""
+        from ..regimes.dynamic_fixed import Controller
+
+        self.controller = controller if controller is not None else Controller()
+        self.names = dict(names or {})
+        self.param_format = None if param_format is None else parse_format(param_format)
+        self.state_format = None if state_format is None else parse_format(state_format)
+        self.master_format = None if master_format is None else parse_format(master_format)
+        if update is not None:
+            if update not in UPDATE_MODES:
+                raise ValueError(f"update={update!r}; accepted: {', '.join(UPDATE_MODES)}")
+            self.update = update
+        elif not hasattr(self, "update"):
+            self.update = "nearest"
+        self.generator = generator
+
+    def pformat(self, p: torch.Tensor) -> Format:
+        return self.param_format if self.param_format is not None else format_of_dtype(p.dtype)
+
+    def sformat(self, p: torch.Tensor) -> Format:
+        return self.state_format if self.state_format is not None else self.pformat(p)
+
+    def now(self, fmt: Format, p: torch.Tensor, role: str, x: torch.Tensor) -> Format:
+        """``fmt``, or for dynamic fixed point the static format its group has now."""
+        from ..regimes.dynamic_fixed import resolve
+
+        return resolve(fmt, f"{role}:{self.names.get(id(p), id(p))}", x, self.controller)
+
+

@@ -1,0 +1,288 @@
+"""Precision policies: which format each role uses, as data.
+
+A :class:`Policy` names the format of parameters (and their gradients, which PyTorch stores in
+the parameter's dtype), of the forward computation, of the gradients flowing backward through
+activations, of the optimizer state and of optional master weights; how values are rounded;
+how parameters are written back after an update; the loss-scaling rule; and the backend.
+
+Compact specs, one ``key=value`` per role, a format optionally followed by ``:rounding``::
+
+    p=fp16,c=fp16,g=fp16,o=fp32,m=fp32,ls=dynamic     # Apex O2, "16-master"
+    p=bf16:kahan                                        # pure bf16, Kahan-compensated updates
+    p=fp32,c=e4m3fn,g=e5m2:sr,s=matmul                  # fp8 matmuls, stochastic fp8 gradients
+
+Keys: ``p`` params (``:nearest|stochastic|kahan`` is the write-back), ``c`` compute (``:mode``
+rounds activations), ``g`` activation gradients (``:mode``), ``o`` optimizer state, ``m`` master
+weights (``none``), ``ls`` loss scale (``none``, ``dynamic``, ``dynamic:init=1024``,
+``static:512``), ``b`` backend (``auto``, ``native``, ``emulated``), ``s`` scope of the compute
+format (``all`` layers, or ``matmul`` layers only as torch.autocast does).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from ..numerics.formats import FP32, FloatFormat, Format, parse_format
+from ..numerics.rounding import Rounding, parse_rounding
+
+__all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top"]
+
+UPDATE_MODES = ("nearest", "stochastic", "kahan")
+BACKENDS = ("auto", "native", "emulated")
+SCOPES = ("all", "matmul")
+_LS_RE = re.compile(r"^(none|dynamic|static)(?::(.*))?$")
+
+
+def _check_loss_scale(spec: str) -> str:
+    s = spec.strip().lower()
+    m = _LS_RE.match(s)
+    if not m:
+        raise ValueError(f"loss scale {spec!r}; accepted: none, dynamic, dynamic:init=N,growth=G,"
+                         "backoff=B,interval=I,min=A,max=B, static:S")
+    kind, args = m.group(1), m.group(2)
+    if kind == "static":
+        try:
+            if args is None or float(args) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"loss scale {spec!r}: static needs a positive scale, e.g. static:1024"
+                             ) from None
+    elif kind == "dynamic" and args:
+        for item in args.split(","):
+            key, _, val = item.partition("=")
+            if key not in ("init", "growth", "backoff", "interval", "min", "max"):
+                raise ValueError(f"loss scale {spec!r}: unknown option {key!r}")
+            try:
+                float(val)
+            except ValueError:
+                raise ValueError(f"loss scale {spec!r}: {key}={val!r} is not a number") from None
+    elif kind == "none" and args:
+        raise ValueError(f"loss scale {spec!r}: 'none' takes no options")
+    return s
+
+
+@dataclass(frozen=True)
+class Policy:
+    params: Format = FP32
+    compute: Format = FP32
+    grads: Format = FP32
+    optimizer_state: Format = FP32
+    master: Format | None = None
+    rounding: Rounding = Rounding.NEAREST_EVEN
+    grad_rounding: Rounding = Rounding.NEAREST_EVEN
+    update: str = "nearest"
+    loss_scale: str = "none"
+    backend: str = "auto"
+    scope: str = "all"
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for role in ("params", "compute", "grads", "optimizer_state"):
+            object.__setattr__(self, role, parse_format(getattr(self, role)))
+        if self.master is not None:
+            object.__setattr__(self, "master", parse_format(self.master))
+        object.__setattr__(self, "rounding", parse_rounding(self.rounding)[0])
+        object.__setattr__(self, "grad_rounding", parse_rounding(self.grad_rounding)[0])
+        if self.update not in UPDATE_MODES:
+            raise ValueError(f"update={self.update!r}; accepted: {', '.join(UPDATE_MODES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; accepted: {', '.join(BACKENDS)}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope={self.scope!r}; accepted: {', '.join(SCOPES)}")
+        object.__setattr__(self, "loss_scale", _check_loss_scale(self.loss_scale))
+
+    @property
+    def is_fp32(self) -> bool:
+        return all(f == FP32 for f in (self.params, self.compute, self.grads,
+                                       self.optimizer_state)) and self.master is None
+
+    @property
+    def spec(self) -> str:
+        """The canonical compact spec; ``parse_policy(p.spec) == p``."""
+        def fr(fmt, mode, default=Rounding.NEAREST_EVEN):
+            return f"{fmt}" if mode is default else f"{fmt}:{mode.value}"
+
+        parts = [f"p={self.params}" + ("" if self.update == "nearest" else f":{self.update}"),
+                 f"c={fr(self.compute, self.rounding)}",
+                 f"g={fr(self.grads, self.grad_rounding)}",
+                 f"o={self.optimizer_state}",
+                 f"m={self.master if self.master is not None else 'none'}",
+                 f"ls={self.loss_scale}", f"b={self.backend}", f"s={self.scope}"]
+        return ",".join(parts)
+
+    def __str__(self) -> str:
+        return self.name or self.spec
+
+    def with_(self, **changes) -> "Policy":
+        """A copy with some fields changed (the name is dropped unless given)."""
+        changes.setdefault("name", None)
+        return replace(self, **changes)
+
+
+def split_top(spec: str) -> list[str]:
+    """Split on commas outside <...> (formats such as fixed<16,14> contain commas)."""
+    out, depth, cur = [], 0, []
+    for ch in spec:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [s.strip() for s in out if s.strip()]
+
+
+_KEYS = {
+    "p": "params", "params": "params",
+    "c": "compute", "compute": "compute",
+    "g": "grads", "grads": "grads",
+    "o": "optimizer_state", "opt": "optimizer_state", "optimizer_state": "optimizer_state",
+    "m": "master", "master": "master",
+    "ls": "loss_scale", "loss_scale": "loss_scale",
+    "b": "backend", "backend": "backend",
+    "s": "scope", "scope": "scope",
+    "r": "rounding", "rounding": "rounding",
+    "u": "update", "update": "update",
+}
+
+POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str, spec: str | Policy) -> Policy:
+    """Add a named policy (later issues register the literature's regimes here)."""
+    pol = spec if isinstance(spec, Policy) else _parse_spec(spec)
+    pol = replace(pol, name=name)
+    POLICIES[name] = pol
+    return pol
+
+
+def _bad_policy(spec, why: str = "") -> ValueError:
+    names = ", ".join(POLICIES)
+    reason = f" ({why})" if why else ""
+    return ValueError(f"unknown policy {spec!r}{reason}; valid names: {names}; or a spec such as "
+                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s")
+
+
+def _parse_spec(spec: str) -> Policy:
+    kv: dict[str, str] = {}
+    for item in split_top(spec):
+        if "=" not in item:
+            raise _bad_policy(spec, f"{item!r} is not key=value")
+        key, val = (s.strip() for s in item.split("=", 1))
+        if key.lower() not in _KEYS:
+            raise _bad_policy(spec, f"unknown key {key!r}")
+        kv[_KEYS[key.lower()]] = val
+    if not kv:
+        raise _bad_policy(spec)
+    kwargs: dict = {}
+
+    def fmt_and_mode(value: str):
+        # "e5m2:sr" -> (format, mode); formats themselves never contain ':'
+        f, _, mode = value.partition(":")
+        return parse_format(f), (mode or None)
+
+    if "params" in kv:
+        f, mode = fmt_and_mode(kv["params"])
+        kwargs["params"] = f
+        if mode:
+            kwargs["update"] = mode.lower() if mode.lower() in UPDATE_MODES else (
+                "stochastic" if parse_rounding(mode)[0].is_stochastic else "nearest")
+    params = kwargs.get("params", FP32)
+    if "compute" in kv:
+        kwargs["compute"], mode = fmt_and_mode(kv["compute"])
+        if mode:
+            kwargs["rounding"] = mode
+    compute = kwargs.get("compute", params)
+    kwargs.setdefault("compute", compute)
+    if "grads" in kv:
+        kwargs["grads"], mode = fmt_and_mode(kv["grads"])
+        if mode:
+            kwargs["grad_rounding"] = mode
+    kwargs.setdefault("grads", compute)
+    kwargs["optimizer_state"] = (parse_format(kv["optimizer_state"]) if "optimizer_state" in kv
+                                 else params)
+    if "master" in kv:
+        kwargs["master"] = None if kv["master"].lower() in ("none", "") else parse_format(
+            kv["master"])
+    for key in ("loss_scale", "backend", "scope", "update"):
+        if key in kv:
+            kwargs[key] = kv[key].lower()
+    if "rounding" in kv:
+        kwargs["rounding"] = kv["rounding"]
+        kwargs.setdefault("grad_rounding", kv["rounding"])
+    if "scope" not in kv:
+        # a wider parameter format than the compute format means mixed precision: only the
+        # matmul-like layers run in the compute format, as under torch.autocast
+        wider = (isinstance(params, FloatFormat) and isinstance(compute, FloatFormat)
+                 and params == FP32 and compute != FP32)
+        kwargs["scope"] = "matmul" if wider else "all"
+    return Policy(**kwargs)
+
+
+_FIXED_POLICY_RE = re.compile(r"^(?:fixed<(\d+),(\d+)>|q(-?\d+)\.(\d+))-(sr|rn)$")
+
+
+def _fixed_policy(name: str, m: re.Match) -> Policy:
+    """Gupta et al. (2015): weights, activations and gradients in one <IL, FL> fixed-point format,
+    products accumulated in fp32 and rounded once at each layer's output, saturating; rounding
+    to nearest (``-rn``) or stochastic (``-sr``), also for the weight update. Momentum stays fp32.
+    ``fixed<WL,FL>-sr`` gives the word length, ``qIL.FL-sr`` the integer bits."""
+    if m.group(1) is not None:
+        word, frac = int(m.group(1)), int(m.group(2))
+        fmt = f"q{word - frac}.{frac}"
+    else:
+        fmt = f"q{m.group(3)}.{m.group(4)}"
+    if m.group(5) == "sr":
+        spec = f"p={fmt}:stochastic,c={fmt}:sr,g={fmt}:sr,o=fp32"
+    else:
+        spec = f"p={fmt},c={fmt},g={fmt},o=fp32"
+    return replace(_parse_spec(spec), name=name)
+
+
+def parse_policy(spec: str | Policy) -> Policy:
+    """A named policy (``"16-true"``), a compact spec, or a Policy (returned as is)."""
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a policy must be a name, a spec string or a Policy, got {spec!r}")
+    key = spec.strip()
+    if key in POLICIES:
+        return POLICIES[key]
+    if m := _FIXED_POLICY_RE.match(key.lower()):
+        return _fixed_policy(key, m)
+    if "=" not in key:
+        raise _bad_policy(spec)
+    try:
+        return _parse_spec(key)
+    except ValueError as err:
+        if str(err).startswith("unknown policy"):
+            raise
+        raise ValueError(f"policy {spec!r}: {err}") from None
+
+
+# Lightning's names where it has them; Apex O2 is "16-master".
+register_policy("32-true", "p=fp32")
+register_policy("16-true", "p=fp16,c=fp16,g=fp16,o=fp16")
+register_policy("bf16-true", "p=bf16,c=bf16,g=bf16,o=bf16")
+register_policy("16-mixed", "p=fp32,c=fp16,g=fp16,o=fp32,ls=dynamic,s=matmul")
+register_policy("bf16-mixed", "p=fp32,c=bf16,g=bf16,o=fp32,s=matmul")
+register_policy("16-master", "p=fp16,c=fp16,g=fp16,o=fp32,m=fp32,ls=dynamic")
+
+# The regimes of the literature (see docs/design.md and the presets of lowprec compare).
+register_policy("fixed16-sr", parse_policy("q6.10-sr"))
+register_policy("fixed16-rn", parse_policy("q6.10-rn"))
+# Courbariaux, Bengio and David (2014): 10-bit propagations, 12-bit parameter updates, each group
+# with its own dynamic range; and static fixed point of the same widths for comparison
+register_policy("dfxp-10-12", "p=dfxp<12>,c=dfxp<10>,g=dfxp<10>,o=dfxp<12>")
+register_policy("fixed-10-12", "p=q2.10,c=q4.6,g=q4.6,o=q2.10")
+# BinaryNet (Courbariaux, Hubara et al. 2016): binary weights and activations, fp32 latent weights
+register_policy("binary", "p=fp32,c=binary,g=fp32,o=fp32,s=matmul")
+register_policy("binary-stochastic", "p=fp32,c=binary:sr,g=fp32,o=fp32,s=matmul")
+# OCP MX v1.0: weights and activations of every matmul in blocks of 32 along the reduction axis
+for _mx in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"):
+    register_policy(_mx, f"p=fp32,c={_mx},g=fp32,o=fp32,s=matmul")

@@ -1,0 +1,309 @@
+"""``Precision``: one object a training loop uses the same way whatever the regime.
+
+    prec = lowprec.Precision("16-true")
+    model, optimizer = prec.setup(model, optimizer)
+    for x, y in loader:
+        optimizer.zero_grad()
+        with prec.autocast():
+            loss = loss_fn(model(x), y)
+        prec.backward(loss)
+        prec.step(optimizer)        # unscale, check Inf/NaN, skip or step, update the scale
+
+Backends. ``native`` runs real torch dtypes (``model.half()``, ``torch.autocast``); it needs
+every format to be fp32, fp16 or bf16. ``emulated`` keeps fp32 tensors and rounds values onto the
+policy's grids (:mod:`lowprec.training.emulate`); it accepts any format. ``auto`` picks native where the
+hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
+AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .regimes.dynamic_fixed import Controller, resolve
+from .emulate import Emulation
+from ..numerics.formats import BF16, FP16, FP32, BinaryFormat, DynamicFixedFormat
+from .loss_scale import LossScale, make_loss_scale
+from .memory import MemoryLedger, measure_memory
+from ..numerics.storage import storage_dtype
+from .optim import FormatOptimizer, LowPrecisionOptimizer
+from .policy import Policy, parse_policy
+from ..numerics.quantize import quantize_
+
+__all__ = ["Precision"]
+
+_NATIVE_FORMATS = (FP32, FP16, BF16)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _can_be_native(policy: Policy) -> bool:
+    roles = [policy.params, policy.compute, policy.grads, policy.optimizer_state]
+    if policy.master is not None:
+        roles.append(policy.master)
+    if policy.is_fp32:
+        return True
+    return all(f in _NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
+
+
+class Precision:
+    """Apply a :class:`Policy` to a model and optimizer; see the module docstring."""
+
+    def __init__(self, policy: str | Policy = "32-true", *, loss_scale: str | LossScale | None = None,
+                 generator: torch.Generator | None = None, seed: int | None = None) -> None:
+        self.policy = parse_policy(policy)
+        self.loss_scale = make_loss_scale(loss_scale if loss_scale is not None
+                                          else self.policy.loss_scale)
+        if generator is None and seed is not None:
+            generator = torch.Generator().manual_seed(seed)
+        self.generator = generator
+        self.backend: str | None = None
+        self.device: torch.device | None = None
+        self.emulation: Emulation | None = None
+        self.optimizer = None
+        self.model: nn.Module | None = None
+        self.controller = None  # ranges of dynamic fixed-point formats, created by setup
+        self._binary = False
+        self._added_params: list = []
+        self._names: dict[int, str] = {}
+        self.steps = 0
+        self.skipped = 0
+        self.nonfinite = 0
+        self.trace: list[dict] = []
+        self._handles: list = []
+
+    # -- set-up ------------------------------------------------------------------------------
+    def resolve_backend(self, device: torch.device) -> str:
+        pol = self.policy
+        if pol.backend == "native":
+            if not _can_be_native(pol):
+                raise ValueError(
+                    f"policy {pol} cannot run natively: native needs fp32/fp16/bf16 formats with "
+                    "gradients in the compute format; use backend=emulated")
+            return "native"
+        if pol.backend == "emulated" or not _can_be_native(pol):
+            return "emulated" if not pol.is_fp32 else "native"
+        lowp = {f for f in (pol.params, pol.compute, pol.grads) if f != FP32}
+        if device.type == "cuda" or lowp <= {BF16}:
+            return "native"
+        return "emulated"
+
+    def setup(self, model: nn.Module, optimizer=None):
+        """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
+        if self.model is not None:
+            raise RuntimeError("this Precision is already set up; create one per model")
+        pol = self.policy
+        self.device = _device_of(model)
+        self.backend = self.resolve_backend(self.device)
+        self.model = model
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        if any(isinstance(f, DynamicFixedFormat) for f in (pol.params, pol.compute, pol.grads,
+                                                           pol.optimizer_state, pol.master)):
+            self.controller = Controller()
+        self._binary = isinstance(pol.compute, BinaryFormat)
+        if self._binary:
+            from .regimes.binary import binarize
+
+            self._added_params = binarize(model, stochastic=pol.rounding.is_stochastic,
+                                          generator=self.generator)
+        elif self.backend == "native":
+            if pol.scope == "all" and pol.params != FP32:
+                dtype = storage_dtype(pol.params)
+                model.to(dtype)
+                self._handles.append(model.register_forward_pre_hook(
+                    lambda m, args: tuple(a.to(dtype) if torch.is_tensor(a) and
+                                          a.is_floating_point() else a for a in args)))
+        else:
+            with torch.no_grad():
+                if pol.params != FP32:
+                    for name, p in model.named_parameters():
+                        quantize_(p.data, resolve(pol.params, f"param:{name}", p.data,
+                                                  self.controller))
+            self.emulation = Emulation(model, pol, self.generator, active=pol.scope == "all",
+                                       controller=self.controller)
+        if optimizer is not None:
+            if self._binary and self._added_params:
+                optimizer.add_param_group({"params": self._added_params})
+            if self._binary and isinstance(optimizer, LowPrecisionOptimizer):
+                from .regimes.binary import apply_lr_scales, glorot_lr_scales
+
+                apply_lr_scales(optimizer, glorot_lr_scales(model))
+            optimizer = self._setup_optimizer(optimizer)
+        self.optimizer = optimizer
+        return model, optimizer
+
+    def _setup_optimizer(self, optimizer):
+        pol = self.policy
+        emulated = self.backend == "emulated"
+        pfmt = pol.params if emulated else None
+        kwargs = dict(param_format=pfmt, state_format=pol.optimizer_state,
+                      master_format=pol.master, update=pol.update, generator=self.generator,
+                      controller=self.controller, names=self._names)
+        if isinstance(optimizer, LowPrecisionOptimizer):
+            optimizer.configure(**kwargs)
+            return optimizer
+        if isinstance(optimizer, FormatOptimizer):
+            optimizer.storage.configure(**kwargs)
+            return optimizer
+        lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
+        # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
+        # stepping 16-bit tensors itself would already have rounded to nearest
+        needs_wrap = pol.master is not None or pol.update != "nearest" or (emulated and lowp_storage)
+        if needs_wrap:
+            wrapped = FormatOptimizer(optimizer, **{k: v for k, v in kwargs.items()
+                                                    if k not in ("controller", "names")})
+            wrapped.storage.configure(**kwargs)
+            return wrapped
+        return optimizer
+
+    def convert_input(self, x):
+        """Cast floating tensors to the model's storage dtype (pure native policies)."""
+        if self.backend == "native" and self.policy.scope == "all" and self.policy.params != FP32:
+            dtype = storage_dtype(self.policy.params)
+            if torch.is_tensor(x) and x.is_floating_point():
+                return x.to(dtype)
+        return x
+
+    # -- the loop ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def autocast(self):
+        """Mixed policies compute matmul layers in the compute format inside this context."""
+        pol = self.policy
+        if pol.scope != "matmul" or pol.compute == FP32:
+            yield
+            return
+        if self.backend == "native":
+            with torch.autocast(device_type=self.device.type, dtype=storage_dtype(pol.compute)):
+                yield
+            return
+        em = self.emulation
+        if em is None:  # binary: the transformed layers compute their own precision
+            yield
+            return
+        prev, em.active = em.active, True
+        try:
+            yield
+        finally:
+            em.active = prev
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``(loss * scale).backward()``, the product taken in fp32."""
+        if self.loss_scale.scale == 1.0:
+            loss.backward(**kwargs)
+        else:
+            (loss.float() * self.loss_scale.scale).backward(**kwargs)
+
+    @staticmethod
+    def _params_with_grads(optimizer) -> list[torch.Tensor]:
+        if hasattr(optimizer, "params_for_check"):
+            return optimizer.params_for_check()
+        return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    @staticmethod
+    def _check(grads, found: torch.Tensor, inv_scale: float) -> None:
+        """Add 1 to ``found`` if any gradient holds Inf/NaN (torch's fused check), multiplying
+        the gradients by ``inv_scale`` on the way (1: check only)."""
+        groups: dict = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), gs in groups.items():
+            f = torch.zeros(1, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                gs, f, torch.full((1,), inv_scale, device=dev))
+            found += f.to(found.device)
+
+    @torch.no_grad()
+    def step(self, optimizer=None) -> bool:
+        """Unscale, check every gradient for Inf/NaN in one fused pass (all-reduced across
+        ranks), skip or step, update the loss scale and the trace. Returns True if it stepped."""
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None:
+            raise ValueError("step() needs an optimizer (pass it, or give one to setup())")
+        params = self._params_with_grads(optimizer)
+        grads = [p.grad for p in params]
+        scale = self.loss_scale.scale
+        takes_scale = getattr(optimizer, "accepts_grad_scale", False)
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros(1, device=device)
+        rounds = self.backend == "emulated" and self.policy.params != FP32
+        if rounds and not getattr(self.policy.params, "has_inf", False):
+            # a saturating format would turn an Inf into its max: look before rounding too
+            self._check(grads, found, 1.0)
+        if rounds:
+            # the gradients as parameter-format storage would hold them
+            for p in params:
+                key = f"pgrad:{self._names.get(id(p), id(p))}"
+                quantize_(p.grad, resolve(self.policy.params, key, p.grad, self.controller))
+        self._check(grads, found, 1.0 if takes_scale else 1.0 / scale)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        found_inf = bool(found.item() > 0)
+        skip = found_inf and self.loss_scale.skips_nonfinite
+        if not skip:
+            if takes_scale and scale != 1.0:
+                optimizer.step(grad_scale=1.0 / scale)
+            else:
+                optimizer.step()
+            if self._binary:
+                from .regimes.binary import clip_latent_weights
+
+                clip_latent_weights(self.model)
+        self.trace.append({"step": self.steps, "scale": scale, "found_inf": found_inf,
+                           "skipped": skip})
+        self.steps += 1
+        self.skipped += int(skip)
+        self.nonfinite += int(found_inf)
+        self.loss_scale.update(found_inf)
+        return not skip
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "policy": self.policy.spec,
+            "loss_scale": self.loss_scale.state_dict(),
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "nonfinite": self.nonfinite,
+            "trace": list(self.trace),
+            "generator": None if self.generator is None else self.generator.get_state(),
+            "dynamic_ranges": None if self.controller is None else self.controller.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("policy") not in (None, self.policy.spec):
+            raise ValueError(f"state is for policy {state['policy']!r}, this Precision has "
+                             f"{self.policy.spec!r}")
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        self.steps, self.skipped = int(state["steps"]), int(state["skipped"])
+        self.nonfinite = int(state.get("nonfinite", 0))
+        self.trace = list(state["trace"])
+        if state.get("generator") is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+        if state.get("dynamic_ranges") is not None:
+            if self.controller is None:
+                self.controller = Controller()
+            self.controller.load_state_dict(state["dynamic_ranges"])
+
+    # -- measurement -------------------------------------------------------------------------
+    def memory(self, model: nn.Module | None = None, batch=None, loss_fn=None) -> MemoryLedger:
+        """Exact bytes of one training step by role (params, grads, optimizer state, master
+        weights, activations saved for backward)."""
+        model = model if model is not None else self.model
+        if model is None or batch is None or loss_fn is None:
+            raise ValueError("memory() needs a model (or setup() first), a batch and a loss_fn")
+        inputs, targets = batch
+        compute = self.policy.compute if self.backend == "emulated" else None
+        return measure_memory(model, (self.convert_input(inputs), targets), loss_fn,
+                              param_format=self.policy.params, optimizer=self.optimizer,
+                              compute=compute, autocast=self.autocast)
+
+    def __repr__(self) -> str:
+        return f"Precision({self.policy}, backend={self.backend}, loss_scale={self.loss_scale})"
+

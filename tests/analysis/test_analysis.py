@@ -1,0 +1,250 @@
+"""The analyses: the certificate (hypothesis over random networks), range profiles, lost updates,
+first non-finite, layer errors, advise."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import round_reference
+from torch import nn
+
+from lowprec import find_loss_scale, parse_format, quantize
+from lowprec.analysis import (advise, certificate_from_outputs, certify, classify,
+                              first_nonfinite, layer_errors, lost_fractions, lost_updates,
+                              range_profile)
+from lowprec.experiments.data import Dataset
+
+
+def random_mlp(seed, widths, scale):
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        lin = nn.Linear(a, b)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(b, a, generator=g) * scale / math.sqrt(a))
+            lin.bias.copy_(torch.randn(b, generator=g) * 0.1)
+        layers += [lin, nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def manual_low_precision(model, x, fmt):
+    """The same network computed by hand: every weight, input and layer output rounded to fmt,
+    float32 arithmetic (how the emulated 16-bit model computes)."""
+    h = quantize(x, fmt)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            h = quantize(nn.functional.linear(h, quantize(m.weight.detach(), fmt),
+                                              quantize(m.bias.detach(), fmt)), fmt)
+        else:
+            h = torch.relu(h)
+    return h
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), depth=st.integers(1, 4), width=st.integers(2, 24),
+       classes=st.integers(2, 10), scale=st.floats(0.3, 3.0), xscale=st.floats(0.01, 30.0),
+       fmt=st.sampled_from(["fp16", "bf16", "e4m3fn"]))
+def test_certified_inputs_always_agree(seed, depth, width, classes, scale, xscale, fmt):
+    d_in = 6
+    model = random_mlp(seed, [d_in] + [width] * (depth - 1) + [classes], scale)
+    x = torch.randn(64, d_in, generator=torch.Generator().manual_seed(seed + 1)) * xscale
+    cert = certify(model, x, fmt)
+    assert cert.violations == 0
+    assert not (cert.certified & ~cert.agree).any()
+    # δ and Γ against a float64 computation from independently computed outputs
+    o32 = model(x).detach().double().numpy()
+    o16 = manual_low_precision(model, x, fmt).detach().double().numpy()
+    def same(a, b):
+        return a == b or (math.isnan(a) and math.isnan(b))
+
+    for i in range(len(x)):
+        diffs = [abs(float(a) - float(b)) for a, b in zip(o16[i], o32[i])]
+        delta = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+        top = sorted(float(v) for v in o32[i])
+        gamma = top[-1] - top[-2]
+        assert same(cert.delta[i], delta) and same(cert.gamma[i], gamma)
+        assert cert.certified[i] == (gamma > 2 * delta)
+        assert cert.agree[i] == (int(np.argmax(o16[i])) == int(np.argmax(o32[i])))
+
+
+def test_certificate_rejects_ties_and_counts_violations():
+    out32 = torch.tensor([[1.0, 1.0, 0.0], [3.0, 1.0, 0.0], [2.0, 1.9, 0.0]])
+    out16 = torch.tensor([[1.0, 1.0, 0.0], [3.0, 1.1, 0.0], [1.9, 2.0, 0.0]])
+    c = certificate_from_outputs(out32, out16)
+    assert c.certified.tolist() == [False, True, False]  # a tie is never certified
+    assert c.agree.tolist() == [True, True, False]
+    assert c.violations == 0
+    s = c.summary()
+    assert s["certified"] == pytest.approx(1 / 3) and s["agreement"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="outputs"):
+        certify(random_mlp(0, [3, 4], 1.0), torch.randn(2, 3), outputs="votes")
+
+
+def test_certify_probs_and_per_class():
+    model = random_mlp(3, [6, 16, 4], 2.0)
+    x = torch.randn(200, 6)
+    y = torch.randint(0, 4, (200,))
+    c = certify(model, (x, y), "bf16", outputs="probs")
+    assert c.violations == 0 and c.outputs == "probs"
+    per = c.per_class()
+    assert sum(r["n"] for r in per) == 200 and {r["class"] for r in per} <= {0, 1, 2, 3}
+    assert 0 <= c.summary()["accuracy16"] <= 1
+
+
+def test_range_fractions_match_a_direct_count():
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(5000, generator=g) * 10.0 ** torch.randint(-12, 6, (5000,),
+                                                                             generator=g)])
+    values = torch.cat([values, torch.tensor([65504.0, 65519.0, 65520.0, 1e6, 2.0**-25,
+                                              2.0**-25 * 1.01, 0.0])])
+    for spec in ["fp16", "bf16", "e4m3fn-sat", "e5m2"]:
+        fmt = parse_format(spec)
+        c = classify(values, fmt)
+        v = values[values != 0]
+        q = quantize(v, fmt)
+        flush = (q == 0).double().mean().item()
+        if fmt.has_inf:
+            over = torch.isinf(q).double().mean().item()
+        else:  # saturating: overflow is where nearest rounding would leave the top binade
+            over = (v.abs().double() >= fmt.max + 2.0 ** (fmt.emax - fmt.man_bits) / 2
+                    ).double().mean().item()
+        a = v.abs().double()
+        sub = ((a > fmt.min_subnormal / 2) & (a < fmt.min_normal)).double().mean().item()
+        assert c["flush"] == pytest.approx(flush, abs=1e-12), spec
+        assert c["overflow"] == pytest.approx(over, abs=1e-12), spec
+        assert c["subnormal"] == pytest.approx(sub, abs=1e-12), spec
+
+
+def test_range_profile_roles_and_loss_scale_cross_check():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    x, y = torch.randn(64, 20), torch.randint(0, 5, (64,))
+
+    def loss_fn(o, t):
+        return nn.functional.cross_entropy(o, t) * 1e-5
+
+    prof = range_profile(model, (x, y), loss_fn, "fp16")
+    roles = {s.role for s in prof.stats}
+    assert roles == {"weights", "activations", "activation_grads", "weight_grads"}
+    assert prof.fraction("activation_grads", "flush") > 0.1  # why fp16 needs a loss scale
+    choice = find_loss_scale(model, (x, y), loss_fn, "fp16")
+    assert prof.gradient_scale() == choice.scale
+    scaled = range_profile(model, (x, y), loss_fn, "fp16", loss_scale=choice.scale)
+    assert scaled.fraction("activation_grads", "flush") < prof.fraction("activation_grads",
+                                                                         "flush")
+    assert scaled.fraction("weight_grads", "overflow") == 0
+
+
+def test_lost_update_fractions_match_an_elementwise_check():
+    g = torch.Generator().manual_seed(2)
+    w = quantize(torch.randn(3000, generator=g), "bf16")
+    dw = torch.randn(3000, generator=g) * 10.0 ** torch.randint(-6, -1, (3000,), generator=g)
+    fmt = parse_format("bf16")
+    f = lost_fractions(w, dw, fmt, torch.Generator().manual_seed(0))
+    target = (w.double() + dw.double()).float().numpy()  # w + Δw in float32
+    rounded = round_reference(target, fmt, "nearest")
+    lost = [rounded[i] == float(w[i]) for i in range(3000) if dw[i] != 0]
+    assert f["nearest"] == pytest.approx(sum(lost) / len(lost), abs=1e-12)
+    comp = round_reference((-dw).numpy(), fmt, "nearest")
+    kahan = [rounded[i] == float(w[i]) and comp[i] == 0 for i in range(3000) if dw[i] != 0]
+    assert f["kahan"] == pytest.approx(sum(kahan) / len(kahan), abs=1e-12)
+    assert f["kahan"] <= f["nearest"] and 0 < f["nearest"] < 1
+    # stochastic rounding loses an update of a fraction p of the spacing with probability 1 - p
+    assert f["stochastic"] < f["nearest"] + 0.05
+
+
+def test_lost_updates_per_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(32, 10), torch.randint(0, 3, (32,))
+    rows = lost_updates(model, (x, y), nn.functional.cross_entropy, "bf16", lr=1e-5)
+    assert [r.layer for r in rows] == ["0", "2"]
+    assert all(r.nearest > 0.9 for r in rows)  # lr 1e-5 is below half a bf16 spacing
+    big = lost_updates(model, (x, y), nn.functional.cross_entropy, "bf16", lr=10.0)
+    assert all(r.nearest < 0.5 for r in big)
+
+
+def _planted():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+def test_first_nonfinite_finds_a_forward_overflow():
+    model = _planted()
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)  # its outputs exceed fp16's 65504
+    batch = (torch.randn(32, 8), torch.randint(0, 4, (32,)))
+    rep = first_nonfinite(model, batch, nn.functional.cross_entropy, "16-true")
+    assert rep.forward is not None and rep.forward.name == "2"
+    assert rep.forward.input_range["inf"] == 0 and rep.forward.output_range["inf"] > 0
+    assert first_nonfinite(model, batch, nn.functional.cross_entropy, "32-true").clean
+
+
+def test_first_nonfinite_finds_a_backward_overflow():
+    model = _planted()
+    with torch.no_grad():  # small activations forward, a large weight amplifies the gradient
+        model[0].weight.mul_(1e-4)
+        model[0].bias.zero_()
+        model[2].weight.mul_(3e4)
+    batch = (torch.randn(32, 8), torch.randint(0, 4, (32,)))
+
+    def loss_fn(o, t):
+        return nn.functional.cross_entropy(o, t) * 1e4
+
+    rep = first_nonfinite(model, batch, loss_fn, "16-true")
+    assert rep.forward is None
+    assert rep.backward is not None and rep.backward.name == "2"
+    assert rep.backward.input_range["inf"] == 0 and rep.backward.output_range["inf"] > 0
+    assert first_nonfinite(model, batch, loss_fn, "32-true").clean
+
+
+def test_layer_errors_grow_with_a_coarser_format():
+    model = random_mlp(1, [6, 32, 32, 5], 1.0)
+    x = torch.randn(128, 6)
+    e16 = layer_errors(model, x, "fp16")
+    e8 = layer_errors(model, x, "e4m3fn")
+    assert [e.name for e in e16] == ["0", "1", "2", "3", "4"]
+    assert all(e.rel_error < 4 * parse_format("fp16").eps for e in e16)
+    assert all(a.rel_error < b.rel_error for a, b in zip(e16, e8))
+    assert all(e.rel_error == 0 for e in layer_errors(model, x, "fp32"))
+
+
+def _dataset(model_in=6, n=256, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, model_in, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return Dataset("toy", x, y, x[:128], y[:128], classes)
+
+
+def test_advise_reports_measurements():
+    model = random_mlp(4, [6, 16, 4], 1.0)
+    adv = advise(model, _dataset(), "bf16", lr=1e-6)
+    assert adv.verdict == "needs care"
+    assert any("loses" in r and "%" in r for r in adv.reasons)  # lr 1e-6: every update lost
+    assert adv.certificate.violations == 0
+    text = str(adv)
+    assert text.startswith("pure bf16: needs care") and "certified" in text
+    ok = advise(model, _dataset(), "fp16", lr=10.0)
+    assert "certified" in ok.reasons[0]
+    assert all(any(ch.isdigit() for ch in r) for r in ok.reasons)  # every reason is measured
+    bad = random_mlp(4, [6, 16, 4], 1.0)
+    with torch.no_grad():
+        bad[0].weight.mul_(1e6)
+    assert advise(bad, _dataset(), "fp16").verdict == "unsafe"
+
+
+def test_certify_and_advise_commands(capsys):
+    from lowprec.cli import main
+
+    assert main(["certify", "--data", "digits", "--model", "mlp", "--epochs", "1",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "certified" in out and "0 violations" in out and "per class" in out
+    assert main(["advise", "--data", "digits", "--model", "mlp", "--epochs", "1", "--format",
+                 "bf16", "--quiet"]) == 0
+    assert "pure bf16:" in capsys.readouterr().out
+    assert main(["certify", "--format", "fp7", "--quiet"]) == 2

@@ -1,0 +1,265 @@
+"""`lowprec compare`: the runner, the results database, resume, divergence, bad input, report."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli import main
+from lowprec.experiments.results import ResultsDB
+from lowprec.experiments import CompareConfig, run_compare
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+def small(out, **kw):
+    base = dict(data="digits", model="mlp", policies=("32-true", "16-true"), seeds=(0,), epochs=2,
+                batch_size=64, out=str(out), quiet=True)
+    base.update(kw)
+    return CompareConfig(**base)
+
+
+def test_compare_stores_everything_and_writes_the_report(tmp_path):
+    out = run_compare(small(tmp_path / "r"))
+    db = ResultsDB(out / "results.db", create=False)
+    runs = db.runs()
+    assert [r["status"] for r in runs] == ["finished", "finished"]
+    r = runs[0]
+    assert r["config"]["data"] == "digits" and r["versions"]["torch"] and r["hardware"]["cpus"]
+    assert r["policy_spec"].startswith("p=fp32")
+    for run in runs:
+        ep = db.epochs(run["run_id"])
+        assert [e["epoch"] for e in ep] == [0, 1]
+        assert all(0 < e["test_acc"] <= 1 and e["seconds"] > 0 for e in ep)
+        mem = db.memory(run["run_id"])
+        assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer_state",
+                                                    "master", "activations"))
+        assert len(db.trace(run["run_id"])) == 2 * 23  # every optimizer step (1438 / 64)
+    assert db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    for run in runs:  # the analyses of every finished run are stored for the report
+        assert db.analysis(run["run_id"], "certificate:fp16")["summary"]["violations"] == 0
+    db.close()
+    md = (out / "report.md").read_text()
+    assert "| 32-true |" in md and "report_files/accuracy.png" in md
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 6 and "<table" in html
+    assert "The 16-bit certificate" in html and "Lost updates" in html
+    for name in ("accuracy.png", "loss_scale.png", "memory.png", "certificate.png",
+                 "layer_errors.png", "gradient_ranges.png"):
+        assert (out / "report_files" / name).stat().st_size > 1000
+
+
+def test_report_rebuilds_from_the_database_alone(tmp_path, capsys):
+    out = run_compare(small(tmp_path / "r", policies=("32-true",)))
+    (out / "report.html").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").exists()
+    assert "32-true" in capsys.readouterr().out
+
+
+def test_a_diverging_run_is_recorded_and_the_comparison_goes_on(tmp_path):
+    out = run_compare(small(tmp_path / "r", lr=1e6, schedule="constant", momentum=0.0,
+                            policies=("32-true", "bf16-true")))
+    db = ResultsDB(out / "results.db", create=False)
+    statuses = {r["policy"]: r for r in db.runs()}
+    assert set(statuses) == {"32-true", "bf16-true"}  # the second run ran after the first
+    for r in statuses.values():
+        assert r["status"] == "diverged" and r["diverged_step"] is not None
+    db.close()
+    assert "diverged" in (out / "report.md").read_text()
+
+
+def _cli(args, **kw):
+    env = dict(os.environ, PYTHONPATH=SRC)
+    return subprocess.run([sys.executable, "-m", "lowprec.cli", *args], capture_output=True,
+                          text=True, env=env, **kw)
+
+
+def _final(db_path):
+    c = sqlite3.connect(db_path)
+    rows = c.execute("SELECT run_id, epoch, train_loss, test_acc FROM epochs ORDER BY run_id, "
+                     "epoch").fetchall()
+    started = dict(c.execute("SELECT run_id, started FROM runs").fetchall())
+    c.close()
+    return rows, started
+
+
+@pytest.mark.timeout(300)
+def test_killed_compare_resumes_and_matches_an_uninterrupted_one(tmp_path):
+    args = ["compare", "--data", "mnist", "--model", "lenet5", "--policies", "32-true,16-true",
+            "--seeds", "1", "--epochs", "4", "--quiet"]
+    ref = tmp_path / "ref"
+    assert _cli(args + ["--out", str(ref)], timeout=240).returncode == 0
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.Popen([sys.executable, "-m", "lowprec.cli", *args, "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db_path = out / "results.db"
+    state = None
+    deadline = time.time() + 200
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+        if not db_path.exists():
+            continue
+        try:
+            c = sqlite3.connect(db_path, timeout=1)
+            status = dict(c.execute("SELECT run_id, status FROM runs").fetchall())
+            n_ep = c.execute("SELECT COUNT(*) FROM epochs WHERE run_id = '16-true|seed=0'"
+                             ).fetchone()[0]
+            c.close()
+        except sqlite3.Error:
+            continue
+        if status.get("32-true|seed=0") == "finished" and status.get("16-true|seed=0") == \
+                "running" and 1 <= n_ep < 4:
+            proc.send_signal(signal.SIGKILL)  # as hard as an interruption gets
+            state = (status, n_ep)
+            break
+    proc.wait()
+    assert state is not None, "the compare finished before it could be interrupted"
+    before, started_before = _final(db_path)
+    # --resume keeps the finished run and continues the other from its checkpoint
+    res = _cli(args + ["--out", str(out), "--resume"], timeout=240)
+    assert res.returncode == 0, res.stderr
+    after, started_after = _final(db_path)
+    assert started_after["32-true|seed=0"] == started_before["32-true|seed=0"]  # not redone
+    assert started_after["16-true|seed=0"] == started_before["16-true|seed=0"]  # continued
+    ref_rows, _ = _final(ref / "results.db")
+    assert after == ref_rows  # the same numbers as a run that was never interrupted
+
+
+def test_existing_folder_needs_resume(tmp_path):
+    run_compare(small(tmp_path / "r", policies=("32-true",)))
+    res = _cli(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
+                "--seeds", "1", "--epochs", "1", "--out", str(tmp_path / "r"), "--quiet"])
+    assert res.returncode == 2 and "--resume" in res.stderr and res.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--policies", "17-true"], "unknown policy '17-true'"),
+    (["--model", "alexnet"], "unknown model 'alexnet'"),
+    (["--data", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--epochs", "0"], "epochs=0"),
+    (["--optimizer", "lion"], "optimizer='lion'"),
+    (["--data", "cifar10:/nonexistent"], "cifar10"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    res = _cli(["compare", "--out", str(tmp_path / "r"), "--quiet", "--epochs", "1", *args])
+    assert res.returncode == 2, res.stderr
+    assert needle in res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_unwritable_output_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    res = _cli(["compare", "--out", str(blocker / "sub"), "--quiet", "--epochs", "1"])
+    assert res.returncode == 2 and "not writable" in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def test_corrupted_database_is_reported_and_left_untouched(tmp_path):
+    out = tmp_path / "r"
+    out.mkdir()
+    garbage = b"this is not sqlite" * 100
+    (out / "results.db").write_bytes(garbage)
+    res = _cli(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
+                "--seeds", "1", "--epochs", "1", "--out", str(out), "--resume", "--quiet"])
+    assert res.returncode == 2 and "results.db" in res.stderr and "Traceback" not in res.stderr
+    assert (out / "results.db").read_bytes() == garbage
+    res = _cli(["report", str(out)])
+    assert res.returncode == 2 and (out / "results.db").read_bytes() == garbage
+
+
+def test_train_command_and_help():
+    for cmd in (["compare", "--help"], ["train", "--help"], ["report", "--help"],
+                ["formats", "--help"]):
+        res = _cli(cmd)
+        assert res.returncode == 0 and "usage" in res.stdout
+
+
+def test_train_runs_one_policy(tmp_path, capsys):
+    rc = main(["train", "--policy", "bf16-true", "--seed", "3", "--data", "digits", "--model",
+               "mlp", "--epochs", "1", "--out", str(tmp_path / "t")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "bf16-true" in out and "report" in out
+    db = ResultsDB(tmp_path / "t" / "results.db", create=False)
+    assert [(r["policy"], r["seed"]) for r in db.runs()] == [("bf16-true", 3)]
+    db.close()
+
+
+def test_progress_is_shown_and_quiet_silences_it(tmp_path):
+    res = _cli(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
+                "--seeds", "1", "--epochs", "1", "--out", str(tmp_path / "a")])
+    assert res.returncode == 0 and "all runs" in res.stdout and "test acc" in res.stdout
+    res = _cli(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
+                "--seeds", "1", "--epochs", "1", "--out", str(tmp_path / "b"), "--quiet"])
+    assert res.returncode == 0 and res.stdout == ""
+
+
+@pytest.mark.browser
+def test_report_displays_in_a_real_headless_chromium(tmp_path):
+    import shutil
+
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (make test "
+                    "installs them)")
+    from io import BytesIO
+
+    from PIL import Image
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    out = run_compare(small(tmp_path / "r"))
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1200,1600",
+                 f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    try:
+        driver.get((out / "report.html").resolve().as_uri())
+        table = driver.find_element(By.CSS_SELECTOR, "table.summary")
+        assert table.is_displayed()
+        cells = [td.text for td in table.find_elements(By.TAG_NAME, "td")]
+        assert "32-true" in cells and "16-true" in cells
+        images = driver.find_elements(By.TAG_NAME, "img")
+        assert len(images) == 6
+        for img in images:
+            ok = driver.execute_script(
+                "return arguments[0].complete && arguments[0].naturalWidth > 100", img)
+            assert ok, "broken image"
+            assert img.is_displayed()
+        png = driver.get_screenshot_as_png()
+    finally:
+        driver.quit()
+    shot = Image.open(BytesIO(png)).convert("L")
+    hist = shot.histogram()
+    assert sum(1 for h in hist if h > 0) > 20  # not a blank page
+    assert hist[255] < 0.98 * sum(hist)
+
+
+def test_resume_before_the_first_checkpoint_redoes_the_run_in_place(tmp_path):
+    """Killed after epoch 0's row was written but before its checkpoint: resume keeps the run
+    (same start time) and recomputes the same numbers."""
+    cfg = small(tmp_path / "r", policies=("32-true",), epochs=2)
+    out = run_compare(cfg)
+    rows, started = _final(out / "results.db")
+    c = sqlite3.connect(out / "results.db")
+    c.execute("UPDATE runs SET status = 'running', finished = NULL")
+    c.execute("DELETE FROM epochs WHERE epoch > 0")
+    c.commit()
+    c.close()
+    assert not list((out / "checkpoints").iterdir())
+    cfg.resume = True
+    run_compare(cfg)
+    rows_after, started_after = _final(out / "results.db")
+    assert rows_after == rows and started_after == started

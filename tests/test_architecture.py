@@ -1,0 +1,105 @@
+"""The package's shape, checked: four layers with data flowing one way, no private names taken.
+
+numerics (0) -> training (1) -> analysis (2) -> experiments (3) -> cli (4). A module may import
+from its own layer or a lower one, never a higher one; and no module imports a name that
+another module keeps private (a leading underscore). ``lowprec/__init__.py`` is the facade that
+re-exports the public API, so it may import from every layer.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lowprec
+
+ROOT = Path(lowprec.__file__).parent
+LAYERS = {"numerics": 0, "training": 1, "analysis": 2, "experiments": 3, "cli": 4}
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        yield path, ["lowprec", *parts], is_pkg
+
+
+def _layer(mod: list[str]) -> int | None:
+    if len(mod) < 2:
+        return None  # the facade
+    return LAYERS.get(mod[1])
+
+
+def _imports(path: Path, mod: list[str], is_pkg: bool):
+    """(absolute module, imported names) for every lowprec import of a file, lazy ones too."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = mod if is_pkg else mod[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = base + (node.module.split(".") if node.module else [])
+            else:
+                target = (node.module or "").split(".")
+            if target[0] != "lowprec":
+                continue
+            names = [a.name for a in node.names]
+            if not node.module and node.level:  # "from . import kernel": submodules
+                for n in names:
+                    yield target + [n], [], node.lineno
+            else:
+                yield target, names, node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "lowprec":
+                    yield a.name.split("."), [], node.lineno
+
+
+ALL = list(_modules())
+
+
+def test_the_four_layers_exist():
+    found = {m[1] for _, m, _ in ALL if len(m) > 1}
+    assert set(LAYERS) <= found
+
+
+@pytest.mark.parametrize("path,mod,is_pkg", ALL, ids=[".".join(m) for _, m, _ in ALL])
+def test_no_import_from_a_higher_layer_and_no_private_name(path, mod, is_pkg):
+    own = _layer(mod)
+    problems = []
+    for target, names, line in _imports(path, mod, is_pkg):
+        if own is not None:
+            theirs = _layer(target)
+            if theirs is not None and theirs > own:
+                problems.append(f"line {line}: {'.'.join(mod)} (layer {own}) imports "
+                                f"{'.'.join(target)} (layer {theirs})")
+        private = [n for n in names if n.startswith("_") and n != "__version__"]
+        if private and target != mod:
+            problems.append(f"line {line}: takes private {private} from {'.'.join(target)}")
+        if any(p.startswith("_") and p != "__init__" for p in target[1:]) and target[:-1] != \
+                mod[:len(target) - 1]:
+            problems.append(f"line {line}: imports the private module {'.'.join(target)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The test above can fail: a numerics module importing training is caught."""
+    bad = tmp_path / "lowprec" / "numerics" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from ..training.precision import Precision\nfrom .quantize import _x\n")
+    found = list(_imports(bad, ["lowprec", "numerics", "bad"], False))
+    assert (["lowprec", "training", "precision"], ["Precision"], 1) in found
+    assert _layer(found[0][0]) > _layer(["lowprec", "numerics", "bad"])
+    assert found[1][1] == ["_x"]
+
+
+def test_public_api_is_importable_from_the_top():
+    for name in ("quantize", "quantize_", "Quantizer", "Precision", "Policy", "parse_policy",
+                 "parse_format", "Rounding", "find_loss_scale", "DynamicLossScale", "optim",
+                 "binary", "analysis"):
+        assert hasattr(lowprec, name), name
+    assert callable(lowprec.analysis.certify)
+    assert lowprec.optim.SGD.__module__.startswith("lowprec.training.optim")

@@ -1,0 +1,216 @@
+"""The regimes of the literature: fixed point with stochastic rounding, dynamic fixed point,
+BinaryNet, MX block formats."""
+
+import math
+
+import pytest
+import torch
+from helpers import train_steps
+from torch import nn
+
+from lowprec import Precision, parse_format, parse_policy, quantize
+from lowprec.training.regimes.binary import BinaryActivation, BinaryLinear, binarize, sign_ste
+from lowprec.training.regimes.dynamic_fixed import Controller
+from lowprec.numerics.formats import DynamicFixedFormat, FixedFormat
+from lowprec.training.optim import SGD, Adam
+from lowprec.experiments.config import PRESETS
+
+REGIMES = ["fixed16-sr", "fixed16-rn", "q2.14-sr", "fixed<16,14>-rn", "dfxp-10-12",
+           "fixed-10-12", "binary", "binary-stochastic", "mxfp8_e4m3", "mxfp8_e5m2",
+           "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"]
+
+
+def small_cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 32),
+                         nn.ReLU(), nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("name", REGIMES)
+def test_every_regime_trains_a_few_steps(name):
+    model = small_cnn()
+    opt = Adam(model.parameters(), lr=1e-3) if name.startswith("binary") else SGD(
+        model.parameters(), lr=0.02, momentum=0.9)
+    prec = Precision(name, seed=0)
+    model, opt = prec.setup(model, opt)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+    losses = train_steps(prec, model, opt, x, y, 5)
+    assert all(math.isfinite(v) for v in losses), losses
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    st = prec.state_dict()
+    again = Precision(name, seed=0)
+    again.setup(small_cnn(), SGD(small_cnn().parameters(), lr=0.1))
+    again.load_state_dict(st)
+    assert again.state_dict()["dynamic_ranges"] == st["dynamic_ranges"]
+
+
+def test_fixed_point_policy_names():
+    p = parse_policy("fixed<16,14>-sr")
+    assert p.params == FixedFormat(2, 14) and p.compute == FixedFormat(2, 14)
+    assert p.update == "stochastic" and p.rounding.is_stochastic and p.grad_rounding.is_stochastic
+    q = parse_policy("q6.10-rn")
+    assert q.compute == FixedFormat(6, 10) and q.update == "nearest"
+    assert not q.rounding.is_stochastic
+    assert parse_policy("fixed16-sr").params.bits == 16
+    assert all(parse_policy(p) for preset in PRESETS.values()
+               for p in preset.get("policies", ()))
+
+
+def test_fixed_point_values_are_on_the_grid_and_saturate():
+    model = small_cnn()
+    prec = Precision("q2.14-sr", seed=0)
+    model, _ = prec.setup(model)
+    seen = {}
+    model[6].register_forward_hook(lambda m, a, o: seen.update(out=o))
+    model(torch.randn(4, 1, 16, 16) * 10)
+    fmt = FixedFormat(2, 14)
+    out = seen["out"]
+    assert torch.equal(out, quantize(out, fmt))
+    assert out.max() <= fmt.max and out.min() >= fmt.min
+    for p in model.parameters():
+        assert torch.equal(p, quantize(p, fmt))
+
+
+def _feed(ctrl, key, fmt, rate_r, rate_r1, n=10_000):
+    """One observation whose fraction at or beyond 2**range is rate_r and at or beyond
+    2**(range - 1) is rate_r1 (planted)."""
+    r = ctrl.range_of(key)
+    x = torch.full((n,), 2.0 ** (r - 3))
+    k1, k = round(rate_r1 * n), round(rate_r * n)
+    x[:k1] = 2.0 ** (r - 1) * 1.5  # overflows range - 1 only
+    x[:k] = 2.0**r * 1.5  # overflows the current range (and range - 1)
+    ctrl.format(key, fmt, x)
+
+
+@pytest.mark.parametrize("rate_r,rate_r1,change", [
+    (0.05, 0.2, +1),   # overflow at the current range above the maximum: grow
+    (0.0, 0.05, 0),    # only range - 1 would overflow: keep
+    (0.0, 0.0, -1),    # neither: shrink
+    (0.009, 0.009, -1),  # below the maximum rate 0.01 at both: shrink
+])
+def test_dynamic_range_update_follows_the_rule(rate_r, rate_r1, change):
+    fmt = DynamicFixedFormat(10, max_overflow=0.01, interval=3)
+    ctrl = Controller()
+    ctrl.start("g", fmt, range_=2)
+    for _ in range(3):
+        assert ctrl.range_of("g") == 2  # unchanged inside an interval
+        _feed(ctrl, "g", fmt, rate_r, rate_r1)
+    assert ctrl.range_of("g") == 2 + change
+
+
+def test_dynamic_range_follows_a_growing_tensor_and_rounds_with_it():
+    fmt = DynamicFixedFormat(10, max_overflow=1e-4, interval=1)
+    ctrl = Controller()
+    x = torch.randn(1000) * 0.01
+    f = ctrl.format("w", fmt, x)
+    assert x.abs().max() < 2.0 ** ctrl.range_of("w") <= 2 * x.abs().max()
+    assert f == FixedFormat(ctrl.range_of("w") + 1, 10 - ctrl.range_of("w") - 1)
+    r0 = ctrl.range_of("w")
+    for _ in range(3):
+        ctrl.format("w", fmt, x * 100)  # everything overflows: the range grows each time
+    assert ctrl.range_of("w") == r0 + 3
+
+
+def test_dynamic_fixed_point_policy_keeps_ranges_per_group():
+    model = small_cnn()
+    prec = Precision("dfxp-10-12", seed=0)
+    model, opt = prec.setup(model, SGD(model.parameters(), lr=0.05, momentum=0.9))
+    x, y = torch.randn(8, 1, 16, 16), torch.randint(0, 10, (8,))
+    for _ in range(3):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        prec.backward(loss)
+        prec.step(opt)
+    groups = prec.controller.groups
+    for key in ("param:0.weight", "param:0.bias", "act:0", "grad:0", "pgrad:0.weight",
+                "momentum:0.weight"):
+        assert key in groups, sorted(groups)
+    w = model[0].weight
+    r = groups["param:0.weight"]["range"]
+    # 12-bit words written at the range of the last step (now's, give or take one): on the
+    # grid of range r - 1 (integer part widened so that the check is about the grid only)
+    assert torch.equal(w, quantize(w, FixedFormat(r + 3, 12 - r)))
+    assert not torch.equal(w, quantize(w, FixedFormat(r + 3, 12 - r - 2)))
+
+
+def test_binarized_weights_are_exactly_pm1_and_latent_weights_stay_clipped():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    prec = Precision("binary", seed=0)
+    model, opt = prec.setup(model, Adam(model.parameters(), lr=0.5))  # big steps: clipping works
+    seen = []
+    layers = [m for m in model.modules() if isinstance(m, BinaryLinear)]
+    assert len(layers) == 2 and any(isinstance(m, BinaryActivation) for m in model.modules())
+    assert any(isinstance(m, nn.BatchNorm1d) for m in model.modules())
+    for m in layers:
+        m.register_forward_hook(lambda mod, a, o: seen.append(mod.binary_weight().detach()))
+    x, y = torch.randn(32, 4, 4), torch.randint(0, 4, (32,))
+    for _ in range(5):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        prec.backward(loss)
+        prec.step(opt)
+        for m in layers:
+            assert m.weight.min() >= -1 and m.weight.max() <= 1
+    for wb in seen:
+        assert set(torch.unique(wb).tolist()) <= {-1.0, 1.0}
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert {id(p) for p in model.parameters()} == in_opt  # BatchNorm's were added
+    # BinaryNet's per-layer learning rate: the inverse Glorot coefficient of each latent weight
+    scales = {id(g["params"][0]): g["lr_scale"] for g in opt.param_groups if "lr_scale" in g}
+    assert scales == {id(layers[0].weight): ((16 + 32) / 1.5) ** 0.5,
+                      id(layers[1].weight): ((32 + 4) / 1.5) ** 0.5}
+
+
+def test_ste_gradient_is_zero_exactly_where_abs_x_exceeds_one():
+    x = torch.tensor([-3.0, -1.0001, -1.0, -0.5, 0.0, 0.5, 1.0, 1.0001, 3.0], requires_grad=True)
+    y = sign_ste(x)
+    assert y.tolist() == [-1, -1, -1, -1, 1, 1, 1, 1, 1]  # sign, 0 -> +1
+    y.backward(torch.full_like(x, 2.0))
+    assert x.grad.tolist() == [0, 0, 2, 2, 2, 2, 2, 0, 0]
+
+
+def test_stochastic_binarization_is_unbiased():
+    w = torch.tensor([-1.0, -0.6, -0.2, 0.0, 0.3, 0.8, 1.0])
+    n = 200_000
+    draws = sign_ste(w.repeat(n, 1), stochastic=True, generator=torch.Generator().manual_seed(0))
+    assert set(torch.unique(draws).tolist()) == {-1.0, 1.0}
+    mean = draws.mean(dim=0)
+    p = ((w + 1) / 2).clamp(0, 1)
+    bound = 5 * 2 * torch.sqrt(p * (1 - p) / n) + 1e-12
+    assert ((mean - w).abs() <= bound).all(), (mean, w)
+
+
+def test_binarize_keeps_the_parameters_the_optimizer_holds():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ids = [id(p) for p in model.parameters()]
+    added = binarize(model)
+    assert [id(p) for p in model.parameters() if id(p) in ids] == ids
+    assert len(added) == 4  # two BatchNorm layers, weight and bias each
+
+
+def test_mx_policy_rounds_matmul_weights_and_inputs_in_blocks_along_the_reduction_axis():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(40, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+    prec = Precision("mxfp4")
+    model, _ = prec.setup(model)
+    seen = {}
+    for i in (0, 3):
+        model[i].register_forward_pre_hook(lambda m, a, i=i: seen.update({i: (a[0], m.weight)}))
+    with prec.autocast():  # matmul-scope policies round inside autocast, as torch.autocast does
+        out = model(torch.randn(2, 40, 6, 6))
+    mx = parse_format("mxfp4")
+    from dataclasses import replace
+
+    x_lin, w_lin = seen[3]
+    assert torch.equal(w_lin, quantize(w_lin.detach(), mx))  # blocks along in_features
+    assert torch.equal(x_lin, quantize(x_lin.detach(), mx))
+    x_conv, w_conv = seen[0]
+    conv_mx = replace(mx, axis=1)  # blocks along the input channels
+    assert torch.equal(w_conv, quantize(w_conv.detach(), conv_mx))
+    assert torch.equal(x_conv, quantize(x_conv.detach(), conv_mx))
+    assert not torch.equal(w_conv, quantize(w_conv.detach(), mx))  # not the last axis
+    assert torch.isfinite(out).all()
