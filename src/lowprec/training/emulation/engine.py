@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import types
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -97,6 +98,13 @@ def parse_override(value, base: Policy) -> Rule:
 
 
 _NAMES: dict = {}
+
+
+def _warn_if_compiling(module, args) -> None:
+    if torch.compiler.is_compiling():
+        warnings.warn("lowprec: an emulated policy runs the model eagerly under torch.compile "
+                      "(its op-level rounding is Python); Quantizer modules do compile",
+                      stacklevel=2)
 
 
 def op_name(func) -> str:
@@ -340,14 +348,24 @@ class Emulation:
 
     def _attach(self, model: nn.Module) -> None:
         rules = {"": self._match("") or self.root_rule}
+        # torch.compile cannot hold the mode's Python-level rounding: the model's forward and
+        # the hooks run eagerly (a graph break), with a one-line warning, never without rounding
+        self.handles.append(model.register_forward_pre_hook(_warn_if_compiling))
         for name, m in model.named_modules():
             if name:
                 parent = name.rpartition(".")[0]
                 rules[name] = self._match(name) or rules.get(parent, self.root_rule)
-            self.handles.append(m.register_forward_pre_hook(self._pre(name, rules[name]),
-                                                            with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post, always_call=True))
+            self.handles.append(m.register_forward_pre_hook(
+                torch.compiler.disable(self._pre(name, rules[name])), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(torch.compiler.disable(self._post),
+                                                        always_call=True))
         self.rules = rules
+        self._model = model
+        self._had_forward = "forward" in model.__dict__
+        if self._had_forward:
+            model.forward = torch.compiler.disable(model.forward)
+        else:  # a method bound to the model, so that copy.deepcopy rebinds it to the copy
+            model.forward = types.MethodType(torch.compiler.disable(type(model).forward), model)
 
     def mark_storage(self, model: nn.Module) -> None:
         """Mark parameters stored in their module's compute format as on its grid (no rounding
@@ -400,6 +418,10 @@ class Emulation:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        model = getattr(self, "_model", None)
+        if model is not None and not self._had_forward:
+            model.__dict__.pop("forward", None)
+        self._model = None
 
     @contextlib.contextmanager
     def enabled(self):
