@@ -102,9 +102,10 @@ OPS = {
              "the vectorised fp16 sqrt is not correctly rounded; fp32-then-round is"),
     "erf": (lambda a: torch.erf(a["x"]), "ulp", 1, "the vectorised fp16 erf approximation"),
     # kernels that keep an intermediate in 16 bits: absolute error at the output's scale
-    "batch_norm": (lambda a: F.batch_norm(a["img"], None, None, training=True), "scale", 4,
-                   "the 16-bit kernel normalises with x - mean and 1/std in 16 bits"),
-    "sdpa": (lambda a: F.scaled_dot_product_attention(a["q"], a["q"] * 0.5, a["q"]), "scale", 2,
+    "batch_norm": (lambda a: F.batch_norm(a["img"], None, None, training=True), "scale", 1,
+                   "emulated as the 16-bit kernel (mean and 1/std stored in 16 bits); bf16: the "
+                   "order of its fp32 sums"),
+    "sdpa": (lambda a: F.scaled_dot_product_attention(a["q"], a["q"] * 0.5, a["q"]), "scale", 1,
              "the CPU flash kernel's exp is a vectorised approximation (exp_u20)"),
 }
 
@@ -254,6 +255,18 @@ def test_transformer_is_closer_to_native_than_fp32_and_as_accurate():
     assert res["forward"][0] <= 0.85 and res["grads"][0] <= 0.85, res
     for part in res.values():
         assert 0.8 <= part[1] <= 1.25, res
+
+
+def test_lstm_is_as_accurate_as_native_fp16():
+    """The LSTM runs as ATen's CPU cell does (each gate op rounded): its error against float64
+    is native's (1.08x forward, 0.86x gradients; a single rounding of the fused cell gave 0.55x:
+    more accurate than fp16 really is). The distance to native stays near fp32's (1.06x / 0.78x)
+    because fp16 linear differs by one unit at times, and the recurrence spreads it."""
+    torch.manual_seed(0)
+    res = fidelity(LSTMNet(), _x(4, 10, 12))
+    for part in res.values():
+        assert 0.8 <= part[1] <= 1.25, res
+    assert res["forward"][0] <= 1.1 and res["grads"][0] <= 0.85, res
 
 
 # -- every op's output on the grid ------------------------------------------------------------

@@ -125,9 +125,23 @@ class Precision:
             if pol.scope == "all" and pol.params != FP32:
                 dtype = storage_dtype(pol.params)
                 model.to(dtype)
+                # oneDNN runs bf16 convolutions with its AMX/AVX-512 kernels on channels-last
+                # (NHWC) tensors; NCHW bf16 takes a slower reordering path on CPU
+                fmt = (torch.channels_last if dtype == torch.bfloat16 and self.device.type ==
+                       "cpu" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+                       else None)
+                if fmt is not None:
+                    model.to(memory_format=fmt)
+
+                def cast(a):
+                    if not (torch.is_tensor(a) and a.is_floating_point()):
+                        return a
+                    a = a.to(dtype)
+                    return a.contiguous(memory_format=fmt) if fmt is not None and a.dim() == 4 \
+                        else a
+
                 self._handles.append(model.register_forward_pre_hook(
-                    lambda m, args: tuple(a.to(dtype) if torch.is_tensor(a) and
-                                          a.is_floating_point() else a for a in args)))
+                    lambda m, args: tuple(cast(a) for a in args)))
         else:
             self.emulation = Emulation(model, pol, self.generator, active=pol.scope == "all",
                                        controller=self.controller, overrides=self.overrides)

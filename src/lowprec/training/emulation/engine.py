@@ -207,6 +207,15 @@ def _batch_stats(args, kwargs) -> bool:
     return bool(args[5]) or args[3] is None or args[4] is None
 
 
+def _plain_lstm(args, kwargs) -> bool:
+    """_VF.lstm(input, (h0, c0), weights, has_biases, num_layers, dropout, train,
+    bidirectional, batch_first): not packed, unidirectional, no projections."""
+    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)) or args[7]:
+        return False
+    per_layer = 4 if args[3] else 2
+    return len(args[2]) == per_layer * args[4] and args[1][0].shape[-1] * 4 == args[2][0].shape[0]
+
+
 def _plain_attention(args, kwargs) -> bool:
     """scaled_dot_product_attention without dropout or grouped heads, keys up to one block."""
     if len(args) < 3 or any(k not in ("attn_mask", "dropout_p", "is_causal", "scale")
@@ -514,6 +523,9 @@ class Emulation:
             kwargs = _map(rin, kwargs) if kwargs else kwargs
         if name == "batch_norm" and _batch_stats(args, kwargs):
             out = _kernel_nodes(self._batch_norm(rule, key, *args, **kwargs), args, name)
+        elif name == "lstm" and _plain_lstm(args, kwargs):
+            with self._mode:  # each op of the cell is an op of its own, as in the CPU kernel
+                return self._lstm(*args)
         elif name == "scaled_dot_product_attention" and _plain_attention(args, kwargs):
             out = _kernel_nodes(self._attention(rule, key, *args, **kwargs), args, name)
         else:
@@ -634,6 +646,38 @@ class Emulation:
         e = torch.exp(s - m)
         p = self.round(e, rule, key + ".probs", grads=False)
         return (p @ v) / e.sum(-1, keepdim=True)
+
+    @staticmethod
+    def _lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
+              batch_first):
+        """A unidirectional LSTM as ATen's CPU implementation runs it for 16-bit dtypes
+        (``FullLayer`` and ``LSTMCell`` in aten/src/ATen/native/RNN.cpp): the input projection of
+        the whole sequence first, then per step gates = linear(h, W_hh, b_hh) + that step's
+        projection, the four activations, c = f * c + i * g and h = o * tanh(c), each op
+        producing a 16-bit tensor. Run under the mode, every one of them is rounded."""
+        h0, c0 = hx
+        stride = 4 if has_biases else 2
+        seq = x.transpose(0, 1) if batch_first else x
+        hs, cs = [], []
+        for layer in range(num_layers):
+            w = weights[layer * stride:(layer + 1) * stride]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            h, c = h0[layer], c0[layer]
+            proj = torch.nn.functional.linear(seq, w[0], b_ih)
+            outs = []
+            for t in range(proj.shape[0]):
+                gates = torch.nn.functional.linear(h, w[1], b_hh) + proj[t]
+                i, f, g, o = gates.chunk(4, 1)
+                i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+                c = f * c + i * g
+                h = o * c.tanh()
+                outs.append(h)
+            seq = torch.stack(outs)
+            hs.append(h)
+            cs.append(c)
+            if dropout and train and layer < num_layers - 1:
+                seq = torch.nn.functional.dropout(seq, dropout)
+        return (seq.transpose(0, 1) if batch_first else seq), torch.stack(hs), torch.stack(cs)
 
     def _round_buffers(self, args, rule: Rule) -> None:
         # running statistics as the parameter format stores them (pure policies: fp16 buffers)
