@@ -277,7 +277,7 @@ class Precision:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("policy") not in (None, self.policy.spec):
+        if state.get("policy") is not None and parse_policy(state["policy"]) != self.policy:
             raise ValueError(f"state is for policy {state['policy']!r}, this Precision has "
                              f"{self.policy.spec!r}")
         self.loss_scale.load_state_dict(state["loss_scale"])
