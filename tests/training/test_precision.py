@@ -11,6 +11,7 @@ from torch import nn
 import lowprec
 from lowprec import POLICIES, Precision, quantize
 from lowprec.numerics.formats import FP32
+from lowprec.training.regimes import GroupKey, Role
 from lowprec.training.optim import SGD, FormatOptimizer
 
 
@@ -47,7 +48,7 @@ def test_policy_contract(name, opt_kind):
             if isinstance(fmt, DynamicFixedFormat):
                 # written at the range its group had then (now's, give or take one): on the
                 # grid of now's range - 1, whose integer part is widened to hold them all
-                r = prec.controller.range_of(f"param:{pname}")
+                r = prec.regimes[0].controller.range_of(GroupKey(Role.PARAM, pname))
                 fmt = lowprec.FixedFormat(r + 3, fmt.bits - r)
             assert torch.equal(p.float(), quantize(p.float(), fmt))
     if pol.master is not None:

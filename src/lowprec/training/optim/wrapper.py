@@ -6,12 +6,13 @@ import torch
 
 from ...numerics.formats import FP32
 from ...numerics.storage import format_bytes, storage_dtype
+from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to
 
 __all__ = ["FormatOptimizer"]
 
 
-class FormatOptimizer:
+class FormatOptimizer(PolicyOptimizer):
     """Any torch optimizer under a policy's storage rules.
 
     With master weights (Apex O2), the wrapped optimizer steps fp32 copies of the parameters
@@ -23,8 +24,6 @@ class FormatOptimizer:
     master weights), so the update is computed in fp32 and the write-back mode sees it whole;
     a torch optimizer stepping bf16 tensors itself would have rounded it to nearest already.
     """
-
-    accepts_grad_scale = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_format=None, state_format=None,
                  master_format=None, update="nearest", generator=None) -> None:
@@ -55,6 +54,9 @@ class FormatOptimizer:
     @property
     def state(self):
         return self.optimizer.state
+
+    def configure_storage(self, **kwargs) -> None:
+        self.storage.configure(**kwargs)
 
     def params_for_check(self) -> list[torch.Tensor]:
         """The model's parameters (not the masters) whose gradients Precision checks."""
@@ -114,7 +116,7 @@ class FormatOptimizer:
                 for key, val in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
                         v32 = val.float()
-                        val.copy_(round_to(v32, st.now(sf, p, f"state.{key}", v32), "nearest",
+                        val.copy_(round_to(v32, st.now(sf, p, key, v32), "nearest",
                                          None))
         return loss
 

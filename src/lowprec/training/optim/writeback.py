@@ -89,9 +89,12 @@ class Storage:
         return self.state_format if self.state_format is not None else self.pformat(p)
 
     def now(self, fmt: Format, p: torch.Tensor, role: str, x: torch.Tensor) -> Format:
-        """``fmt``, or for dynamic fixed point the static format its group has now."""
+        """``fmt``, or for dynamic fixed point the static format its group has now. ``role``:
+        a :class:`~lowprec.training.regimes.base.Role` value, else a state buffer's name."""
+        from ..regimes.base import GroupKey
         from ..regimes.dynamic_fixed import resolve
 
-        return resolve(fmt, f"{role}:{self.names.get(id(p), id(p))}", x, self.controller)
+        key = GroupKey.of(role, self.names.get(id(p), id(p)))
+        return resolve(fmt, key, x, self.controller)
 
 
