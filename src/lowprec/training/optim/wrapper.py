@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ...numerics.formats import FP32
@@ -10,6 +12,15 @@ from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to
 
 __all__ = ["FormatOptimizer"]
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's defaults its constructor accepts: torch's AdamW keeps
+    ``decoupled_weight_decay`` in its defaults (inherited from Adam) but does not take it."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
 class FormatOptimizer(PolicyOptimizer):
@@ -41,7 +52,7 @@ class FormatOptimizer(PolicyOptimizer):
                 ng = {k: v for k, v in g.items() if k != "params"}
                 ng["params"] = [next(it) for _ in g["params"]]
                 groups.append(ng)
-            self.optimizer = type(optimizer)(groups, **optimizer.defaults)
+            self.optimizer = type(optimizer)(groups, **_constructor_defaults(optimizer))
         else:
             self.masters = None
             self.optimizer = optimizer
