@@ -108,3 +108,9 @@ def test_enum_errors_name_the_accepted_values(field, value, accepted):
         Policy(**{field: value})
     msg = str(err.value)
     assert f"{field}={value!r}" in msg and accepted in msg and "\n" not in msg
+
+
+def test_a_write_back_with_limited_random_bits_is_refused_not_truncated():
+    with pytest.raises(ValueError, match="write-back takes nearest, stochastic .* or kahan"):
+        parse_policy("p=bf16:sr4")
+    assert parse_policy("p=bf16:sr").update is WriteBack.STOCHASTIC

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from ..numerics.formats import FP32, FloatFormat, Format, parse_format
-from ..numerics.rounding import RoundingSpec, parse_rounding
+from ..numerics.rounding import Rounding, RoundingSpec, parse_rounding
 
 __all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top",
            "WriteBack", "Backend", "Scope"]
@@ -245,9 +245,16 @@ def _parse_spec(spec: str) -> Policy:
         if mode:
             # p=fmt:kahan names the write-back; a rounding mode (p=fmt:sr) picks the stochastic
             # or nearest write-back
-            kwargs["update"] = mode.lower() if mode.lower() in UPDATE_MODES else (
-                WriteBack.STOCHASTIC if parse_rounding(mode)[0].is_stochastic
-                else WriteBack.NEAREST)
+            if mode.lower() in UPDATE_MODES:
+                kwargs["update"] = mode.lower()
+            else:
+                wmode, bits = parse_rounding(mode)
+                if wmode is Rounding.STOCHASTIC_LIMITED:
+                    # the write-back draws 32 bits; accepting srN here would drop the N
+                    raise ValueError(f"p={kv['params']!r}: the write-back takes nearest, "
+                                     f"stochastic (32 random bits) or kahan, not {mode!r}")
+                kwargs["update"] = (WriteBack.STOCHASTIC if wmode.is_stochastic
+                                    else WriteBack.NEAREST)
     params = kwargs.get("params", FP32)
     if "compute" in kv:
         kwargs["compute"], mode = fmt_and_mode(kv["compute"])
