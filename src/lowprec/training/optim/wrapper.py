@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import FP32, Format
-from ...numerics.storage import storage_dtype
+from ...numerics.storage import format_of_dtype, storage_dtype
 from .writeback import Storage, kahan_write, round_to
 
 __all__ = ["FormatOptimizer"]
@@ -132,7 +132,10 @@ class FormatOptimizer:
         layout: dict[str, Format] = {}
         for name, val in self.optimizer.state.get(stepped, {}).items():
             if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
-                layout[name] = st.sformat(stepped)
+                # stepping masters or shadows, the wrapped optimizer keeps its state in their
+                # dtype, unrounded; otherwise step() rounds it onto the state format
+                layout[name] = (format_of_dtype(val.dtype) if self.masters is not None
+                                else st.sformat(p))
         if st.update == "kahan" and (self.masters is None or self.shadow):
             layout["compensation"] = st.pformat(p)
         if self.shadow:
