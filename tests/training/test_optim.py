@@ -8,7 +8,6 @@ import torch
 from helpers import small_mlp
 from torch import nn
 
-import lowprec
 from lowprec import Precision, quantize
 from lowprec.training.optim import SGD, Adam, AdamW, FormatOptimizer
 
@@ -156,9 +155,8 @@ def test_adam_stores_sqrt_of_second_moment_in_narrow_formats():
                                          (torch.float32, "fp16", "fp16"),
                                          (torch.float32, "e4m3fn", "bf16")])
 def test_fused_cpu_kernel_agrees_with_the_torch_path(cls, kw, dtype, pf, sf):
-    """The fused step and the torch-op path do the same fp32 arithmetic up to operation fusing
-    (torch's add-with-alpha is a fused multiply-add): results agree except for rare elements,
-    each within a unit or two of the storage format (Adam: plus the size of a step)."""
+    """The fused step and the torch-op path implement one per-element definition (see the SGD
+    and Adam docstrings; more cases in test_optim_arith.py): the same bits."""
     from lowprec.numerics import kernel as _kernel
     if not _kernel.available():
         pytest.skip("kernel not built")
@@ -178,10 +176,4 @@ def test_fused_cpu_kernel_agrees_with_the_torch_path(cls, kw, dtype, pf, sf):
         res.append(w.float().clone())
         if fuse:
             assert opt._can_fuse(w, opt.state[w])
-    differ = res[0] != res[1]
-    assert differ.double().mean().item() < 5e-3
-    fmt = lowprec.parse_format(pf) if pf else lowprec.numerics.format_of_dtype(dtype)
-    ulp = torch.maximum(res[1].abs(), torch.tensor(fmt.min_normal)) * fmt.eps
-    # a one-unit difference in an Adam moment changes that element's later steps by up to ~lr
-    bound = 2 * ulp + (4 * kw["lr"] if issubclass(cls, Adam) else 0.0)
-    assert ((res[0] - res[1]).abs() <= bound).all()
+    assert torch.equal(res[0].view(torch.int32), res[1].view(torch.int32))

@@ -6,8 +6,8 @@ import inspect
 
 import torch
 
-from ...numerics.formats import FP32
-from ...numerics.storage import format_bytes, storage_dtype
+from ...numerics.formats import FP32, Format
+from ...numerics.storage import format_of_dtype, storage_dtype
 from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to
 
@@ -131,24 +131,31 @@ class FormatOptimizer(PolicyOptimizer):
                                          None))
         return loss
 
-    def state_bytes(self) -> tuple[int, int]:
-        state = 0
-        for p, s in self.optimizer.state.items():
-            for val in s.values():
-                if torch.is_tensor(val):
-                    if val.is_floating_point() and val.dim() > 0:
-                        state += format_bytes(self.storage.sformat(p), val.numel())
-                    else:
-                        state += val.numel() * val.element_size()
-        if self.storage.update == "kahan" and (self.masters is None or self.shadow):
-            state += sum(format_bytes(self.storage.pformat(p), p.numel())
-                         for p in self.model_params)
-        if self.shadow:  # fp32 copies that live between steps, though they carry nothing over
-            state += sum(4 * m.numel() for m in self.masters)
-            return state, 0
-        master = 0 if self.masters is None else sum(
-            format_bytes(self.storage.master_format, m.numel()) for m in self.masters)
-        return state, master
+    def state_layout(self, p) -> dict[str, Format]:
+        """Format of every state tensor kept for the model parameter ``p``, each with one value
+        per element of ``p`` (``"master"``: the master weights; ``"shadow"``: the fp32 copies
+        that live between steps, though they carry nothing over). The wrapped optimizer's
+        per-element state is listed once it exists (torch creates it at the first step); its
+        scalar bookkeeping (0-dim step counts) is not per element and not listed here. The
+        memory ledger (:func:`lowprec.training.memory.optimizer_bytes`) counts the bytes."""
+        st = self.storage
+        stepped = p
+        if self.masters is not None:
+            stepped = self.masters[next(i for i, q in enumerate(self.model_params) if q is p)]
+        layout: dict[str, Format] = {}
+        for name, val in self.optimizer.state.get(stepped, {}).items():
+            if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
+                # stepping masters or shadows, the wrapped optimizer keeps its state in their
+                # dtype, unrounded; otherwise step() rounds it onto the state format
+                layout[name] = (format_of_dtype(val.dtype) if self.masters is not None
+                                else st.sformat(p))
+        if st.update == "kahan" and (self.masters is None or self.shadow):
+            layout["compensation"] = st.pformat(p)
+        if self.shadow:
+            layout["shadow"] = FP32
+        elif self.masters is not None:
+            layout["master"] = st.master_format
+        return layout
 
     def state_dict(self) -> dict:
         return {
