@@ -6,6 +6,7 @@ import torch
 
 from ...numerics.formats import BF16, FP32, FixedFormat, FloatFormat, Format
 from ...numerics.storage import storage_dtype
+from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, write
 
 __all__ = ["LowPrecisionOptimizer", "sqrt_rn"]
@@ -24,10 +25,10 @@ def sqrt_rn(x32: torch.Tensor) -> torch.Tensor:
     return x32.double().sqrt_().float()
 
 
-class LowPrecisionOptimizer(torch.optim.Optimizer):
+class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
     """Base of lowprec's optimizers: subclasses give the fp32 maths in ``_new_weight``."""
 
-    accepts_grad_scale = True
+    honours_lr_scale = True  # group_lr: BinaryNet's per-layer scales
 
     def __init__(self, params, defaults, *, param_format=None, state_format=None,
                  master_format=None, update="nearest", generator=None) -> None:
@@ -38,6 +39,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if any(self.state.values()):
             raise RuntimeError("configure() must be called before the first step")
         self.storage.configure(**kwargs)
+
+    def configure_storage(self, **kwargs) -> None:
+        self.configure(**kwargs)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts floating state to the parameter's dtype when loading; lowprec keeps each

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ...numerics.formats import FP32, Format
 from ...numerics.storage import format_of_dtype, storage_dtype
+from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to
 
 __all__ = ["FormatOptimizer"]
 
 
-class FormatOptimizer:
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's defaults its constructor accepts: torch's AdamW keeps
+    ``decoupled_weight_decay`` in its defaults (inherited from Adam) but does not take it."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
+class FormatOptimizer(PolicyOptimizer):
     """Any torch optimizer under a policy's storage rules.
 
     With master weights (Apex O2), the wrapped optimizer steps fp32 copies of the parameters
@@ -23,8 +35,6 @@ class FormatOptimizer:
     master weights), so the update is computed in fp32 and the write-back mode sees it whole;
     a torch optimizer stepping bf16 tensors itself would have rounded it to nearest already.
     """
-
-    accepts_grad_scale = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_format=None, state_format=None,
                  master_format=None, update="nearest", generator=None) -> None:
@@ -42,7 +52,7 @@ class FormatOptimizer:
                 ng = {k: v for k, v in g.items() if k != "params"}
                 ng["params"] = [next(it) for _ in g["params"]]
                 groups.append(ng)
-            self.optimizer = type(optimizer)(groups, **optimizer.defaults)
+            self.optimizer = type(optimizer)(groups, **_constructor_defaults(optimizer))
         else:
             self.masters = None
             self.optimizer = optimizer
@@ -55,6 +65,9 @@ class FormatOptimizer:
     @property
     def state(self):
         return self.optimizer.state
+
+    def configure_storage(self, **kwargs) -> None:
+        self.storage.configure(**kwargs)
 
     def params_for_check(self) -> list[torch.Tensor]:
         """The model's parameters (not the masters) whose gradients Precision checks."""
@@ -114,7 +127,7 @@ class FormatOptimizer:
                 for key, val in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
                         v32 = val.float()
-                        val.copy_(round_to(v32, st.now(sf, p, f"state.{key}", v32), "nearest",
+                        val.copy_(round_to(v32, st.now(sf, p, key, v32), "nearest",
                                          None))
         return loss
 
