@@ -38,6 +38,7 @@ from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format, p
 from ...numerics.quantize import quantize, quantize_
 from ...numerics.rounding import Rounding
 from ..policy import Policy, parse_policy
+from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from .oplists import (BUFFER_OPS, FP32_OPS, GRID_OPS, LOWP_OPS, NORM_OPS, PASS_OPS,
                       is_inplace, reduction_axes)
@@ -49,9 +50,10 @@ _ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)
 _BUFFER_POS = (3, 4)  # torch.batch_norm(input, weight, bias, running_mean, running_var, ...)
 
 
-def group_key(role: str, module: str, op: str | None = None) -> str:
-    """The dynamic fixed-point group of a rounding: one range per role, module and op."""
-    return f"{role}:{module}" if op is None else f"{role}:{module}/{op}"
+def group_key(role: str, name: str) -> GroupKey:
+    """The dynamic fixed-point group of a rounding: one range per role ("act" or "grad") and
+    module (or parameter, for a weight rounded when used)."""
+    return GroupKey(Role.ACTIVATION if role == "act" else Role.GRAD, name)
 
 
 @dataclass(frozen=True)
@@ -495,10 +497,10 @@ class Emulation:
         if not _floating(t) or _marked(t, rule.compute):
             return t
         if isinstance(t, nn.Parameter):
-            # the op sees the rounded weight; its gradient reaches the parameter unrounded under
-            # a pure policy (Precision rounds it to the storage format at the step), rounded to
-            # the gradient format under a mixed one (the gradient of autocast's fp16 copy)
-            return self.round(t, rule, self._pnames.get(id(t), key), grads=rule.scope != "all")
+            # the op sees the rounded weight; its gradient reaches the parameter unrounded: the
+            # gradient format is the activations' (Precision rounds parameter gradients to
+            # their storage format at the step)
+            return self.round(t, rule, self._pnames.get(id(t), key), grads=False)
         return self.round(t, rule, key)
 
     # -- ops ---------------------------------------------------------------------------------
