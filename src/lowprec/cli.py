@@ -172,14 +172,17 @@ def _config_from(args, **overrides):
 
     from pathlib import Path
 
-    from .experiments.results import read_stored_config
+    from .experiments.results import CorruptDatabase, read_stored_config
 
     preset = getattr(args, "preset", None)
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset={_short(preset)}; accepted: {', '.join(PRESETS)}")
     stored = None
     if args.resume and args.out.strip() and (Path(args.out) / "results.db").exists():
-        stored = read_stored_config(Path(args.out) / "results.db")
+        try:
+            stored = read_stored_config(Path(args.out) / "results.db")
+        except CorruptDatabase as err:
+            raise ValueError(str(err)) from None
     if stored is not None:
         # --resume continues the stored comparison: flags not given take the stored values,
         # flags given must agree with them (the runner refuses a difference)

@@ -230,6 +230,19 @@ class ResultsDB:
                               (run_id, kind)).fetchone()
         return _loads(self.path, r[0]) if r else None
 
+    def analyses_of(self, run_id: str, prefix: str) -> list[tuple[str, dict]]:
+        """(kind, payload) of a run's analyses whose kind starts with ``prefix:``."""
+        out = []
+        for kind, payload in self.conn.execute(
+                "SELECT kind, payload FROM analysis WHERE run_id = ? AND kind LIKE ?",
+                (run_id, f"{prefix}:%")):
+            value = _loads(self.path, payload)
+            if not isinstance(value, dict):
+                raise CorruptDatabase(f"{self.path}: analysis {kind!r} of {run_id!r} is not a "
+                                      "JSON object; the file was left untouched")
+            out.append((kind, value))
+        return out
+
     def analyses(self, kind: str) -> dict[str, dict]:
         return {r[0]: _loads(self.path, r[1]) for r in self.conn.execute(
             "SELECT run_id, payload FROM analysis WHERE kind = ?", (kind,))}
