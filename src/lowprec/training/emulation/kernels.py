@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["batch_norm", "attention", "lstm", "uses_batch_stats", "plain_attention",
+__all__ = ["batch_norm", "attention", "fexp_u20", "lstm", "uses_batch_stats", "plain_attention",
            "plain_lstm", "label_kernel_nodes"]
 
 
@@ -86,14 +86,70 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
     return x * a.view(shape) + b.view(shape)
 
 
+# fexp_u20 (ATen's vec512_float.h / vec256_float.h, after Malossi et al., "Fast Exponential
+# Computation on SIMD Architectures"): exp(x) = 2^(x log2 e), the fraction's 2^f by a cubic
+# (Horner, fused multiply-adds), the result assembled in the exponent field by an integer
+# truncation. About 1e-5 relative error: enough to move fp16 roundings of exp.
+_FEXP_C = (0.00010703434948458272, 0.30354260500649682, -0.22433836478672356,
+           -0.079204240219773236)
+
+
+def _bits(i: int) -> torch.Tensor:
+    return torch.tensor([i - (1 << 32) if i >= 1 << 31 else i], dtype=torch.int32).view(
+        torch.float32)[0]
+
+
+def _fma(a, b, c) -> torch.Tensor:
+    # fp32 fused multiply-add: the product of two fp32 values is exact in fp64
+    return (a.double() * b.double() + c.double()).float()
+
+
+def fexp_u20(x: torch.Tensor) -> torch.Tensor:
+    """ATen's vectorised ``fexp_u20`` of fp32 ``x``, bit for bit (the fp16/bf16 CPU flash
+    attention's exp for whole vectors of keys)."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    c0, c1, c2, c3 = (f32(v) for v in _FEXP_C)
+    lo, hi, log2e = _bits(0xC2AEAC50), _bits(0x42B17218), _bits(0x3FB8AA3B)
+    src = x * log2e
+    frac = src - torch.floor(src)
+    poly = _fma(frac, _fma(frac, _fma(frac, c3, c2), c1), c0)
+    t = _fma(f32(2.0 ** 23), src - poly, f32(2.0 ** 23 * 127))
+    t = torch.nan_to_num(t, nan=0.0, posinf=2.0 ** 31 - 128, neginf=0.0).clamp(0, 2.0 ** 31 - 128)
+    i = t.to(torch.int32)  # _mm512_cvttps_epi32: truncation
+    i = torch.where(x < lo, torch.zeros_like(i), i)
+    i = torch.where(x > hi, torch.full_like(i, 0x7F800000), i)
+    return i.view(torch.float32)
+
+
+def _vector_lanes() -> int:
+    """fp32 lanes of the CPU kernels' vectors: ``exp`` runs as fexp_u20 on whole vectors, as
+    std::exp on the remainder (``_exp_reduce_sum_fusion_kernel``)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return 16 if cap.startswith("AVX512") else 8 if cap == "AVX2" else 0
+
+
+def _kernel_exp(d: torch.Tensor) -> torch.Tensor:
+    e = torch.exp(d)
+    lanes = _vector_lanes()
+    n = d.shape[-1] // lanes * lanes if lanes else 0
+    if not n:
+        return e
+    with torch.no_grad():
+        fast = torch.cat([fexp_u20(d[..., :n].detach()), e[..., n:].detach()], -1)
+    return e + (fast - e).detach()  # the kernel's values; the gradient of exp
+
+
 def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
                is_causal=False, scale=None, enable_gqa=False):
-    """Attention as flash-attention kernels compute it in 16 bits (FlashAttention-2, and
-    torch's CPU ``FlashAttentionKernel.cpp`` for fp16/bf16): scores and softmax statistics in
-    fp32, the unnormalised probabilities exp(s - max) rounded to the 16-bit format for the
-    P @ V product (accumulated in fp32), divided by the fp32 row sum; the caller rounds the
-    output once. (Sequences up to the kernel's 512-key block: one block, no rescaling.)"""
-    s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    """Attention as torch's CPU flash kernel computes it in 16 bits (``cpu_flash_attention`` in
+    aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, FlashAttention-2's algorithm): scores
+    q @ k^T in fp32, scaled, masked; exp(s - max) in fp32 by the vectorised ``fexp_u20`` (whole
+    vectors of keys; std::exp on the remainder), rounded to the 16-bit format for the P @ V
+    product (accumulated in fp32), times 1 / (fp32 row sum of the unrounded exps); the caller
+    rounds the output once. Sequences up to the kernel's 512-key block: one block, no
+    rescaling. Measured: bit-exact with native fp16 on this CPU (tests/training/test_fidelity)."""
+    sc = torch.tensor(scale if scale is not None else q.shape[-1] ** -0.5, dtype=torch.float32)
+    s = (q @ k.transpose(-2, -1)) * sc
     if is_causal:
         L, S = q.shape[-2], k.shape[-2]
         s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1),
@@ -102,9 +158,12 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
         s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
              else s + attn_mask)
     m = s.amax(-1, keepdim=True).detach()
-    e = torch.exp(s - m)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
+    e = _kernel_exp(s - m)
     p = engine.round(e, rule, key + ".probs", grads=False)
-    return (p @ v) / e.sum(-1, keepdim=True)
+    total = e.sum(-1, keepdim=True)
+    total = torch.where(total == 0, torch.ones_like(total), total)
+    return (p @ v) * (1 / total)
 
 
 def lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
