@@ -48,7 +48,7 @@ def _inputs():
     return {"x": r(8, 16, 12), "y": r(8, 16, 12), "p": torch.rand(8, 16, 12, generator=g) + 0.5,
             "img": r(2, 4, 9, 9), "W": r(10, 12) * 0.3, "b": r(10), "w": r(6, 4, 3, 3) * 0.3,
             "E": r(10, 12), "q": r(2, 3, 7, 8), "ids": torch.randint(0, 10, (5, 7), generator=g),
-            "A": r(4, 16, 12), "B": r(4, 12, 9)}
+            "A": r(4, 16, 12), "B": r(4, 12, 9), "Q": r(2, 2, 40, 8)}
 
 
 # name: (function of the inputs, bound kind, bound, reason)
@@ -104,8 +104,11 @@ OPS = {
     "batch_norm": (lambda a: F.batch_norm(a["img"], None, None, training=True), "scale", 1,
                    "emulated as the 16-bit kernel (mean and 1/std stored in 16 bits); bf16: the "
                    "order of its fp32 sums"),
-    "sdpa": (lambda a: F.scaled_dot_product_attention(a["q"], a["q"] * 0.5, a["q"]), "scale", 1,
-             "the CPU flash kernel's exp is a vectorised approximation (exp_u20)"),
+    # the CPU flash kernel, emulated step by step (fexp_u20 on whole 16-key vectors, std::exp on
+    # the rest, probabilities in 16 bits): 7 keys (all std::exp) and 40 keys, causal (both)
+    "sdpa": (lambda a: F.scaled_dot_product_attention(a["q"], a["q"] * 0.5, a["q"]), *EXACT),
+    "sdpa_causal_40": (lambda a: F.scaled_dot_product_attention(a["Q"], a["Q"] * 0.5, a["Q"],
+                                                                is_causal=True), *EXACT),
 }
 
 
@@ -233,25 +236,34 @@ def _x(*shape, ints=None):
 
 
 def test_resnet_matches_native_fp16():
-    """Batch norm follows the 16-bit kernel (statistics stored in fp16) and convolutions are
-    fp32-then-round; oneDNN's fp16 convolution sums in another order and differs by one unit in
-    about 0.1% of its outputs, which batch norm then amplifies: the ratio depends on the data,
-    0.00/0.05 (forward/gradients) for some batches, 0.74/0.52 for this one. Short of the issue's
-    0.1 / 0.25."""
-    torch.manual_seed(0)
-    res = fidelity(resnet(16), _x(8, 3, 16, 16))
-    assert res["forward"][0] <= 0.8 and res["grads"][0] <= 0.6, res
-    for part in res.values():
-        assert 0.8 <= part[1] <= 1.25, res
+    """Every op but the convolutions matches native fp16 bit for bit given native's own inputs
+    (benchmarks/fidelity_diag.py resnet): batch norm follows the 16-bit kernel (statistics stored
+    in fp16), pooling and linear round once. oneDNN's fp16 convolution sums in another order and
+    differs by one unit in 0.01-0.1% of its outputs with identical inputs (fp32-then-round and
+    even float64-then-round differ from it), and batch norm spreads those units: the ratio depends
+    on the batch. Over 5 batches, forward 0.74 0.68 0.65 0.08 0.57 (median 0.65) and gradients
+    0.52 0.22 0.06 0.08 0.07 (median 0.08): the issue's 0.25 for the gradients holds on the
+    median, its 0.1 for the 80 logits does not."""
+    res = []
+    for batch in range(1, 6):
+        torch.manual_seed(0)
+        x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
+        res.append(fidelity(resnet(16), x.half().float()))
+        for part in res[-1].values():
+            assert 0.8 <= part[1] <= 1.25, res[-1]
+    med = {k: sorted(r[k][0] for r in res)[2] for k in ("forward", "grads")}
+    assert med["forward"] <= 0.7 and med["grads"] <= 0.12, med
 
 
-def test_transformer_is_closer_to_native_than_fp32_and_as_accurate():
-    """Measured 0.79 (forward) and 0.78 (gradients), short of the 0.5 / 0.6 the issue asks:
-    torch's CPU fp16 linear differs by a unit at times (its fused bias epilogue) and its flash
-    attention uses an approximate exp; those differences then grow through the layers."""
+def test_transformer_matches_native_fp16():
+    """Attention follows torch's CPU flash kernel (its fexp_u20 exp, probabilities in fp16) and
+    is bit-exact with it; linear differs by one unit at times (summation order). Measured 0.046
+    forward, 0.555 gradients (0.79 / 0.75 with exact exp in attention): within the issue's
+    0.5 / 0.6. The gradients go through the emulated kernels' fp32 backward, native's through
+    its fused 16-bit backward."""
     torch.manual_seed(0)
     res = fidelity(Transformer(), _x(4, 16, ints=50))
-    assert res["forward"][0] <= 0.85 and res["grads"][0] <= 0.85, res
+    assert res["forward"][0] <= 0.1 and res["grads"][0] <= 0.6, res
     for part in res.values():
         assert 0.8 <= part[1] <= 1.25, res
 
