@@ -11,6 +11,7 @@ closer to native fp16 than plain fp32 is, and as far from float64 as native fp16
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -128,6 +129,29 @@ def test_op_matches_the_native_16_bit_kernel(name, policy):
     assert d <= bound, f"{name} {policy}: {d} {kind} > {bound} ({reason})"
 
 
+@pytest.mark.parametrize("policy", list(DTYPES))
+def test_layer_norm_backward_matches_the_native_16_bit_kernel(policy):
+    """The CPU kernel's backward keeps dgamma/dbeta in a 16-bit buffer per thread (each row's
+    add rounded) and mean/rstd in 16 bits; emulated, the weight and bias gradients are equal bit
+    for bit, the input gradient within one unit (its fp32 sums in another order)."""
+    dtype = DTYPES[policy]
+    g = torch.Generator().manual_seed(3)
+    x, dy = (torch.randn(64, 48, generator=g).to(dtype) for _ in range(2))
+    w, b = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype), (0.1 * torch.randn(48)).to(dtype)
+
+    def grads(cast, ctx):
+        ts = [cast(t).detach().requires_grad_() for t in (x, w, b)]
+        with ctx:
+            y = F.layer_norm(ts[0], (48,), ts[1], ts[2])
+        y.backward(cast(dy))
+        return [t.grad.float() for t in ts]
+
+    native = grads(lambda t: t, contextlib.nullcontext())
+    emu = grads(lambda t: t.float(), emulated(policy))
+    assert ulp_distance(emu[0], native[0], dtype) <= 1
+    assert torch.equal(emu[1], native[1]) and torch.equal(emu[2], native[2])
+
+
 def test_the_op_table_is_large_enough():
     assert len(OPS) >= 30
 
@@ -210,7 +234,10 @@ def _run(model, x, mode):
     out = m(x)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
     (out * w).sum().backward()
-    return out.detach().double(), torch.cat([p.grad.double().flatten() for p in m.parameters()])
+    grads = [p.grad for p in m.parameters()]
+    if mode == "emulated":  # as Precision.step stores them: in the parameter format (fp16)
+        grads = [g.half() for g in grads]
+    return out.detach().double(), torch.cat([g.double().flatten() for g in grads])
 
 
 def fidelity(model, x) -> dict:
@@ -257,13 +284,13 @@ def test_resnet_matches_native_fp16():
 
 def test_transformer_matches_native_fp16():
     """Attention follows torch's CPU flash kernel (its fexp_u20 exp, probabilities in fp16) and
-    is bit-exact with it; linear differs by one unit at times (summation order). Measured 0.046
-    forward, 0.555 gradients (0.79 / 0.75 with exact exp in attention): within the issue's
-    0.5 / 0.6. The gradients go through the emulated kernels' fp32 backward, native's through
-    its fused 16-bit backward."""
+    is bit-exact with it; layer norm's backward follows the 16-bit kernel's (16-bit dgamma/dbeta
+    buffers); linear differs by one unit at times (summation order). Measured 0.046 forward,
+    0.27 gradients (batches 2 and 3: 0.13 / 0.30 and 0.04 / 0.24); before these two kernels
+    0.79 / 0.75. The issue asks 0.5 / 0.6."""
     torch.manual_seed(0)
     res = fidelity(Transformer(), _x(4, 16, ints=50))
-    assert res["forward"][0] <= 0.1 and res["grads"][0] <= 0.6, res
+    assert res["forward"][0] <= 0.1 and res["grads"][0] <= 0.35, res
     for part in res.values():
         assert 0.8 <= part[1] <= 1.25, res
 

@@ -483,6 +483,8 @@ class Emulation:
         elif name == "lstm" and kernels.plain_lstm(args, kwargs):
             with self._mode:  # each op of the cell is an op of its own, as in the CPU kernel
                 return kernels.lstm(*args)
+        elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
+            out = kernels.layer_norm(self, rule, key, *args)
         elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):
             out = kernels.label_kernel_nodes(kernels.attention(self, rule, key, *args, **kwargs),
                                              args, name)

@@ -196,3 +196,88 @@ def lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
         if dropout and train and layer < num_layers - 1:
             seq = torch.nn.functional.dropout(seq, dropout)
     return (seq.transpose(0, 1) if batch_first else seq), torch.stack(hs), torch.stack(cs)
+
+
+def plain_layer_norm(engine, rule, args, kwargs) -> bool:
+    """torch.layer_norm(input, normalized_shape, weight, bias, eps, ...) on a format the CPU
+    kernel's 16-bit path stands for (IEEE-style, round to nearest)."""
+    from ...numerics.formats import BlockFormat, DynamicFixedFormat
+    from ...numerics.rounding import Rounding
+    if kwargs or len(args) < 2 or not torch.is_tensor(args[0]) or not torch.is_grad_enabled():
+        return False
+    nearest = all(getattr(r, "mode", r) == Rounding.NEAREST_EVEN
+                  for r in (rule.rounding, rule.grad_rounding))
+    return (nearest and
+            not isinstance(rule.compute, (BlockFormat, DynamicFixedFormat)) and
+            not isinstance(rule.grads, (BlockFormat, DynamicFixedFormat)))
+
+
+class _LayerNorm(torch.autograd.Function):
+    """Forward: fp32 layer norm (the caller rounds it once: the 16-bit kernel computes in fp32
+    and rounds once, bit-exact). Backward as ``LayerNormBackwardKernelImplInternal`` in
+    aten/src/ATen/native/cpu/layer_norm_kernel.cpp runs for 16-bit tensors: mean and rstd as the
+    forward stored them (16 bits when the weight is 16-bit); dX = a*dy*gamma + b*x + c with
+    ds, db summed in fp32, rounded once; dgamma and dbeta accumulated row by row in a 16-bit
+    buffer per thread (each add rounded), the threads' buffers summed in fp32 and rounded."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps, act, stat, grad):
+        y = torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+        dims = tuple(range(x.dim() - len(shape), x.dim()))
+        var, mean = torch.var_mean(x, dims, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, stat(mean), stat(rstd))
+        ctx.spec = (len(shape), act, grad, stat, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        nshape, act, grad, stat, has_bias = ctx.spec
+        n = 1
+        for s in x.shape[x.dim() - nshape:]:
+            n *= s
+        X, dY = x.reshape(-1, n), dy.reshape(-1, n)
+        m = X.shape[0]
+        a, mu = rstd.reshape(-1, 1), mean.reshape(-1, 1)
+        scale = torch.tensor(1.0 / n, dtype=torch.float32)
+        g = weight.reshape(1, n) if weight is not None else torch.ones(1, n)
+        dgy = dY * g
+        ds, db = (dgy * X).sum(-1, keepdim=True), dgy.sum(-1, keepdim=True)
+        b = (db * mu - ds) * a * a * a * scale
+        c = -b * mu - db * a * scale
+        dx = grad(a * dY * g + b * X + c).reshape(x.shape)
+        dw = dbias = None
+        if weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            # at::parallel_for(0, M, 1): thread t takes rows [t*chunk, (t+1)*chunk)
+            threads = max(1, min(torch.get_num_threads(), m))
+            chunk = -(-m // threads)
+            pad = threads * chunk - m
+            xh = (a * X + (-a * mu)) * dY  # dy * (a*x + b'), fp32, per row
+            rows_w = torch.nn.functional.pad(xh, (0, 0, 0, pad)).reshape(threads, chunk, n)
+            rows_b = torch.nn.functional.pad(dY, (0, 0, 0, pad)).reshape(threads, chunk, n)
+            bw = torch.zeros(threads, n)
+            bb = torch.zeros(threads, n)
+            for r in range(chunk):
+                bw = act(bw + rows_w[:, r])
+                bb = act(bb + rows_b[:, r])
+            dw = stat(bw.sum(0)).reshape(weight.shape)
+            dbias = stat(bb.sum(0)).reshape(weight.shape) if has_bias else None
+        return dx, dw, dbias, None, None, None, None, None
+
+
+def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-5,
+               cudnn_enable=True):
+    """Layer norm with the CPU 16-bit kernel's backward (:class:`_LayerNorm`)."""
+    from ...numerics.quantize import quantize
+
+    def act(t):
+        return quantize(t, rule.compute)
+
+    def stat(t):  # the kernel's mean/rstd and dgamma/dbeta: the weight's dtype
+        return quantize(t, rule.params) if rule.params == rule.compute else t
+
+    def grad(t):
+        return quantize(t, rule.grads)
+
+    return _LayerNorm.apply(x, weight, bias, tuple(shape), eps, act, stat, grad)
