@@ -297,14 +297,14 @@ def test_transformer_matches_native_fp16():
 
 def test_lstm_is_as_accurate_as_native_fp16():
     """The LSTM runs as ATen's CPU cell does (each gate op rounded): its error against float64
-    is native's (1.08x forward, 0.86x gradients; a single rounding of the fused cell gave 0.55x:
-    more accurate than fp16 really is). The distance to native stays near fp32's (1.06x / 0.78x)
+    is native's (1.08x forward, 0.85x gradients; a single rounding of the fused cell gave 0.55x:
+    more accurate than fp16 really is). The distance to native stays near fp32's (1.06x / 0.76x)
     because fp16 linear differs by one unit at times, and the recurrence spreads it."""
     torch.manual_seed(0)
     res = fidelity(LSTMNet(), _x(4, 10, 12))
     for part in res.values():
         assert 0.8 <= part[1] <= 1.25, res
-    assert res["forward"][0] <= 1.1 and res["grads"][0] <= 0.85, res
+    assert res["forward"][0] <= 1.1 and res["grads"][0] <= 0.8, res
 
 
 # -- every op's output on the grid ------------------------------------------------------------
