@@ -260,3 +260,36 @@ def test_a_compiled_emulated_model_runs_eagerly_with_a_warning_and_keeps_every_r
     assert any("runs the model eagerly" in str(w.message) for w in caught)
     assert_same_bits(compiled, eager, "compiled vs eager")
     assert on_grid(compiled)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: __import__("lowprec.training.optim", fromlist=["SGD"]).SGD(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1)], ids=["lowprec-sgd", "torch-sgd"])
+def test_the_step_writes_each_parameter_back_in_its_own_storage_format(make_opt):
+    """Under overrides={"*norm*": "32-true", "lm_head": "bf16"} the optimizer's write-back keeps
+    the fp32 norm weights fp32 (w - lr * g in fp32), rounds the head to bf16 and the rest to fp16
+    (torch's casts). Before, every parameter was written back in the policy's fp16."""
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.add_module("proj", nn.Linear(8, 8))
+    net.add_module("norm", nn.LayerNorm(8))
+    net.add_module("lm_head", nn.Linear(8, 5))
+    prec = Precision("16-true", overrides={"*norm*": "32-true", "lm_head": "bf16"})
+    model, opt = prec.setup(net, make_opt(net.parameters()))
+    loss = model(torch.randn(3, 8)).square().sum()
+    prec.backward(loss)
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+    prec.step(opt)
+    for name, p in model.named_parameters():
+        w, g = before[name]
+        # Precision.step first rounds each gradient to its parameter's storage format
+        g = g if name.startswith("norm") else (g.bfloat16() if name.startswith("lm_head")
+                                               else g.half()).float()
+        exact = w - 0.1 * g
+        if name.startswith("norm"):
+            # fp32 (within the fp32 update's own rounding), not rounded to fp16 (0.0002 off)
+            assert torch.allclose(p.detach(), exact, rtol=2.5e-7, atol=0), name
+        elif name.startswith("lm_head"):
+            assert torch.equal(p.detach(), exact.bfloat16().float()), name
+        else:
+            assert torch.equal(p.detach(), exact.half().float()), name

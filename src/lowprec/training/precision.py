@@ -197,6 +197,13 @@ class Precision:
         emulated = self.backend is Backend.EMULATED
         pfmt = pol.params if emulated else None
         options = dict(self._engine_options(), names=self._names)
+        if emulated and self.emulation is not None and self.emulation.overrides:
+            # parameters under a per-module override keep their own storage format
+            own = {id(p): self.emulation.param_format(n)
+                   for n, p in self.model.named_parameters()}
+            own = {k: f for k, f in own.items() if f != pfmt}
+            if own:
+                options["param_formats"] = own
         kwargs = dict(param_format=pfmt, state_format=pol.optimizer_state,
                       master_format=pol.master, update=pol.update, generator=self.generator,
                       **options)

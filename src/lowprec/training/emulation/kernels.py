@@ -1,17 +1,22 @@
-"""Three ops the emulation engine computes as torch's 16-bit CPU kernels do, not as one rounding.
+"""Ops the emulation engine computes as torch's 16-bit CPU kernels do, not as one rounding.
 
 Their 16-bit implementations keep an intermediate in 16 bits (batch norm's statistics, the
 attention probabilities, every op of an LSTM cell); computing them in fp32 and rounding once
-would be more accurate than a 16-bit run really is. Each function returns the fp32 result the
-engine then rounds once; ``engine.round`` rounds the 16-bit intermediates.
+would be more accurate than a 16-bit run really is (layer norm: its backward keeps 16-bit
+buffers). Each function returns the fp32 result the engine then rounds once; ``engine.round``
+rounds the 16-bit intermediates.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["batch_norm", "attention", "fexp_u20", "lstm", "uses_batch_stats", "plain_attention",
-           "plain_lstm", "label_kernel_nodes"]
+from ...numerics.formats import BlockFormat, DynamicFixedFormat
+from ...numerics.quantize import quantize
+from ...numerics.rounding import Rounding
+
+__all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "lstm",
+           "uses_batch_stats", "plain_attention", "plain_lstm", "label_kernel_nodes"]
 
 
 def label_kernel_nodes(out: torch.Tensor, args, name: str) -> torch.Tensor:
@@ -201,8 +206,6 @@ def lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
 def plain_layer_norm(engine, rule, args, kwargs) -> bool:
     """torch.layer_norm(input, normalized_shape, weight, bias, eps, ...) on a format the CPU
     kernel's 16-bit path stands for (IEEE-style, round to nearest)."""
-    from ...numerics.formats import BlockFormat, DynamicFixedFormat
-    from ...numerics.rounding import Rounding
     if kwargs or len(args) < 2 or not torch.is_tensor(args[0]) or not torch.is_grad_enabled():
         return False
     nearest = all(getattr(r, "mode", r) == Rounding.NEAREST_EVEN
@@ -269,7 +272,6 @@ class _LayerNorm(torch.autograd.Function):
 def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-5,
                cudnn_enable=True):
     """Layer norm with the CPU 16-bit kernel's backward (:class:`_LayerNorm`)."""
-    from ...numerics.quantize import quantize
 
     def act(t):
         return quantize(t, rule.compute)

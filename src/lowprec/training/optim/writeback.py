@@ -65,15 +65,18 @@ class Storage:
 
     def configure(self, *, param_format=None, state_format=None, master_format=None,
                   update: str | None = None, generator=None, controller=None,
-                  names: dict | None = None) -> None:
+                  names: dict | None = None, param_formats: dict | None = None) -> None:
         """Set the formats (``None`` keeps a parameter's own dtype); used by Precision.setup.
         ``controller`` holds the ranges of dynamic fixed-point formats, ``names`` maps
-        ``id(param)`` to the parameter's name (the key of its groups)."""
+        ``id(param)`` to the parameter's name (the key of its groups), ``param_formats`` maps
+        ``id(param)`` to the storage format of a parameter that differs from ``param_format``
+        (a per-module override: fp32 norm weights under a 16-bit policy)."""
         from ..regimes.dynamic_fixed import Controller
 
         self.controller = controller if controller is not None else Controller()
         self.names = dict(names or {})
         self.param_format = None if param_format is None else parse_format(param_format)
+        self.param_formats = {k: parse_format(v) for k, v in (param_formats or {}).items()}
         self.state_format = None if state_format is None else parse_format(state_format)
         self.master_format = None if master_format is None else parse_format(master_format)
         if update is not None:
@@ -83,6 +86,9 @@ class Storage:
         self.generator = generator
 
     def pformat(self, p: torch.Tensor) -> Format:
+        fmt = self.param_formats.get(id(p)) if self.param_formats else None
+        if fmt is not None:
+            return fmt
         return self.param_format if self.param_format is not None else format_of_dtype(p.dtype)
 
     def sformat(self, p: torch.Tensor) -> Format:
