@@ -31,11 +31,13 @@ from .config import CompareConfig, RunError, lr_at
 from .data import Dataset, load_dataset
 from .models import build_model
 from ..training.optim import SGD, Adam
+from ..training.policy import parse_policy
 from ..training.precision import Precision
 from .results import ResultsDB
 from .system import tune_cpu_allocator
 
-__all__ = ["run_compare", "environment", "atomic_save", "analyse_run", "certificate_formats"]
+__all__ = ["run_compare", "environment", "atomic_save", "analyse_run", "certificate_formats",
+           "open_run", "train_run", "record_failure", "run_name", "checkpoint_path", "Progress"]
 
 def environment() -> dict:
     """Library versions, git revision and hardware, recorded with every run."""
@@ -169,20 +171,21 @@ def evaluate(model: nn.Module, prec: Precision, x: torch.Tensor, y: torch.Tensor
     return total_loss / len(x), correct / len(x)
 
 
-class _Progress:
-    """rich progress bars: one overall, one for the run in progress; nothing when quiet."""
+class Progress:
+    """rich progress bars: one overall, one per run in progress; nothing when quiet. Runs are
+    named, so that runs executing at the same time (on a cluster) each have their bar."""
 
     def __init__(self, total_runs: int, quiet: bool) -> None:
         self.quiet = quiet
+        self.bars: dict[str, int] = {}
         if quiet:
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
 
-        self.p = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self.p = _Rich(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
         self.overall = self.p.add_task("all runs", total=total_runs)
-        self.run = None
 
     def __enter__(self):
         if not self.quiet:
@@ -196,28 +199,64 @@ class _Progress:
     def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
         if self.quiet:
             return
-        if self.run is not None:
-            self.p.remove_task(self.run)
-        self.run = self.p.add_task(name, total=total_steps, completed=done_steps)
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.bars[name] = self.p.add_task(name, total=total_steps, completed=done_steps)
 
-    def step(self, n: int = 1) -> None:
-        if not self.quiet and self.run is not None:
-            self.p.advance(self.run, n)
+    def step(self, name: str, n: int = 1) -> None:
+        if not self.quiet and name in self.bars:
+            self.p.advance(self.bars[name], n)
 
-    def run_done(self) -> None:
-        if not self.quiet:
-            self.p.advance(self.overall, 1)
+    def run_done(self, name: str | None = None) -> None:
+        if self.quiet:
+            return
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.p.advance(self.overall, 1)
 
 
-def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
-               out: Path, env: dict, progress: _Progress) -> str:
-    run_id = f"{policy}|seed={seed}"
-    ckpt_path = out / "checkpoints" / f"{_run_key(run_id)}.pt"
+def run_name(policy: str, seed: int) -> str:
+    """The key of a (policy, seed) run in results.db."""
+    return f"{policy}|seed={seed}"
+
+
+def checkpoint_path(out: Path, run_id: str) -> Path:
+    return out / "checkpoints" / f"{_run_key(run_id)}.pt"
+
+
+def open_run(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, out: Path,
+             env: dict) -> bool:
+    """The driver's half of a run, before it executes: False if it is already done; otherwise
+    make sure results.db has its row. A run left 'running' keeps its row (and start time) and
+    continues from its checkpoint; a new or failed one starts afresh (a stale checkpoint is
+    removed, so that a checkpoint always belongs to the row that is in the database)."""
+    run_id = run_name(policy, seed)
     existing = db.run(run_id)
     if existing and existing["status"] in ("finished", "diverged"):
-        progress.run_done()
-        return existing["status"]
+        return False
+    if existing and existing["status"] == "running":
+        return True
+    ckpt = checkpoint_path(out, run_id)
+    if ckpt.exists():
+        ckpt.unlink()
+    db.start_run(run_id, policy=policy, policy_spec=parse_policy(policy).spec, seed=seed,
+                 config=cfg.to_json(), versions=env["versions"], git=env["git"],
+                 hardware=env["hardware"])
+    return True
 
+
+def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, out: Path, sink,
+              progress) -> str:
+    """The worker's half: train one (policy, seed) run whose row :func:`open_run` made.
+
+    It never reads results.db: ``sink`` receives its writes (``set_backend``,
+    ``record_memory``, ``truncate``, ``record_epoch``, ``record_analysis``, ``finish_run``,
+    with ResultsDB's signatures) and is the database itself when the run executes in the
+    driver, or a proxy that ships them to the driver (the Ray executor). The run continues
+    from its checkpoint when there is one; the checkpoint is written atomically after every
+    epoch, so that a run executed again after any interruption gives the same numbers."""
+    run_id = run_name(policy, seed)
+    ckpt_path = checkpoint_path(out, run_id)
     torch.manual_seed(seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     opt = _make_optimizer(cfg, model)
@@ -228,27 +267,25 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
     n = len(x_train)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
+    sink.set_backend(run_id, prec.backend)
+    # the ledger's forward pass restores BatchNorm statistics; a checkpoint, when there is
+    # one, is loaded after it and overrides all state anyway
+    batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
+    sink.record_memory(run_id, prec.memory(model, batch, nn.functional.cross_entropy))
     start_epoch = 0
-    if existing and existing["status"] == "running" and ckpt_path.exists():
+    if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         prec.load_state_dict(ckpt["precision"])
         start_epoch = ckpt["epoch"] + 1
-        db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
-    elif existing and existing["status"] == "running" and db.memory(run_id) is not None:
-        # interrupted before its first checkpoint: the same run, redone from its first epoch
-        # (its row, start time and ledger are kept; what it recorded after them is dropped)
-        db.truncate(run_id, last_epoch=-1, last_step=-1)
+        sink.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
     else:
-        db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
-                     config=cfg.to_json(), versions=env["versions"], git=env["git"],
-                     hardware=env["hardware"])
-        db.set_backend(run_id, prec.backend)
-        batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
-        db.record_memory(run_id, prec.memory(model, batch, nn.functional.cross_entropy))
-    progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
-                       start_epoch * steps_per_epoch)
+        # a new run, or one interrupted before its first checkpoint: redone from its first
+        # epoch (its row and start time are kept; what it recorded is dropped)
+        sink.truncate(run_id, last_epoch=-1, last_step=-1)
+    name = f"{policy} seed {seed}"
+    progress.start_run(name, cfg.epochs * steps_per_epoch, start_epoch * steps_per_epoch)
 
     status, diverged_step = "finished", None
     for epoch in range(start_epoch, cfg.epochs):
@@ -272,7 +309,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
             lv = loss.item()
             losses.append(lv)
             consecutive_bad = consecutive_bad + 1 if not math.isfinite(lv) else 0
-            progress.step()
+            progress.step(name)
             params_bad = (prec.steps % 20 == 0 or i + cfg.batch_size >= n) and not all(
                 torch.isfinite(p).all() for p in model.parameters())
             if params_bad or consecutive_bad >= 200:
@@ -285,7 +322,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
             test_loss, test_acc = float("nan"), float("nan")
         else:
             test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
-        db.record_epoch(run_id, epoch, train_loss=train_loss, test_loss=test_loss,
+        sink.record_epoch(run_id, epoch, train_loss=train_loss, test_loss=test_loss,
                         test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
                         nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
                         trace=prec.trace[trace_start:])
@@ -295,19 +332,24 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
                      "precision": prec.state_dict(), "epoch": epoch}, ckpt_path)
     if status == "finished":
         try:
-            analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
+            analyse_run(sink, run_id, model, prec, data, x_train, y_train, cfg)
         except Exception as err:  # the run itself finished: keep it, record why analysis did not
-            db.record_analysis(run_id, "analysis_error", {"error": repr(err)})
-    db.finish_run(run_id, status, diverged_step=diverged_step)
+            sink.record_analysis(run_id, "analysis_error", {"error": repr(err)})
+    sink.finish_run(run_id, status, diverged_step=diverged_step)
     if ckpt_path.exists():
         ckpt_path.unlink()
-    progress.run_done()
+    progress.run_done(name)
     return status
 
 
-def run_compare(cfg: CompareConfig) -> Path:
+
+def run_compare(cfg: CompareConfig, executor=None) -> Path:
     """Train every policy x seed of ``cfg``, store the results, write the report.
-    Returns the run folder."""
+    Returns the run folder.
+
+    ``executor`` decides where the runs execute: None runs them one after another in this
+    process; :class:`lowprec.experiments.executors.RayExecutor` runs each as a Ray task. Either
+    way this process is the only writer of results.db."""
     cfg.validate()
     tune_cpu_allocator()
     out = Path(cfg.out)
@@ -324,21 +366,24 @@ def run_compare(cfg: CompareConfig) -> Path:
     env = environment()
     runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
     try:
-        with _Progress(len(runs), cfg.quiet) as progress:
+        with Progress(len(runs), cfg.quiet) as progress:
+            todo = []
             for policy, seed in runs:
-                try:
-                    _train_run(cfg, data, policy, seed, db, out, env, progress)
-                except KeyboardInterrupt:
-                    raise
-                except Exception as err:  # a run's failure is recorded; the others go on
-                    run_id = f"{policy}|seed={seed}"
-                    if db.run(run_id) is None:
-                        db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
-                                     config=cfg.to_json(), versions=env["versions"],
-                                     git=env["git"], hardware=env["hardware"])
-                    db.finish_run(run_id, "failed", error="".join(
-                        traceback.format_exception_only(type(err), err)).strip())
+                if open_run(db, cfg, policy, seed, out, env):
+                    todo.append((policy, seed))
+                else:
                     progress.run_done()
+            if executor is None:
+                for policy, seed in todo:
+                    try:
+                        train_run(cfg, data, policy, seed, out, db, progress)
+                    except KeyboardInterrupt:
+                        raise
+                    except Exception as err:  # a run's failure is recorded; the others go on
+                        record_failure(db, policy, seed, err)
+                        progress.run_done(f"{policy} seed {seed}")
+            else:
+                executor.execute(cfg, data, todo, db, out, progress)
         from .report import write_report
 
         write_report(out, db)
@@ -346,3 +391,8 @@ def run_compare(cfg: CompareConfig) -> Path:
         db.close()
     return out
 
+
+def record_failure(db: ResultsDB, policy: str, seed: int, err: BaseException) -> None:
+    """Mark a run failed with the one-line description of ``err``."""
+    db.finish_run(run_name(policy, seed), "failed", error="".join(
+        traceback.format_exception_only(type(err), err)).strip())
