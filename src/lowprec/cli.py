@@ -113,7 +113,19 @@ def _config_from(args, **overrides):
     return CompareConfig(out=args.out, resume=args.resume, quiet=args.quiet, **values)
 
 
-def _run(cfg, console: Console, quiet: bool) -> int:
+def _executor_from(args):
+    """The executor of --executor and its flags (None: the local one)."""
+    from .experiments.executors import make_executor
+
+    return make_executor(getattr(args, "executor", None) or "local",
+                         address=getattr(args, "ray_address", None),
+                         num_cpus=getattr(args, "ray_num_cpus", None),
+                         cpus_per_run=getattr(args, "cpus_per_run", None),
+                         gpus_per_run=getattr(args, "gpus_per_run", None),
+                         max_retries=getattr(args, "max_retries", None))
+
+
+def _run(cfg, console: Console, quiet: bool, executor=None) -> int:
     from pathlib import Path
 
     from .experiments.data import DatasetNotFound
@@ -122,7 +134,7 @@ def _run(cfg, console: Console, quiet: bool) -> int:
     from .experiments.runner import run_compare
 
     try:
-        out = run_compare(cfg)
+        out = run_compare(cfg, executor)
     except (RunError, DatasetNotFound, CorruptDatabase) as err:
         raise UserError(str(err)) from None
     except KeyboardInterrupt:
@@ -135,7 +147,8 @@ def _run(cfg, console: Console, quiet: bool) -> int:
 
 
 def cmd_compare(args, console: Console) -> int:
-    return _run(_user(_config_from, args), console, args.quiet)
+    cfg = _user(_config_from, args)
+    return _run(cfg, console, args.quiet, _user(_executor_from, args))
 
 
 def cmd_train(args, console: Console) -> int:
@@ -261,6 +274,20 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
         p.add_argument("--seeds", type=int, default=None, help="seeds per policy (default: 3)")
         p.add_argument("--preset", default=None, help="an experiment of the literature: "
                        + ", ".join(PRESETS) + " (policies, model and optimizer; flags override)")
+        g = p.add_argument_group("where the runs execute")
+        g.add_argument("--executor", default=None, help="local (default: one run after "
+                       "another in this process) or ray (each run a Ray task; pip install "
+                       "'lowprec[ray]')")
+        g.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: "
+                       "start a local instance); --out must be on storage every node mounts")
+        g.add_argument("--ray-num-cpus", type=int, default=None,
+                       help="CPUs of the local Ray instance (default: every CPU)")
+        g.add_argument("--cpus-per-run", type=float, default=None,
+                       help="CPUs Ray reserves for each run (default: 1)")
+        g.add_argument("--gpus-per-run", type=float, default=None,
+                       help="GPUs Ray reserves for each run (default: 0)")
+        g.add_argument("--max-retries", type=int, default=None,
+                       help="times Ray runs again a run whose worker died (default: 3)")
     p.add_argument("--epochs", type=int, default=None, help="default: 15")
     p.add_argument("--batch-size", type=int, default=None, help="default: 32")
     p.add_argument("--lr", type=float, default=None, help="default: 0.02")
