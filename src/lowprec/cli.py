@@ -74,9 +74,26 @@ def cmd_quantize(args, console: Console) -> int:
     return 0
 
 
+def _print_models_summary(run_dir, console: Console) -> None:
+    from .experiments.multi import model_tables
+
+    for model, cols, cells, line in model_tables(run_dir):
+        table = Table(title=f"{model}: {line}", header_style="bold")
+        for c in cols:
+            table.add_column(c, justify="left" if c == "policy" else "right")
+        for row in cells:
+            table.add_row(*row)
+        console.print(table)
+    console.print(f"report: {run_dir / 'report.html'} and {run_dir / 'report.md'}")
+
+
 def _print_summary(run_dir, console: Console) -> None:
+    from .experiments.multi import MODELS_FILE
     from .experiments.report import summarize, summary_rows
     from .experiments.results import ResultsDB
+
+    if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
+        return _print_models_summary(run_dir, console)
 
     db = ResultsDB(run_dir / "results.db", create=False)
     try:
@@ -165,7 +182,18 @@ def cmd_report(args, console: Console) -> int:
     from .experiments.report import write_report
     from .experiments.results import CorruptDatabase
 
+    from .experiments.multi import MODELS_FILE, write_models_report
+
     run_dir = Path(args.run_dir)
+    if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
+        try:  # a comparison over several models: every model's report, then the combined one
+            for sub in sorted(p.parent for p in run_dir.glob("*/results.db")):
+                write_report(sub)
+            write_models_report(run_dir)
+        except CorruptDatabase as err:
+            raise UserError(str(err)) from None
+        _print_summary(run_dir, console)
+        return 0
     if not (run_dir / "results.db").exists():
         raise UserError(f"{run_dir} has no results.db (run lowprec compare --out {run_dir})")
     try:
@@ -264,7 +292,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     p.add_argument("--data", default=None, help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
                    "idx:DIR, cifar10:DIR, module:function (default: mnist, 5,000 real digits)")
     p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, cnn1d, "
-                   "transformer, module:function (default: lenet5)")
+                   "transformer, mobilenet, module:function (default: lenet5); compare takes "
+                   "several, comma-separated: one comparison per model in OUT/MODEL")
     if compare:
         from .experiments.config import PRESETS
 

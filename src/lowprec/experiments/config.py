@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from ..training.policy import parse_policy, split_top
 
 __all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "OPTIMIZERS", "SCHEDULES", "RunError",
-           "lr_at", "split_policies"]
+           "lr_at", "split_policies", "split_models"]
 
 DEFAULT_POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "16-master")
 
@@ -32,6 +32,14 @@ PRESETS: dict[str, dict] = {
     # OCP MX v1.0 block formats for the weights and activations of every matmul
     "mx": {"policies": ("32-true", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
                         "mxfp4", "mxint8"), "seeds": (0, 1)},
+    # Yun et al. (2023), "In Defense of Pure 16-bit Floating-Point Neural Networks": pure fp16
+    # against fp32 and mixed precision over several architectures, SGD lr 0.01 momentum 0.9
+    # batch 256 as in the paper; on the full Fashion-MNIST, epochs reduced to fit about an hour
+    # on 2 CPU cores (one comparison per model, OUT/MODEL, and a combined report)
+    "yun2023": {"data": "fashion-mnist", "model": "resnet20,vgg,transformer,mobilenet",
+                "policies": ("32-true", "16-true", "16-mixed", "bf16-true"), "seeds": (0, 1),
+                "epochs": 2, "batch_size": 256, "lr": 0.01, "momentum": 0.9,
+                "weight_decay": 0.0, "schedule": "constant"},
 }
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
@@ -105,6 +113,16 @@ class CompareConfig:
         d["policies"] = list(self.policies)
         d["seeds"] = list(self.seeds)
         return d
+
+
+def split_models(spec: str) -> tuple[str, ...]:
+    """``"resnet20,vgg"`` -> ("resnet20", "vgg"): a comparison over several architectures."""
+    models = tuple(m.strip() for m in str(spec).split(",") if m.strip())
+    if not models:
+        raise RunError(f"model={spec!r}: no model given")
+    if len(set(models)) != len(models):
+        raise RunError(f"model={spec!r} names a model twice")
+    return models
 
 
 def split_policies(spec: str) -> list[str]:

@@ -119,25 +119,41 @@ class RayExecutor:
         return (f"RayExecutor({where}; {self.cpus_per_run} CPU, {self.gpus_per_run} GPU per "
                 f"run, {self.max_retries} retries)")
 
+    @contextmanager
+    def connected(self):
+        """Connected to Ray (started if need be) for the whole block: several comparisons
+        share one instance (a comparison over several models)."""
+        ray = _import_ray()
+        if ray.is_initialized():
+            yield
+            return
+        self._connect(ray)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+    def _connect(self, ray) -> None:
+        if self.address is None:
+            start_local_ray(self.num_cpus)
+            return
+        import logging
+
+        try:
+            ray.init(address=self.address, logging_level=logging.WARNING)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise RunError(f"cannot connect to the Ray cluster at {self.address!r}: "
+                           f"{str(err).splitlines()[0] if str(err) else err}") from None
+
     def execute(self, cfg, data, todo: list[tuple[str, int]], db, out: Path, progress) -> None:
         """Run ``todo`` (the (policy, seed) runs whose rows :func:`open_run` made) as tasks;
         write what they send into ``db``; record a task that failed for good as failed."""
         if not todo:
             return
         ray = _import_ray()
-        started = False
-        if not ray.is_initialized():
-            if self.address is None:
-                start_local_ray(self.num_cpus)
-            else:
-                import logging
-
-                try:
-                    ray.init(address=self.address, logging_level=logging.WARNING)
-                except (ConnectionError, ValueError, RuntimeError) as err:
-                    raise RunError(f"cannot connect to the Ray cluster at {self.address!r}: "
-                                   f"{str(err).splitlines()[0] if str(err) else err}") from None
-            started = True
+        started = not ray.is_initialized()
+        if started:
+            self._connect(ray)
         try:
             self._execute(ray, cfg, data, todo, db, Path(out).resolve(), progress)
         finally:

@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import __version__
 from ..analysis.certify import certify
-from .config import CompareConfig, RunError, lr_at
+from .config import CompareConfig, RunError, lr_at, split_models
 from .data import Dataset, load_dataset
 from .models import build_model
 from ..training.optim import SGD, Adam
@@ -351,11 +351,15 @@ def run_compare(cfg: CompareConfig, executor=None) -> Path:
     process; :class:`lowprec.experiments.executors.RayExecutor` runs each as a Ray task. Either
     way this process is the only writer of results.db."""
     cfg.validate()
+    if len(split_models(cfg.model)) > 1:  # one comparison per architecture
+        from .multi import run_models
+
+        return run_models(cfg, executor)
     tune_cpu_allocator()
     out = Path(cfg.out)
     db_path = _prepare_out(out, cfg.resume)
     try:
-        data = load_dataset(cfg.data)
+        data = load_dataset(cfg.data, quiet=cfg.quiet)
     except ValueError as err:
         raise RunError(str(err)) from None
     try:
