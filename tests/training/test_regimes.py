@@ -2,15 +2,17 @@
 BinaryNet, MX block formats."""
 
 import math
+import re
 
 import pytest
 import torch
 from helpers import train_steps
 from torch import nn
 
-from lowprec import Precision, parse_format, parse_policy, quantize
+from lowprec import POLICIES, Precision, parse_format, parse_policy, quantize
 from lowprec.training.regimes.binary import BinaryActivation, BinaryLinear, binarize, sign_ste
-from lowprec.training.regimes.dynamic_fixed import Controller
+from lowprec.training.regimes import GroupKey, Role
+from lowprec.training.regimes.dynamic_fixed import Controller, DynamicFixedRegime
 from lowprec.numerics.formats import DynamicFixedFormat, FixedFormat
 from lowprec.training.optim import SGD, Adam
 from lowprec.experiments.config import PRESETS
@@ -43,7 +45,11 @@ def test_every_regime_trains_a_few_steps(name):
     again = Precision(name, seed=0)
     again.setup(small_cnn(), SGD(small_cnn().parameters(), lr=0.1))
     again.load_state_dict(st)
-    assert again.state_dict()["dynamic_ranges"] == st["dynamic_ranges"]
+    back = again.state_dict()
+    assert back["regimes"] == st["regimes"] and back["trace"] == st["trace"]
+    assert torch.equal(back["generator"], st["generator"])
+    if name.startswith("dfxp"):  # every role's ranges travel, not an empty dict
+        assert len(st["regimes"]["dynamic_fixed"]["ranges"]) > 10
 
 
 def test_fixed_point_policy_names():
@@ -54,8 +60,18 @@ def test_fixed_point_policy_names():
     assert q.compute == FixedFormat(6, 10) and q.update == "nearest"
     assert not q.rounding.is_stochastic
     assert parse_policy("fixed16-sr").params.bits == 16
-    assert all(parse_policy(p) for preset in PRESETS.values()
-               for p in preset.get("policies", ()))
+    for preset in PRESETS.values():
+        for name in preset.get("policies", ()):
+            pol = parse_policy(name)
+            assert parse_policy(pol.spec) == pol
+            if m := re.match(r"^q(\d+)\.(\d+)-(sr|rn)$", name):
+                fmt = FixedFormat(int(m.group(1)), int(m.group(2)))
+                assert (pol.params, pol.compute, pol.grads) == (fmt, fmt, fmt)
+                stochastic = m.group(3) == "sr"
+                assert pol.rounding.is_stochastic == pol.grad_rounding.is_stochastic == stochastic
+                assert pol.update == ("stochastic" if stochastic else "nearest")
+            else:
+                assert pol is POLICIES[name]
 
 
 def test_fixed_point_values_are_on_the_grid_and_saturate():
@@ -123,12 +139,16 @@ def test_dynamic_fixed_point_policy_keeps_ranges_per_group():
         loss = nn.functional.cross_entropy(model(x), y)
         prec.backward(loss)
         prec.step(opt)
-    groups = prec.controller.groups
-    for key in ("param:0.weight", "param:0.bias", "act:0", "grad:0", "pgrad:0.weight",
-                "momentum:0.weight"):
-        assert key in groups, sorted(groups)
+    (regime,) = prec.regimes
+    assert isinstance(regime, DynamicFixedRegime)
+    groups = regime.controller.groups
+    for key in (GroupKey(Role.PARAM, "0.weight"), GroupKey(Role.PARAM, "0.bias"),
+                GroupKey(Role.ACTIVATION, "0"), GroupKey(Role.GRAD, "0"),
+                GroupKey(Role.PARAM_GRAD, "0.weight"),
+                GroupKey(Role.STATE, "0.weight", "momentum")):
+        assert key in groups, sorted(map(str, groups))
     w = model[0].weight
-    r = groups["param:0.weight"]["range"]
+    r = groups[GroupKey(Role.PARAM, "0.weight")]["range"]
     # 12-bit words written at the range of the last step (now's, give or take one): on the
     # grid of range r - 1 (integer part widened so that the check is about the grid only)
     assert torch.equal(w, quantize(w, FixedFormat(r + 3, 12 - r)))
@@ -214,3 +234,69 @@ def test_mx_policy_rounds_matmul_weights_and_inputs_in_blocks_along_the_reductio
     assert torch.equal(x_conv, quantize(x_conv.detach(), conv_mx))
     assert not torch.equal(w_conv, quantize(w_conv.detach(), mx))  # not the last axis
     assert torch.isfinite(out).all()
+
+
+def test_a_new_regime_plugs_in_without_touching_precision():
+    """A regime defined here, registered, is chosen by the registry from the policy and sees
+    every hook at its point of the lifecycle; its state travels in Precision's state_dict."""
+    from lowprec.training.regimes import REGIMES, Regime, register_regime
+
+    calls = []
+
+    class CountingRegime(Regime):
+        name = "counting-test"
+
+        @classmethod
+        def applies(cls, policy):
+            return policy.compute == parse_format("e3m4")
+
+        def prepare(self, model):
+            calls.append("prepare")
+            self.steps = 0
+            return []
+
+        def configure_optimizer(self, optimizer, added):
+            calls.append(("configure", type(optimizer).__name__))
+
+        def resolve(self, fmt, key, x):
+            calls.append(("resolve", key.role))
+            return fmt
+
+        def after_step(self, model):
+            self.steps += 1
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+
+    register_regime(CountingRegime)
+    try:
+        assert Precision("p=fp32,c=fp16").regimes == []
+        prec = Precision("p=e3m4,c=e3m4,g=e3m4,o=fp32", seed=0)
+        (regime,) = prec.regimes
+        model = nn.Sequential(nn.Linear(4, 3))
+        model, opt = prec.setup(model, SGD(model.parameters(), lr=0.1))
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        train_steps(prec, model, opt, x, y, 3)
+        # prepare, set-up's rounding of both parameters, the optimizer, then each step's grads
+        assert calls[:4] == ["prepare", ("resolve", Role.PARAM), ("resolve", Role.PARAM),
+                             ("configure", "SGD")]
+        assert calls[4:] == [("resolve", Role.PARAM_GRAD)] * 6
+        assert regime.steps == 3 and prec.state_dict()["regimes"] == {"counting-test": {"steps": 3}}
+        again = Precision("p=e3m4,c=e3m4,g=e3m4,o=fp32")
+        again.load_state_dict(prec.state_dict())
+        assert again.regimes[0].steps == 3
+        with pytest.raises(ValueError, match="already registered"):
+            register_regime(type("Other", (Regime,), {"name": "counting-test"}))
+    finally:
+        REGIMES.remove(CountingRegime)
+
+
+def test_group_keys_are_typed():
+    assert GroupKey.of("param", "0.weight") == GroupKey(Role.PARAM, "0.weight")
+    assert GroupKey.of("momentum", "0.weight") == GroupKey(Role.STATE, "0.weight", "momentum")
+    assert str(GroupKey(Role.STATE, "0.weight", "exp_avg")) == "state.exp_avg:0.weight"
+    with pytest.raises(ValueError, match="role='weights'; accepted: param, pgrad"):
+        GroupKey("weights", "0")

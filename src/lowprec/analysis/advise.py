@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..numerics.formats import Format, parse_format
+from ..training.policy import Backend, Policy
 from .scaling import find_loss_scale
 from .certify import Certificate, certify
 from .layers import LayerError, layer_errors
@@ -72,7 +73,8 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
     lost = lost_updates(model, batch, loss_fn, fmt, lr=lr, optimizer=optimizer)
     errs = layer_errors(model, xb[:batch_size], fmt)
     nf = first_nonfinite(model, (xb[:batch_size], yb[:batch_size]), loss_fn,
-                         f"p={fmt},c={fmt},g={fmt},o={fmt},b=emulated")
+                         Policy(params=fmt, compute=fmt, grads=fmt, optimizer_state=fmt,
+                                backend=Backend.EMULATED))
 
     s = cert.summary()
     reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "
