@@ -33,9 +33,12 @@ PRESETS: dict[str, dict] = {
     "mx": {"policies": ("32-true", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
                         "mxfp4", "mxint8"), "seeds": (0, 1)},
     # Yun et al. (2023), "In Defense of Pure 16-bit Floating-Point Neural Networks": pure fp16
-    # against fp32 and mixed precision over several architectures, SGD lr 0.01 momentum 0.9
-    # batch 256 as in the paper; on the full Fashion-MNIST, epochs reduced to fit about an hour
-    # on 2 CPU cores (one comparison per model, OUT/MODEL, and a combined report)
+    # against fp32 and mixed precision over several architectures. As the authors' code
+    # (github.com/YUNBLAK/standalone_16bits_nn, CNN_MAIN.py): Keras SGD lr 0.01 momentum 0.9,
+    # batch 256, no learning-rate schedule (constant), no weight decay (their ResNets alone
+    # add an L2 term of 1e-4; one setting serves every model here). They train 100 epochs on
+    # CIFAR-10; here the full Fashion-MNIST, 2 epochs x 2 seeds: about an hour on 2 CPU cores
+    # (benchmarks/preset_epoch.py). One comparison per model in OUT/MODEL, a combined report.
     "yun2023": {"data": "fashion-mnist", "model": "resnet20,vgg,transformer,mobilenet",
                 "policies": ("32-true", "16-true", "16-mixed", "bf16-true"), "seeds": (0, 1),
                 "epochs": 2, "batch_size": 256, "lr": 0.01, "momentum": 0.9,
