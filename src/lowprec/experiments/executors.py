@@ -31,10 +31,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config import RunError
-from .runner import checkpoint_path, open_run, record_failure, run_name, train_run
+from .runner import (checkpoint_path, failure_message, resumable, run_id_of, start_run_record,
+                     train_run)
 
 __all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ray",
-           "EXECUTORS", "TOKEN_FILE", "FAULT_ENV"]
+           "EXECUTORS", "TOKEN_FILE", "FAULT_ENV", "Progress"]
 
 EXECUTORS = ("local", "ray")
 TOKEN_FILE = ".lowprec-shared-token"
@@ -145,20 +146,36 @@ class RayExecutor:
             raise RunError(f"cannot connect to the Ray cluster at {self.address!r}: "
                            f"{str(err).splitlines()[0] if str(err) else err}") from None
 
-    def execute(self, cfg, data, todo: list[tuple[str, int]], db, out: Path, progress) -> None:
-        """Run ``todo`` (the (policy, seed) runs whose rows :func:`open_run` made) as tasks;
-        write what they send into ``db``; record a task that failed for good as failed."""
-        if not todo:
-            return
-        ray = _import_ray()
-        started = not ray.is_initialized()
-        if started:
-            self._connect(ray)
-        try:
-            self._execute(ray, cfg, data, todo, db, Path(out).resolve(), progress)
-        finally:
+    def execute(self, cfg, data, db, out: Path, env: dict) -> None:
+        """Run every (policy, seed) of ``cfg`` not yet finished as a task; write what the tasks
+        send into ``db``; record a task that failed for good as failed. A run that starts
+        afresh gets its row (and memory ledger) from this driver first, so that a task, and a
+        task retried, only ever continues it: from its checkpoint when there is one."""
+        runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
+        out = Path(out).resolve()
+        with Progress(len(runs), cfg.quiet) as progress:
+            todo = []
+            for policy, seed in runs:
+                run_id = run_id_of(policy, seed)
+                existing = db.run(run_id)
+                if existing and existing["status"] in ("finished", "diverged"):
+                    progress.run_done()
+                    continue
+                if not (resumable(existing) and db.memory(run_id) is not None):
+                    checkpoint_path(out, run_id).unlink(missing_ok=True)  # not this row's
+                    start_run_record(db, cfg, data, policy, seed, env)
+                todo.append((policy, seed))
+            if not todo:
+                return
+            ray = _import_ray()
+            started = not ray.is_initialized()
             if started:
-                ray.shutdown()
+                self._connect(ray)
+            try:
+                self._execute(ray, cfg, data, todo, db, out, progress)
+            finally:
+                if started:
+                    ray.shutdown()
 
     def _execute(self, ray, cfg, data, todo, db, out: Path, progress) -> None:
         from ray.util.queue import Queue
@@ -188,7 +205,8 @@ class RayExecutor:
                                        ) from None
                     except Exception as err:  # failed for good (retries spent, or a bug)
                         _drain(queue, db, progress)
-                        record_failure(db, policy, seed, getattr(err, "cause", None) or err)
+                        db.finish_run(run_id_of(policy, seed), "failed", error=failure_message(
+                            getattr(err, "cause", None) or err))
                         progress.run_done(f"{policy} seed {seed}")
             _drain(queue, db, progress)
         finally:
@@ -229,7 +247,7 @@ def _run_task(cfg, data, policy: str, seed: int, out: str, token: str, queue, th
     tune_cpu_allocator()
     sink = _QueueSink(queue, out_path, fault)
     try:
-        return train_run(cfg, data, policy, seed, out_path, sink, sink)
+        return train_run(cfg, data, policy, seed, sink, out_path, {}, sink)
     finally:
         sink.flush()
 
@@ -247,35 +265,42 @@ def _check_shared(out: Path, token: str) -> None:
 
 
 class _QueueSink:
-    """In a task: results.db's write methods and the progress bars' methods, shipped to the
-    driver. Step counts are batched (at most a few messages a second)."""
+    """In a task: results.db for :func:`train_run` (its writes shipped to the driver; its two
+    reads answered as for a run the driver opened: running, ledger recorded) and its progress
+    bar (step counts batched: a few messages a second)."""
 
     _DB = ("set_backend", "record_memory", "truncate", "record_epoch", "record_analysis",
            "finish_run")
 
     def __init__(self, queue, out: Path, fault: str | None) -> None:
         self.queue, self.out = queue, out
-        self.pending: dict[str, int] = {}
+        self.name = None
+        self.pending = 0
         self.last = time.monotonic()
         self.fault_run, _, epoch = (fault or "").rpartition("@")
         self.fault_epoch = int(epoch) if fault else None
         self.armed = False
+
+    # -- the two reads of train_run
+    def run(self, run_id: str) -> dict:
+        return {"run_id": run_id, "status": "running", "error": None}
+
+    def memory(self, run_id: str) -> dict:
+        return {"run_id": run_id}
 
     def _send(self, kind: str, method: str, *args, **kwargs) -> None:
         self.flush()
         self.queue.put((kind, method, args, kwargs))
 
     def flush(self) -> None:
-        for name, n in self.pending.items():
-            self.queue.put(("progress", "step", (name, n), {}))
-        self.pending.clear()
+        if self.pending and self.name is not None:
+            self.queue.put(("progress", "step", (self.name, self.pending), {}))
+        self.pending = 0
         self.last = time.monotonic()
 
     def __getattr__(self, method):
         if method in self._DB:
             return lambda *args, **kwargs: self._after(method, args, kwargs)
-        if method in ("start_run", "run_done"):
-            return lambda *args, **kwargs: self._send("progress", method, *args, **kwargs)
         raise AttributeError(method)
 
     def _after(self, method, args, kwargs) -> None:
@@ -284,21 +309,74 @@ class _QueueSink:
                 and args[1] == self.fault_epoch):
             self.armed = True  # the checkpoint of this epoch is written before the next step
 
-    def step(self, name: str, n: int = 1) -> None:
+    # -- the progress bar of train_run
+    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
+        self.flush()
+        self.name = name
+        self._send("progress", "start_run", name, total_steps, done_steps)
+
+    def step(self, n: int = 1) -> None:
         if self.armed:
-            self._die_once(name)
-        self.pending[name] = self.pending.get(name, 0) + n
+            self._die_once()
+        self.pending += n
         if time.monotonic() - self.last > 0.25:
             self.flush()
 
-    def _die_once(self, name: str) -> None:
+    def run_done(self) -> None:
+        self._send("progress", "run_done", self.name)
+
+    def _die_once(self) -> None:
         self.armed = False
         marker = checkpoint_path(self.out, self.fault_run).with_suffix(".killed")
         if marker.exists():
             return
-        marker.write_text(name)
+        marker.write_text(self.name or "")
         self.flush()
         os._exit(1)  # no cleanup, no exception: as a killed worker process
+
+
+class Progress:
+    """The driver's rich progress bars: one overall, one per run in flight; nothing when
+    quiet."""
+
+    def __init__(self, total_runs: int, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bars: dict[str, int] = {}
+        if quiet:
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.p = _Rich(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self.overall = self.p.add_task("all runs", total=total_runs)
+
+    def __enter__(self):
+        if not self.quiet:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.p.__exit__(*exc)
+
+    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
+        if self.quiet:
+            return
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.bars[name] = self.p.add_task(name, total=total_steps, completed=done_steps)
+
+    def step(self, name: str, n: int = 1) -> None:
+        if not self.quiet and name in self.bars:
+            self.p.advance(self.bars[name], n)
+
+    def run_done(self, name: str | None = None) -> None:
+        if self.quiet:
+            return
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.p.advance(self.overall, 1)
 
 
 def make_executor(name: str = "local", *, address: str | None = None,

@@ -26,7 +26,7 @@ __all__ = ["run_models", "write_models_report", "model_tables", "MODELS_FILE"]
 MODELS_FILE = "models.json"
 
 
-def run_models(cfg: CompareConfig, executor=None) -> Path:
+def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
     """Run the comparison of ``cfg`` once per model of ``cfg.model`` (comma-separated), each
     into ``OUT/MODEL``, then write the combined report. Returns OUT."""
     from .runner import run_compare
@@ -45,7 +45,8 @@ def run_models(cfg: CompareConfig, executor=None) -> Path:
     session = getattr(executor, "connected", None)  # one Ray instance for every model
     with session() if session else nullcontext():
         for model in models:
-            run_compare(replace(cfg, model=model, out=str(out / model)), executor)
+            run_compare(replace(cfg, model=model, out=str(out / model)), executor,
+                        force_config=force_config)
     write_models_report(out)
     return out
 
