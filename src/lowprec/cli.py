@@ -300,19 +300,20 @@ def cmd_report(args, console: Console) -> int:
     from .experiments.multi import MODELS_FILE, write_models_report
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
+    try:
+        found = (run_dir / "results.db").is_file()
+        several = not found and (run_dir / MODELS_FILE).is_file()
+    except OSError as err:  # a name too long for the file system...
+        raise UserError(f"{_short(args.run_dir)}: {err.strerror or err}") from None
+    if several:
         try:  # a comparison over several models: every model's report, then the combined one
             for sub in sorted(p.parent for p in run_dir.glob("*/results.db")):
                 write_report(sub)
             write_models_report(run_dir)
-        except CorruptDatabase as err:
+        except (CorruptDatabase, sqlite3.DatabaseError) as err:
             raise UserError(str(err)) from None
         _print_summary(run_dir, console)
         return 0
-    try:
-        found = (run_dir / "results.db").is_file()
-    except OSError as err:  # a name too long for the file system...
-        raise UserError(f"{_short(args.run_dir)}: {err.strerror or err}") from None
     if not found:
         raise UserError(f"{_short(args.run_dir)} has no results.db (run lowprec compare "
                         "--out DIR first)")
