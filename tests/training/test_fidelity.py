@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lowprec import Precision
 from lowprec.training.emulation import emulated
@@ -273,7 +272,8 @@ def test_lstm_is_as_accurate_as_native_fp16():
 _GRID_NODES = ("View", "Reshape", "Unsafe", "Transpose", "T", "Permute", "Expand", "Squeeze",
                "Unsqueeze", "Select", "Slice", "Split", "Cat", "Stack", "Threshold", "Relu",
                "MaxPool", "Index", "Embedding", "Clone", "Alias", "Unbind", "Chunk",
-               "AsStrided", "Narrow", "_RoundBackward", "_RoundInplace", "torch::autograd::AccumulateGrad")
+               "AsStrided", "Narrow", "_RoundBackward", "_RoundInplace",
+               "torch::autograd::AccumulateGrad")
 
 
 @pytest.mark.parametrize("make,x", [(Transformer, (4, 16, 50)), (resnet, (4, 3, 12, 12))],
@@ -305,7 +305,8 @@ def test_no_op_output_off_the_fp16_grid_forward_and_backward(make, x):
         stack.extend(n for n, _ in node.next_functions)
         if not any(node.name().startswith(k) for k in _GRID_NODES):
             node.register_prehook(lambda gs, node=node: off.extend(
-                node.name() for g in gs if g is not None and node.metadata.get("kernel") is None and g.numel()
+                node.name() for g in gs if g is not None and node.metadata.get("kernel") is None
+                and g.numel()
                 and not torch.equal(g, g.half().float())))
     out.backward(torch.randn(out.shape).half().float())
     assert len(seen) > 10 and off == [], off  # noqa: the forward's list was empty too

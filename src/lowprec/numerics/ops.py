@@ -1,4 +1,4 @@
-"""``lowprec::quantize``: :func:`quantize` as a ``torch.library`` custom op, so compiled code sees it.
+"""``lowprec::quantize``: :func:`quantize` as a ``torch.library`` custom op for compiled code.
 
 ``torch.compile`` cannot trace the compiled kernel (a ctypes call): as a custom op with a fake
 (meta) implementation, quantization is one opaque node of the graph, whose output has the

@@ -11,7 +11,8 @@
 
 Backends. ``native`` runs real torch dtypes (``model.half()``, ``torch.autocast``); it needs
 every format to be fp32, fp16 or bf16. ``emulated`` keeps fp32 tensors and rounds values onto the
-policy's grids at every op (:mod:`lowprec.training.emulation`); it accepts any format. ``auto`` picks native where the
+policy's grids at every op (:mod:`lowprec.training.emulation`); it accepts any format.
+``auto`` picks native where the
 hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
 AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
 
