@@ -19,6 +19,7 @@ AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -31,7 +32,8 @@ from .memory import MemoryLedger, measure_memory
 from ..numerics.storage import storage_dtype
 from .optim import FormatOptimizer, LowPrecisionOptimizer
 from .policy import Policy, parse_policy
-from ..numerics.quantize import quantize_
+from ..numerics.quantize import quantize, quantize_
+from .tree import cast_floating
 
 __all__ = ["Precision"]
 
@@ -78,6 +80,8 @@ class Precision:
         self.nonfinite = 0
         self.trace: list[dict] = []
         self._handles: list = []
+        self._optimizers: dict[int, object] = {}  # id -> optimizer setup configured or returned
+        self._given: dict[int, object] = {}  # id of an optimizer setup wrapped -> the wrapper
 
     # -- set-up ------------------------------------------------------------------------------
     def resolve_backend(self, device: torch.device) -> str:
@@ -117,9 +121,11 @@ class Precision:
             if pol.scope == "all" and pol.params != FP32:
                 dtype = storage_dtype(pol.params)
                 model.to(dtype)
+                # floating tensors anywhere in the positional and keyword inputs; integer ones
+                # (token ids, masks) stay as they are
                 self._handles.append(model.register_forward_pre_hook(
-                    lambda m, args: tuple(a.to(dtype) if torch.is_tensor(a) and
-                                          a.is_floating_point() else a for a in args)))
+                    lambda m, args, kwargs: (cast_floating(args, dtype),
+                                             cast_floating(kwargs, dtype)), with_kwargs=True))
         else:
             with torch.no_grad():
                 if pol.params != FP32:
@@ -129,15 +135,59 @@ class Precision:
             self.emulation = Emulation(model, pol, self.generator, active=pol.scope == "all",
                                        controller=self.controller)
         if optimizer is not None:
-            if self._binary and self._added_params:
-                optimizer.add_param_group({"params": self._added_params})
-            if self._binary and isinstance(optimizer, LowPrecisionOptimizer):
-                from .regimes.binary import apply_lr_scales, glorot_lr_scales
-
-                apply_lr_scales(optimizer, glorot_lr_scales(model))
-            optimizer = self._setup_optimizer(optimizer)
+            optimizer = self.setup_optimizer(optimizer)
         self.optimizer = optimizer
         return model, optimizer
+
+    def setup_optimizer(self, optimizer):
+        """Configure or wrap one more optimizer of the model ``setup`` converted (a second
+        optimizer, one created after ``setup``); returns the object to step."""
+        if self.model is None:
+            raise RuntimeError("setup_optimizer() needs setup(model) first")
+        if self._binary and self._added_params:
+            optimizer.add_param_group({"params": self._added_params})
+        if self._binary and isinstance(optimizer, LowPrecisionOptimizer):
+            from .regimes.binary import apply_lr_scales, glorot_lr_scales
+
+            apply_lr_scales(optimizer, glorot_lr_scales(self.model))
+        out = self._setup_optimizer(optimizer)
+        self._optimizers[id(out)] = out
+        if out is not optimizer:
+            self._given[id(optimizer)] = out
+        self._warn_adam_eps(optimizer, out)
+        return out
+
+    def _needs_wrap(self) -> bool:
+        pol = self.policy
+        lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
+        # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
+        # stepping 16-bit tensors itself would already have rounded to nearest
+        return pol.master is not None or pol.update != "nearest" or (
+            self.backend == "emulated" and lowp_storage)
+
+    def _warn_adam_eps(self, given, out) -> None:
+        """torch's Adam computes sqrt(v) + eps in the dtype of its state: with fp16 state,
+        eps = 1e-8 rounds to 0 (fp16's smallest subnormal is 6e-8) and so do squared gradients
+        below 6e-8, so the update divides by zero (NaN within a few steps, as ``model.half()``
+        with torch.optim.Adam does). lowprec's Adam keeps the maths in fp32 and stores sqrt(v)."""
+        if not isinstance(given, (torch.optim.Adam, torch.optim.AdamW)):
+            return
+        pol = self.policy
+        if isinstance(out, FormatOptimizer):
+            fmt = FP32 if out.masters is not None else pol.optimizer_state
+        elif self.backend == "native" and pol.scope == "all":
+            fmt = pol.params
+        else:
+            return
+        eps = float(given.defaults.get("eps", 1e-8))
+        if fmt == FP32 or quantize(torch.tensor([eps]), fmt).item() != 0:
+            return
+        warnings.warn(
+            f"torch.optim.{type(given).__name__} keeps its state in {fmt} under policy {pol}, "
+            f"where eps={eps:g} rounds to 0 and small squared gradients flush to zero: its "
+            "update divides by zero and turns NaN. Use lowprec.optim.Adam / lowprec.optim.AdamW "
+            "(fp32 maths, sqrt of the second moment stored), or o=fp32 in the policy.",
+            UserWarning, stacklevel=3)
 
     def _setup_optimizer(self, optimizer):
         pol = self.policy
@@ -152,11 +202,7 @@ class Precision:
         if isinstance(optimizer, FormatOptimizer):
             optimizer.storage.configure(**kwargs)
             return optimizer
-        lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
-        # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
-        # stepping 16-bit tensors itself would already have rounded to nearest
-        needs_wrap = pol.master is not None or pol.update != "nearest" or (emulated and lowp_storage)
-        if needs_wrap:
+        if self._needs_wrap():
             wrapped = FormatOptimizer(optimizer, **{k: v for k, v in kwargs.items()
                                                     if k not in ("controller", "names")})
             wrapped.storage.configure(**kwargs)
@@ -166,9 +212,7 @@ class Precision:
     def convert_input(self, x):
         """Cast floating tensors to the model's storage dtype (pure native policies)."""
         if self.backend == "native" and self.policy.scope == "all" and self.policy.params != FP32:
-            dtype = storage_dtype(self.policy.params)
-            if torch.is_tensor(x) and x.is_floating_point():
-                return x.to(dtype)
+            return cast_floating(x, storage_dtype(self.policy.params))
         return x
 
     # -- the loop ----------------------------------------------------------------------------
@@ -226,7 +270,12 @@ class Precision:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None:
             raise ValueError("step() needs an optimizer (pass it, or give one to setup())")
+        self._check_optimizer(optimizer)
         params = self._params_with_grads(optimizer)
+        if not params:
+            warnings.warn("step() found no gradients: call prec.backward(loss) first; nothing "
+                          "was stepped and the step was not counted", UserWarning, stacklevel=3)
+            return False
         grads = [p.grad for p in params]
         scale = self.loss_scale.scale
         takes_scale = getattr(optimizer, "accepts_grad_scale", False)
@@ -262,6 +311,21 @@ class Precision:
         self.nonfinite += int(found_inf)
         self.loss_scale.update(found_inf)
         return not skip
+
+    def _check_optimizer(self, optimizer) -> None:
+        """An optimizer ``setup`` never saw would step 16-bit weights off the format's grid
+        (or skip master weights) silently: refuse it where setup would have changed it."""
+        if optimizer is self.optimizer or id(optimizer) in self._optimizers:
+            return
+        if id(optimizer) in self._given:
+            raise ValueError(
+                f"step() got the {type(optimizer).__name__} given to setup(), which wrapped it: "
+                "step the optimizer that setup() returned")
+        if isinstance(optimizer, (LowPrecisionOptimizer, FormatOptimizer)) or self._needs_wrap():
+            raise ValueError(
+                f"step() got a {type(optimizer).__name__} that setup() never saw; under policy "
+                f"{self.policy} it must be configured: opt = prec.setup_optimizer(opt) (or pass "
+                "it to setup)")
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
