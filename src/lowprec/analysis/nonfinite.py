@@ -18,7 +18,7 @@ from torch import nn
 from ..numerics.formats import FP32
 from ..training.precision import Precision
 from ..numerics.quantize import quantize
-from .common import tensor_range
+from .common import run_model, tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
 
@@ -53,7 +53,8 @@ def _finite(t) -> bool:
     return bool(torch.isfinite(t).all()) if torch.is_tensor(t) else True
 
 
-def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true") -> NonFiniteReport:
+def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
+                    output_fn=None) -> NonFiniteReport:
     """Run one training step's forward and backward of a copy of ``model`` under ``policy``
     and name the first layer that produced Inf/NaN in each pass."""
     prec = Precision(policy)
@@ -105,7 +106,7 @@ def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true") -> NonFi
     try:
         twin.train()
         with prec.autocast():
-            out = twin(prec.convert_input(inputs))
+            out = run_model(twin, prec.convert_input(inputs), output_fn)
             loss = loss_fn(out, targets)
         if not forward_found and not _finite(loss) and _finite(out):
             forward_found.append(Finding("loss", "loss", tensor_range(out), tensor_range(loss)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BinaryLinear", "BinaryConv2d", "BinaryActivation", "binarize", "binarize_weights",
+__all__ = ["BinaryLinear", "BinaryConv2d", "BinaryActivation", "FeatureBatchNorm", "binarize", "binarize_weights",
            "sign_ste", "clip_latent_weights", "binary_layers", "glorot_lr_scales",
            "apply_lr_scales"]
 
@@ -76,6 +76,19 @@ class BinaryConv2d(_BinaryMixin, nn.Conv2d):
         return self._conv_forward(x, self.binary_weight(), self.bias)
 
 
+class FeatureBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over the last (feature) axis of an input of any rank: (N, C) as BatchNorm1d,
+    and (N, L, C) token sequences as one batch of N * L feature vectors (the statistics of
+    every position of every sequence), which is how BinaryNet's batch normalization after a
+    fully connected layer reads for a transformer's per-token linear layers."""
+
+    def forward(self, x):
+        if x.dim() == 2:
+            return super().forward(x)
+        shape = x.shape
+        return super().forward(x.reshape(-1, shape[-1])).reshape(shape)
+
+
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.LeakyReLU, nn.GELU, nn.SiLU,
                 nn.Sigmoid, nn.ELU)
 
@@ -107,7 +120,7 @@ def binarize(model: nn.Module, *, stochastic: bool = False,
                 b = _binary_copy(child, stochastic, generator)
                 nxt = parent._modules.get(names[i + 1]) if i + 1 < len(names) else None
                 if batchnorm and not isinstance(nxt, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                    bn = (nn.BatchNorm1d if isinstance(child, nn.Linear) else nn.BatchNorm2d)(
+                    bn = (FeatureBatchNorm if isinstance(child, nn.Linear) else nn.BatchNorm2d)(
                         child.out_features if isinstance(child, nn.Linear) else
                         child.out_channels).to(child.weight.device)
                     added.extend(bn.parameters())
