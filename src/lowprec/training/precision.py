@@ -82,6 +82,7 @@ class Precision:
         self._handles: list = []
         self._optimizers: dict[int, object] = {}  # id -> optimizer setup configured or returned
         self._given: dict[int, object] = {}  # id of an optimizer setup wrapped -> the wrapper
+        self._unscaled: dict[int, bool] = {}  # id of an optimizer unscale_() ran on -> found_inf
 
     # -- set-up ------------------------------------------------------------------------------
     def resolve_backend(self, device: torch.device) -> str:
@@ -263,24 +264,12 @@ class Precision:
                 gs, f, torch.full((1,), inv_scale, device=dev))
             found += f.to(found.device)
 
-    @torch.no_grad()
-    def step(self, optimizer=None) -> bool:
-        """Unscale, check every gradient for Inf/NaN in one fused pass (all-reduced across
-        ranks), skip or step, update the loss scale and the trace. Returns True if it stepped."""
-        optimizer = optimizer if optimizer is not None else self.optimizer
-        if optimizer is None:
-            raise ValueError("step() needs an optimizer (pass it, or give one to setup())")
-        self._check_optimizer(optimizer)
-        params = self._params_with_grads(optimizer)
-        if not params:
-            warnings.warn("step() found no gradients: call prec.backward(loss) first; nothing "
-                          "was stepped and the step was not counted", UserWarning, stacklevel=3)
-            return False
+    def _found_inf(self, params, scale_by: float) -> bool:
+        """Round the gradients as parameter-format storage holds them (emulated 16-bit
+        parameters), check them all for Inf/NaN in one fused pass (all-reduced across ranks),
+        multiplying them by ``scale_by`` on the way."""
         grads = [p.grad for p in params]
-        scale = self.loss_scale.scale
-        takes_scale = getattr(optimizer, "accepts_grad_scale", False)
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, device=device)
+        found = torch.zeros(1, device=grads[0].device)
         rounds = self.backend == "emulated" and self.policy.params != FP32
         if rounds and not getattr(self.policy.params, "has_inf", False):
             # a saturating format would turn an Inf into its max: look before rounding too
@@ -290,10 +279,51 @@ class Precision:
             for p in params:
                 key = f"pgrad:{self._names.get(id(p), id(p))}"
                 quantize_(p.grad, resolve(self.policy.params, key, p.grad, self.controller))
-        self._check(grads, found, 1.0 if takes_scale else 1.0 / scale)
+        self._check(grads, found, scale_by)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        found_inf = bool(found.item() > 0)
+        return bool(found.item() > 0)
+
+    def _grads_of(self, optimizer, what: str):
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None:
+            raise ValueError(f"{what}() needs an optimizer (pass it, or give one to setup())")
+        self._check_optimizer(optimizer)
+        return optimizer, self._params_with_grads(optimizer)
+
+    @torch.no_grad()
+    def unscale_(self, optimizer=None) -> bool:
+        """Divide ``optimizer``'s gradients by the loss scale in place and check them for
+        Inf/NaN, as ``torch.amp.GradScaler.unscale_`` does, so that they can be clipped before
+        ``step``; once per step (a second call raises, like torch's). The division is done in the
+        gradients' dtype: fp32 carriers (emulation) keep every value, native fp16 gradients
+        flush values below 2**-24 (without ``unscale_``, ``step`` unscales inside lowprec's
+        optimizers in fp32). Returns whether an Inf/NaN was found."""
+        optimizer, params = self._grads_of(optimizer, "unscale_")
+        if id(optimizer) in self._unscaled:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last step()")
+        found_inf = bool(params) and self._found_inf(params, 1.0 / self.loss_scale.scale)
+        self._unscaled[id(optimizer)] = found_inf
+        return found_inf
+
+    @torch.no_grad()
+    def step(self, optimizer=None, *, update: bool = True) -> bool:
+        """Unscale, check every gradient for Inf/NaN in one fused pass (all-reduced across
+        ranks), skip or step, update the loss scale (unless ``update=False``: the GradScaler
+        facade updates once after all optimizers) and the trace. Returns True if it stepped."""
+        optimizer, params = self._grads_of(optimizer, "step")
+        unscaled = self._unscaled.pop(id(optimizer), None)
+        if not params:
+            warnings.warn("step() found no gradients: call prec.backward(loss) first; nothing "
+                          "was stepped and the step was not counted", UserWarning, stacklevel=3)
+            return False
+        scale = self.loss_scale.scale
+        takes_scale = getattr(optimizer, "accepts_grad_scale", False) and unscaled is None
+        if unscaled is None:
+            found_inf = self._found_inf(params, 1.0 if takes_scale else 1.0 / scale)
+        else:
+            found_inf = unscaled
         skip = found_inf and self.loss_scale.skips_nonfinite
         if not skip:
             if takes_scale and scale != 1.0:
@@ -309,7 +339,8 @@ class Precision:
         self.steps += 1
         self.skipped += int(skip)
         self.nonfinite += int(found_inf)
-        self.loss_scale.update(found_inf)
+        if update:
+            self.loss_scale.update(found_inf)
         return not skip
 
     def _check_optimizer(self, optimizer) -> None:
