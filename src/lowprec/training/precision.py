@@ -145,8 +145,10 @@ class Precision:
         optimizer, one created after ``setup``); returns the object to step."""
         if self.model is None:
             raise RuntimeError("setup_optimizer() needs setup(model) first")
-        if self._binary and self._added_params:
-            optimizer.add_param_group({"params": self._added_params})
+        known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        added = [p for p in self._added_params if id(p) not in known]  # built on model.parameters()
+        if self._binary and added:
+            optimizer.add_param_group({"params": added})
         if self._binary and isinstance(optimizer, LowPrecisionOptimizer):
             from .regimes.binary import apply_lr_scales, glorot_lr_scales
 
