@@ -94,11 +94,12 @@ class GradScaler:
         self._stage[id(optimizer)] = _UNSCALED
 
     def step(self, optimizer, *args, **kwargs):
-        """Unscale (unless ``unscale_`` did), step unless a gradient holds Inf/NaN. Extra
-        arguments are refused as torch's scaler refuses a closure."""
+        """Unscale (unless ``unscale_`` did), step unless a gradient holds Inf/NaN. A closure is
+        refused, as torch's scaler refuses it (``None`` is accepted: accelerate passes it)."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or args:
+        closure = kwargs.pop("closure", args[0] if args else None)
+        if closure is not None or kwargs or len(args) > 1:
             raise RuntimeError("Closure use is not currently supported if GradScaler is "
                                "enabled.")
         if self._stage.get(id(optimizer), _READY) == _STEPPED:

@@ -145,6 +145,10 @@ class Precision:
         optimizer, one created after ``setup``); returns the object to step."""
         if self.model is None:
             raise RuntimeError("setup_optimizer() needs setup(model) first")
+        if id(optimizer) in self._optimizers:  # already configured, or a wrapper it returned
+            return optimizer
+        if id(optimizer) in self._given:
+            return self._given[id(optimizer)]
         known = {id(p) for g in optimizer.param_groups for p in g["params"]}
         added = [p for p in self._added_params if id(p) not in known]  # built on model.parameters()
         if self._binary and added:
