@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+from torch import nn
 
 from lowprec.numerics import kernel
 
@@ -42,3 +43,20 @@ def train_steps(prec, model, opt, x, y, steps: int) -> list[float]:
         prec.step(opt)
         losses.append(loss.item())
     return losses
+
+
+def small_cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AvgPool2d(2), nn.Conv2d(4, 8, 3), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(8 * 3 * 3, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def small_mlp(seed=0, d_in=20, hidden=32, d_out=5):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+def cnn_batch(n=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)

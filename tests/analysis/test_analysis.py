@@ -2,6 +2,7 @@
 first non-finite, layer errors, advise."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -229,8 +230,21 @@ def test_advise_reports_measurements():
     text = str(adv)
     assert text.startswith("pure bf16: needs care") and "certified" in text
     ok = advise(model, _dataset(), "fp16", lr=10.0)
-    assert "certified" in ok.reasons[0]
-    assert all(any(ch.isdigit() for ch in r) for r in ok.reasons)  # every reason is measured
+    # the numbers in the text are the measurements: the certificate measured again on its own,
+    # the underflow and lost-update fractions of the Advice's own records
+    cert = certify(model, _dataset(), "fp16").summary()
+    m = re.fullmatch(r"([\d.]+)% of (\d+) test inputs certified \(Γ > 2δ\), ([\d.]+)% predict "
+                     r"the fp32 class, (\d+) violations", ok.reasons[0])
+    assert m is not None, ok.reasons[0]
+    assert m[1] == f"{100 * cert['certified']:.1f}" and int(m[2]) == cert["n"] == 128
+    assert m[3] == f"{100 * cert['agreement']:.2f}" and int(m[4]) == cert["violations"]
+    assert ok.certificate.summary()["certified"] == cert["certified"]
+    under = f"{100 * ok.underflow_at_1:.2f}% of gradient values underflow at scale 1"
+    assert sum(under in r for r in ok.reasons) == 1
+    worst = max(ok.lost, key=lambda r: r.nearest)
+    assert worst.nearest <= 0.10 and ok.verdict == "safe"
+    assert f"at most {100 * worst.nearest:.1f}% lost with nearest rounding (layer {worst.layer})" \
+        in " ".join(ok.reasons)
     bad = random_mlp(4, [6, 16, 4], 1.0)
     with torch.no_grad():
         bad[0].weight.mul_(1e6)

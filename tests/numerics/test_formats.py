@@ -169,3 +169,33 @@ def test_formats_are_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         f.exp_bits = 4
     assert len({parse_format(s) for s in ["fp16", "half", "e5m10", "float16"]}) == 1
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("fp8_e5m10", "fp8_ says 8 bits but e5m10 has 1 + 5 + 10 = 16"),
+    ("fp99_e5m2", "fp99_ says 99 bits but e5m2 has 1 + 5 + 2 = 8"),
+    ("e5 m2", "no spaces"),
+    ("fixed<16, 14>", "no spaces"),
+    ("fp 16", "no spaces"),
+    ("e4m3-sat-ovnan", "exclude each other"),
+    ("e5m2-ovinf-sat", "exclude each other"),
+    ("e5m10-nosub-nosub", "-nosub given twice"),
+    ("e4m3fn-sat-sat", "-sat given twice"),
+])
+def test_strict_spec_errors_are_one_line_with_spec_and_accepted_forms(bad, why):
+    with pytest.raises(ValueError) as err:
+        parse_format(bad)
+    msg = str(err.value)
+    assert repr(bad) in msg and why in msg and "accepted" in msg and "eXmY" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("fp16_e5m10", FloatFormat(5, 10)),
+    ("fp8_e4m3fn", FloatFormat(4, 3, Style.FN)),
+    ("fp8_e5m2-sat", FloatFormat(5, 2, overflow="saturate")),
+    ("  e5m2  ", FloatFormat(5, 2)),  # surrounding spaces are not inside the spec
+    ("e4m3fn-nosub-sat", FloatFormat(4, 3, Style.FN, subnormals=False, overflow="saturate")),
+])
+def test_prefix_agreeing_with_the_bit_count_is_accepted(spec, expected):
+    assert parse_format(spec) == expected

@@ -2,15 +2,17 @@
 BinaryNet, MX block formats."""
 
 import math
+import re
 
 import pytest
 import torch
 from helpers import train_steps
 from torch import nn
 
-from lowprec import Precision, parse_format, parse_policy, quantize
+from lowprec import POLICIES, Precision, parse_format, parse_policy, quantize
 from lowprec.training.regimes.binary import BinaryActivation, BinaryLinear, binarize, sign_ste
-from lowprec.training.regimes.dynamic_fixed import Controller
+from lowprec.training.regimes import GroupKey, Role
+from lowprec.training.regimes.dynamic_fixed import Controller, DynamicFixedRegime
 from lowprec.numerics.formats import DynamicFixedFormat, FixedFormat
 from lowprec.training.optim import SGD, Adam
 from lowprec.experiments.config import PRESETS
@@ -43,7 +45,11 @@ def test_every_regime_trains_a_few_steps(name):
     again = Precision(name, seed=0)
     again.setup(small_cnn(), SGD(small_cnn().parameters(), lr=0.1))
     again.load_state_dict(st)
-    assert again.state_dict()["dynamic_ranges"] == st["dynamic_ranges"]
+    back = again.state_dict()
+    assert back["regimes"] == st["regimes"] and back["trace"] == st["trace"]
+    assert torch.equal(back["generator"], st["generator"])
+    if name.startswith("dfxp"):  # every role's ranges travel, not an empty dict
+        assert len(st["regimes"]["dynamic_fixed"]["ranges"]) > 10
 
 
 def test_fixed_point_policy_names():
@@ -54,8 +60,18 @@ def test_fixed_point_policy_names():
     assert q.compute == FixedFormat(6, 10) and q.update == "nearest"
     assert not q.rounding.is_stochastic
     assert parse_policy("fixed16-sr").params.bits == 16
-    assert all(parse_policy(p) for preset in PRESETS.values()
-               for p in preset.get("policies", ()))
+    for preset in PRESETS.values():
+        for name in preset.get("policies", ()):
+            pol = parse_policy(name)
+            assert parse_policy(pol.spec) == pol
+            if m := re.match(r"^q(\d+)\.(\d+)-(sr|rn)$", name):
+                fmt = FixedFormat(int(m.group(1)), int(m.group(2)))
+                assert (pol.params, pol.compute, pol.grads) == (fmt, fmt, fmt)
+                stochastic = m.group(3) == "sr"
+                assert pol.rounding.is_stochastic == pol.grad_rounding.is_stochastic == stochastic
+                assert pol.update == ("stochastic" if stochastic else "nearest")
+            else:
+                assert pol is POLICIES[name]
 
 
 def test_fixed_point_values_are_on_the_grid_and_saturate():
@@ -123,12 +139,16 @@ def test_dynamic_fixed_point_policy_keeps_ranges_per_group():
         loss = nn.functional.cross_entropy(model(x), y)
         prec.backward(loss)
         prec.step(opt)
-    groups = prec.controller.groups
-    for key in ("param:0.weight", "param:0.bias", "act:0", "grad:0", "pgrad:0.weight",
-                "momentum:0.weight"):
-        assert key in groups, sorted(groups)
+    (regime,) = prec.regimes
+    assert isinstance(regime, DynamicFixedRegime)
+    groups = regime.controller.groups
+    for key in (GroupKey(Role.PARAM, "0.weight"), GroupKey(Role.PARAM, "0.bias"),
+                GroupKey(Role.ACTIVATION, "0"), GroupKey(Role.GRAD, "0"),
+                GroupKey(Role.PARAM_GRAD, "0.weight"),
+                GroupKey(Role.STATE, "0.weight", "momentum")):
+        assert key in groups, sorted(map(str, groups))
     w = model[0].weight
-    r = groups["param:0.weight"]["range"]
+    r = groups[GroupKey(Role.PARAM, "0.weight")]["range"]
     # 12-bit words written at the range of the last step (now's, give or take one): on the
     # grid of range r - 1 (integer part widened so that the check is about the grid only)
     assert torch.equal(w, quantize(w, FixedFormat(r + 3, 12 - r)))

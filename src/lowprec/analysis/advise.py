@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..numerics.formats import Format, parse_format
+from ..training.policy import Backend, Policy
 from ..training.tree import batch_size_of, slice_batch
 from .scaling import find_loss_scale
 from .certify import Certificate, certify
@@ -76,7 +77,8 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
                         output_fn=output_fn)
     errs = layer_errors(model, first, fmt)
     nf = first_nonfinite(model, (first, yb[:batch_size]), loss_fn,
-                         f"p={fmt},c={fmt},g={fmt},o={fmt},b=emulated", output_fn=output_fn)
+                         Policy(params=fmt, compute=fmt, grads=fmt, optimizer_state=fmt,
+                                backend=Backend.EMULATED), output_fn=output_fn)
 
     s = cert.summary()
     reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "

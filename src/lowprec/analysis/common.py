@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from ..numerics.formats import Format, parse_format
+from ..numerics.rounding import Rounding, RoundingSpec
+from ..training.policy import Backend, Policy
 from ..training.precision import Precision
 from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
 
@@ -41,14 +43,17 @@ def fp32_twin(model: nn.Module) -> nn.Module:
     return _strip_hooks(copy.deepcopy(model)).float()
 
 
-def low_precision_copy(model: nn.Module, fmt: str | Format, backend: str = "emulated",
-                       rounding: str = "nearest") -> tuple[nn.Module, Precision]:
+def low_precision_copy(model: nn.Module, fmt: str | Format,
+                       backend: str | Backend = Backend.EMULATED,
+                       rounding: str | Rounding | RoundingSpec = "nearest"
+                       ) -> tuple[nn.Module, Precision]:
     """The same weights rounded to ``fmt`` and run in it: every layer's output and weight on the
     format's grid (pure ``fmt``), as a 16-bit network computes."""
     fmt = parse_format(fmt)
     twin = fp32_twin(model)
-    mode = "" if rounding == "nearest" else f":{rounding}"
-    prec = Precision(f"p={fmt},c={fmt}{mode},g={fmt},o={fmt},b={backend}")
+    # the rounding applies to the forward values; gradients (unused here) round to nearest
+    prec = Precision(Policy(params=fmt, compute=fmt, grads=fmt, optimizer_state=fmt,
+                            rounding=rounding, backend=backend))
     twin, _ = prec.setup(twin)
     return twin, prec
 

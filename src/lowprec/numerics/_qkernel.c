@@ -381,7 +381,13 @@ void lp_quantize_blocks_f32(const uint32_t *in, uint32_t *out, int64_t rows, int
  * Fused optimizer step for low-precision storage: read the parameter, gradient and state in
  * their storage dtype (float32, bfloat16 or float16), do the update in float32, and write each
  * stored value back once, rounded onto its format with quantize_one. One pass instead of the ten
- * tensor operations of the torch path (lowprec/optim.py), whose arithmetic it follows op by op.
+ * tensor operations of the torch path (lowprec/training/optim), and the same bits: both follow
+ * the per-element definition written in lowprec/training/optim/sgd.py and adam.py. In it every
+ * operation is one IEEE 754 float32 operation, correctly rounded: +, -, *, /, sqrt, and
+ * fma(a, b, c) = a * b + c rounded once, which is what torch's CPU kernels compute for add with
+ * alpha, lerp, addcmul (vec::fmadd). The build uses -ffp-contract=off so that the compiler adds
+ * no fusion of its own; every fusion is an explicit fmaf(). The constants (1 - beta1, -lr, ...)
+ * come from Python, computed in float64 and rounded to float32 as torch rounds a Python scalar.
  */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -389,7 +395,19 @@ typedef struct {
     int32_t kind; /* 0 SGD, 1 Adam */
     int32_t p_dtype, g_dtype, s_dtype;
     int32_t nesterov, first, decoupled, sqrt_storage, has_momentum;
-    float lr, momentum, dampening, wd, beta1, beta2, eps, step_size, bc2_sqrt, grad_scale;
+    /* float32 constants, each the float32 rounding of a float64 value computed in Python */
+    float neg_lr;     /* -lr (SGD) */
+    float momentum;   /* SGD momentum */
+    float damp_c;     /* 1 - dampening */
+    float wd;         /* weight decay (L2 for SGD and Adam) */
+    float decay;      /* 1 - lr * wd (AdamW) */
+    float lerp_w;     /* 1 - beta1, the weight of torch.lerp */
+    float beta2;
+    float beta2_c;    /* 1 - beta2 */
+    float eps;
+    float neg_step;   /* -lr / (1 - beta1**step) */
+    float bc2_sqrt;   /* sqrt(1 - beta2**step) */
+    float grad_scale;
     int32_t p_is_bf16, s_is_bf16; /* the format is exactly IEEE bfloat16 (round by bit trick) */
 } lp_opt;
 
@@ -476,66 +494,77 @@ static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si,
     else loop_ne_tile(a, q, n, 0, 0, 0, si);
 }
 
-static void opt_range(const lp_opt_job *j, int64_t begin, int64_t end) {
+/* The arithmetic loops use fmaf(): compiled for FMA hardware (the avx2 and x86-64-v4 clones)
+ * it is one vfmadd instruction and vectorizes; the default clone calls libm's fmaf, correctly
+ * rounded too, so every clone gives the same bits. */
+LP_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t end) {
     const lp_opt o = *j->o;
     const lp_inv pi = make_inv(j->pq, 0), si = make_inv(j->sq, 0);
     const uint32_t k0 = j->pq->k0, k1 = j->pq->k1;
     const int sr = j->pq->rounding == R_SR;
+    /* torch.lerp (ATen Lerp.h / LerpKernel.cpp): weight w with |w| < 0.5 gives
+     * fma(w, end - self, self), otherwise fma(w - 1, end - self, end) */
+    const int lerp_small = fabsf(o.lerp_w) < 0.5f;
+    const float lerp_c = lerp_small ? o.lerp_w : o.lerp_w - 1.0f;
     float w[LP_OT], g[LP_OT], s1[LP_OT], s2[LP_OT];
     uint32_t a[LP_OT], q1[LP_OT], q2[LP_OT];
     for (int64_t t0 = begin; t0 < end; t0 += LP_OT) {
         const int n = (int)(end - t0 < LP_OT ? end - t0 : LP_OT);
         load_tile(w, j->p, o.p_dtype, t0, n);
         load_tile(g, j->g, o.g_dtype, t0, n);
-        if (o.grad_scale != 1.0f)
+        if (o.grad_scale != 1.0f) /* g * 1 is exact: skipping it changes no bit */
             for (int l = 0; l < n; ++l) g[l] = g[l] * o.grad_scale;
-        if (o.kind == 0) { /* SGD, torch.optim.SGD's rule */
+        if (o.kind == 0) { /* SGD: see lowprec/training/optim/sgd.py */
             if (o.wd != 0.0f)
-                for (int l = 0; l < n; ++l) g[l] = g[l] + o.wd * w[l];
+                for (int l = 0; l < n; ++l) g[l] = fmaf(w[l], o.wd, g[l]);
             if (o.has_momentum) {
                 if (o.first) {
                     for (int l = 0; l < n; ++l) a[l] = f2u(g[l]);
                 } else {
                     load_tile(s1, j->s1, o.s_dtype, t0, n);
-                    for (int l = 0; l < n; ++l)
-                        a[l] = f2u(s1[l] * o.momentum + (1.0f - o.dampening) * g[l]);
+                    for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(g[l], o.damp_c, s1[l] * o.momentum));
                 }
                 round_state(a, q1, n, &si, o.s_is_bf16);
                 store_tile(j->s1, q1, o.s_dtype, t0, n);
                 if (o.nesterov) {
-                    for (int l = 0; l < n; ++l) g[l] = g[l] + o.momentum * u2f(q1[l]);
+                    for (int l = 0; l < n; ++l) g[l] = fmaf(u2f(q1[l]), o.momentum, g[l]);
                 } else {
                     for (int l = 0; l < n; ++l) g[l] = u2f(q1[l]);
                 }
             }
-            for (int l = 0; l < n; ++l) a[l] = f2u(w[l] + (-o.lr) * g[l]);
-        } else { /* Adam / AdamW, torch.optim.Adam's rule */
+            for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(g[l], o.neg_lr, w[l]));
+        } else { /* Adam / AdamW: see lowprec/training/optim/adam.py */
             if (o.wd != 0.0f) {
                 if (o.decoupled) {
-                    for (int l = 0; l < n; ++l) w[l] = w[l] * (1.0f - o.lr * o.wd);
+                    for (int l = 0; l < n; ++l) w[l] = w[l] * o.decay;
                 } else {
-                    for (int l = 0; l < n; ++l) g[l] = g[l] + o.wd * w[l];
+                    for (int l = 0; l < n; ++l) g[l] = fmaf(w[l], o.wd, g[l]);
                 }
             }
             load_tile(s1, j->s1, o.s_dtype, t0, n);
-            for (int l = 0; l < n; ++l) a[l] = f2u(s1[l] + (1.0f - o.beta1) * (g[l] - s1[l]));
+            if (lerp_small) {
+                for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(lerp_c, g[l] - s1[l], s1[l]));
+            } else {
+                for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(lerp_c, g[l] - s1[l], g[l]));
+            }
             round_state(a, q1, n, &si, o.s_is_bf16);
             store_tile(j->s1, q1, o.s_dtype, t0, n);
             load_tile(s2, j->s2, o.s_dtype, t0, n);
             if (o.sqrt_storage) { /* sqrt(v) is stored: square it, update, store its root */
                 for (int l = 0; l < n; ++l)
-                    a[l] = f2u(sqrtf((s2[l] * s2[l]) * o.beta2 + (1.0f - o.beta2) * g[l] * g[l]));
+                    a[l] = f2u(sqrtf(fmaf(o.beta2_c * g[l], g[l], (s2[l] * s2[l]) * o.beta2)));
                 round_state(a, q2, n, &si, o.s_is_bf16);
                 for (int l = 0; l < n; ++l) s2[l] = u2f(q2[l]);
             } else {
                 for (int l = 0; l < n; ++l)
-                    a[l] = f2u(s2[l] * o.beta2 + (1.0f - o.beta2) * g[l] * g[l]);
+                    a[l] = f2u(fmaf(o.beta2_c * g[l], g[l], s2[l] * o.beta2));
                 round_state(a, q2, n, &si, o.s_is_bf16);
                 for (int l = 0; l < n; ++l) s2[l] = sqrtf(u2f(q2[l]));
             }
             store_tile(j->s2, q2, o.s_dtype, t0, n);
+            /* torch.addcdiv: self + (value * t1) / t2, no fusion possible around the division */
             for (int l = 0; l < n; ++l)
-                a[l] = f2u(w[l] + (-o.step_size) * (u2f(q1[l]) / (s2[l] / o.bc2_sqrt + o.eps)));
+                a[l] = f2u(w[l] + (o.neg_step * u2f(q1[l])) / (s2[l] / o.bc2_sqrt + o.eps));
         }
         if (sr)
             loop_sr_tile(a, q1, n, (uint32_t)t0, k0, k1, &pi);
@@ -606,7 +635,7 @@ void lp_count_abs_ge(const float *x, int64_t n, float t1, float t2, int64_t *out
     }
 }
 
-int lp_abi_version(void) { return 3; }
+int lp_abi_version(void) { return 4; }
 
 static struct PyModuleDef lp_module = {PyModuleDef_HEAD_INIT, "_qkernel",
                                        "lowprec quantization kernel (called through ctypes)", -1,

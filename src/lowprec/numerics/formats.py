@@ -516,7 +516,7 @@ _ACCEPTED = (
     "dfxp<N[,overflow=R,interval=K]> (dynamic fixed point with the range-update rule); binary"
 )
 
-_FLOAT_RE = re.compile(r"^(?:fp\d+_)?e(\d+)m(\d+)(fnuz|fn)?((?:-[a-z]+)*)$")
+_FLOAT_RE = re.compile(r"^(?:fp(\d+)_)?e(\d+)m(\d+)(fnuz|fn)?((?:-[a-z]+)*)$")
 _Q_RE = re.compile(r"^(u?)q(-?\d+)\.(\d+)(-sym)?$")
 _FIXED_RE = re.compile(r"^(u?)fixed<(\d+),(\d+)>$")
 _INT_RE = re.compile(r"^int<?(\d+)>?$")
@@ -531,12 +531,24 @@ def _bad(spec: object, why: str = "") -> ValueError:
 
 
 def _parse_float(m: re.Match, spec: str) -> FloatFormat:
-    e, man, style, mods = int(m.group(1)), int(m.group(2)), m.group(3) or "ieee", m.group(4)
+    prefix, e, man = m.group(1), int(m.group(2)), int(m.group(3))
+    style, mods = m.group(4) or "ieee", m.group(5)
+    # an fpN_ prefix is a claim about the width: sign + exponent + mantissa bits must make N
+    if prefix is not None and int(prefix) != 1 + e + man:
+        raise _bad(spec, f"fp{prefix}_ says {prefix} bits but e{e}m{man} has 1 + {e} + {man} = "
+                         f"{1 + e + man}")
     kwargs: dict = {}
+    seen: set[str] = set()
     for mod in filter(None, mods.split("-")):
+        if mod in seen:
+            raise _bad(spec, f"modifier -{mod} given twice")
+        seen.add(mod)
         if mod == "nosub":
             kwargs["subnormals"] = False
         elif mod in ("sat", "ovnan", "ovinf"):
+            if "overflow" in kwargs:
+                raise _bad(spec, "-sat, -ovnan and -ovinf exclude each other: give one overflow "
+                                 "rule")
             kwargs["overflow"] = {"sat": "saturate", "ovnan": "nan", "ovinf": "inf"}[mod]
         else:
             raise _bad(spec, f"modifier {mod!r} is not one of nosub, sat, ovnan, ovinf")
@@ -558,7 +570,9 @@ def parse_format(spec: str | Format) -> Format:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a format spec must be a str or a format object, got {spec!r}")
-    s = spec.strip().lower().replace(" ", "")
+    s = spec.strip().lower()
+    if any(ch.isspace() for ch in s):
+        raise _bad(spec, "no spaces inside a format spec")
     if s in _ALIASES:
         return _ALIASES[s]
     try:

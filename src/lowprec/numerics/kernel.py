@@ -35,11 +35,17 @@ class LPParams(ctypes.Structure):
 
 
 class LPOpt(ctypes.Structure):
+    """The fused step's settings (lp_opt in _qkernel.c). The float fields are the float32
+    constants of the per-element definition (lowprec/training/optim/sgd.py, adam.py): Python
+    computes them in float64 and ctypes rounds them to float32 to nearest, as torch does with a
+    Python scalar given to a float32 tensor op."""
+
     _fields_ = [(name, ctypes.c_int32) for name in (
         "kind", "p_dtype", "g_dtype", "s_dtype", "nesterov", "first", "decoupled",
         "sqrt_storage", "has_momentum")] + [(name, ctypes.c_float) for name in (
-        "lr", "momentum", "dampening", "wd", "beta1", "beta2", "eps", "step_size", "bc2_sqrt",
-        "grad_scale")] + [("p_is_bf16", ctypes.c_int32), ("s_is_bf16", ctypes.c_int32)]
+        "neg_lr", "momentum", "damp_c", "wd", "decay", "lerp_w", "beta2", "beta2_c", "eps",
+        "neg_step", "bc2_sqrt", "grad_scale")] + [("p_is_bf16", ctypes.c_int32),
+                                                   ("s_is_bf16", ctypes.c_int32)]
 
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -73,7 +79,7 @@ def _lib():
         lib = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    if lib.lp_abi_version() != 3:
+    if lib.lp_abi_version() != 4:
         return None
     p = ctypes.c_void_p
     lib.lp_quantize_f32.argtypes = [p, p, ctypes.c_int64, ctypes.POINTER(LPParams), ctypes.c_int]

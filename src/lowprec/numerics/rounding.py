@@ -7,14 +7,18 @@ p = (x - lo) / (hi - lo). ``STOCHASTIC`` draws 32 random bits per element, so p 
 discarded fraction is truncated to that many bits and added to the random integer, and the carry
 decides (p = floor(p * 2**r) / 2**r; Graphcore IPU and AMD MI300 work this way, and gfloat calls
 it ``StochasticFastest``).
+
+A :class:`RoundingSpec` is a mode together with its random-bit budget, the unit a policy stores
+(``e5m2:sr4`` must keep its 4 bits from the spec through training and back to the spec).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Rounding", "parse_rounding", "DEFAULT_LIMITED_BITS"]
+__all__ = ["Rounding", "RoundingSpec", "parse_rounding", "DEFAULT_LIMITED_BITS"]
 
 DEFAULT_LIMITED_BITS = 8
 
@@ -76,12 +80,49 @@ _NAMES = {
 _LIMITED_RE = re.compile(r"^(?:sr|stochastic_limited|stochastic)(\d+)$")
 
 
-def parse_rounding(rounding: str | Rounding, random_bits: int | None = None) -> tuple[Rounding, int]:
+@dataclass(frozen=True)
+class RoundingSpec:
+    """A rounding mode and its random bits per element (32 for ``STOCHASTIC``, 1..32 for
+    ``STOCHASTIC_LIMITED``, 0 for the deterministic modes). ``quantize`` and ``parse_rounding``
+    accept it wherever they accept a mode; ``str(spec)`` is its compact name (``sr4``)."""
+
+    mode: Rounding = Rounding.NEAREST_EVEN
+    bits: int = 0
+
+    def __post_init__(self) -> None:
+        mode, bits = parse_rounding(Rounding(self.mode), self.bits or None)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "bits", bits)
+
+    @classmethod
+    def parse(cls, rounding: "str | Rounding | RoundingSpec") -> "RoundingSpec":
+        """``"sr4"``, ``"stochastic"``, ``Rounding.UP``... as a spec (a spec is returned as is)."""
+        if isinstance(rounding, RoundingSpec):
+            return rounding
+        return cls(*parse_rounding(rounding))
+
+    @property
+    def is_stochastic(self) -> bool:
+        return self.mode.is_stochastic
+
+    def __str__(self) -> str:
+        if self.mode is Rounding.STOCHASTIC_LIMITED:
+            return f"sr{self.bits}"
+        return self.mode.value
+
+
+def parse_rounding(rounding: "str | Rounding | RoundingSpec",
+                   random_bits: int | None = None) -> tuple[Rounding, int]:
     """Return ``(mode, random_bits)``.
 
     ``"sr8"`` (or ``"stochastic_limited"`` with ``random_bits=8``) is stochastic rounding with
-    8 random bits; ``"sr"`` uses 32. Deterministic modes return ``random_bits=0``.
+    8 random bits; ``"sr"`` uses 32. Deterministic modes return ``random_bits=0``. A
+    :class:`RoundingSpec` gives its own mode and bits (``random_bits`` must agree or be None).
     """
+    if isinstance(rounding, RoundingSpec):
+        if random_bits is not None and random_bits != rounding.bits:
+            raise ValueError(f"rounding {rounding} conflicts with random_bits={random_bits}")
+        return rounding.mode, rounding.bits
     if isinstance(rounding, Rounding):
         mode = rounding
     elif isinstance(rounding, str):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..numerics.autograd import quantize_ste
+from .regimes.base import GroupKey, Role
 from .regimes.dynamic_fixed import Controller, resolve
 from ..numerics.formats import BlockFormat, DynamicFixedFormat
 from .policy import Policy
@@ -107,10 +108,10 @@ class Emulation:
 
         def dyn(fmt, role):
             if isinstance(fmt, DynamicFixedFormat):
-                return lambda t: resolve(fmt, f"{role}:{key}", t, ctrl)
+                return lambda t: resolve(fmt, GroupKey(role, key), t, ctrl)
             return fmt
 
-        return dyn(c, "act"), dyn(g, "grad")
+        return dyn(c, Role.ACTIVATION), dyn(g, Role.GRAD)
 
     def _q(self, t, key: str, axis: int | None = None):
         if torch.is_tensor(t) and t.is_floating_point():

@@ -1,7 +1,9 @@
 """The memory ledger: exact bytes of one training step, by role.
 
 Parameters and gradients are counted at the parameter format's width; optimizer state and master
-weights from the optimizer's own layout; activations are the tensors autograd saves for backward
+weights from the layout the optimizer describes (``state_layout(p)``: a format per state tensor,
+one value per element of ``p``; the optimizers count no bytes themselves), a plain torch
+optimizer from its state tensors; activations are the tensors autograd saves for backward
 during one forward pass and loss, caught with ``torch.autograd.graph.saved_tensors_hooks`` and
 counted once per storage (a tensor saved by two layers is stored once), parameters excluded.
 
@@ -22,7 +24,7 @@ from ..numerics.formats import FP32, Format
 from ..numerics.storage import format_bytes
 from ..numerics.quantize import quantize
 
-__all__ = ["MemoryLedger", "measure_memory", "saved_activation_bytes"]
+__all__ = ["MemoryLedger", "measure_memory", "optimizer_bytes", "saved_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -111,12 +113,7 @@ def measure_memory(model: torch.nn.Module, batch, loss_fn, *, param_format: Form
     n_grad = sum(p.numel() for p in params if p.requires_grad)
     pbytes = format_bytes(param_format, n_params)
     gbytes = format_bytes(param_format, n_grad)
-    state = master = 0
-    if optimizer is not None:
-        if hasattr(optimizer, "state_bytes"):
-            state, master = optimizer.state_bytes()
-        else:
-            state = _torch_optimizer_state_bytes(optimizer, param_format)
+    state, master = (0, 0) if optimizer is None else optimizer_bytes(optimizer)
     inputs, targets = batch
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     try:
@@ -132,7 +129,38 @@ def measure_memory(model: torch.nn.Module, batch, loss_fn, *, param_format: Form
     return MemoryLedger(pbytes, gbytes, state, master, act)
 
 
-def _torch_optimizer_state_bytes(opt: torch.optim.Optimizer, param_format: Format) -> int:
+def optimizer_bytes(optimizer) -> tuple[int, int]:
+    """(optimizer-state bytes, master-weight bytes) of ``optimizer``.
+
+    lowprec's optimizers describe their state with ``state_layout(p)``; each entry costs
+    ``format_bytes(fmt, p.numel())``. The scalar bookkeeping of a torch optimizer wrapped in a
+    :class:`~lowprec.training.optim.FormatOptimizer` (0-dim step counts) is counted at its
+    dtype's width. A plain torch optimizer is counted from its state tensors.
+    """
+    from .optim import FormatOptimizer, LowPrecisionOptimizer
+
+    if isinstance(optimizer, FormatOptimizer):
+        params = optimizer.model_params
+    elif isinstance(optimizer, LowPrecisionOptimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    else:
+        return _torch_optimizer_state_bytes(optimizer), 0
+    state = master = 0
+    for p in params:
+        for name, fmt in optimizer.state_layout(p).items():
+            nbytes = format_bytes(fmt, p.numel())
+            if name == "master":
+                master += nbytes
+            else:
+                state += nbytes
+    if isinstance(optimizer, FormatOptimizer):
+        state += sum(v.numel() * v.element_size() for s in optimizer.optimizer.state.values()
+                     for v in s.values() if torch.is_tensor(v)
+                     and not (v.is_floating_point() and v.dim() > 0))
+    return state, master
+
+
+def _torch_optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """State of a torch optimizer: counted if it exists, else from its known layout."""
     if any(opt.state.values()):
         total = 0

@@ -22,15 +22,70 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from ..numerics.formats import FP32, FloatFormat, Format, parse_format
-from ..numerics.rounding import Rounding, parse_rounding
+from ..numerics.rounding import Rounding, RoundingSpec, parse_rounding
 
-__all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top"]
+__all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top",
+           "WriteBack", "Backend", "Scope"]
 
-UPDATE_MODES = ("nearest", "stochastic", "kahan")
-BACKENDS = ("auto", "native", "emulated")
-SCOPES = ("all", "matmul")
+
+class _Choice(str, Enum):
+    """A closed set of names: compares equal to its string value (``WriteBack.KAHAN ==
+    "kahan"``), prints as it, and parses with a one-line error naming the accepted values."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value):
+        if isinstance(value, cls):
+            return value
+        key = value.strip().lower() if isinstance(value, str) else value
+        try:
+            return cls(key)
+        except ValueError:
+            accepted = ", ".join(m.value for m in cls)
+            raise ValueError(f"{cls._label()}={value!r}; accepted: {accepted}") from None
+
+    @classmethod
+    def _label(cls) -> str:
+        return cls.__name__.lower()
+
+
+class WriteBack(_Choice):
+    """How an optimizer writes an fp32 result onto the parameter format (see
+    :mod:`lowprec.training.optim.writeback`)."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+    KAHAN = "kahan"
+
+    @classmethod
+    def _label(cls) -> str:
+        return "update"
+
+
+class Backend(_Choice):
+    """``native`` torch dtypes, ``emulated`` rounding on fp32 carriers, or ``auto``."""
+
+    AUTO = "auto"
+    NATIVE = "native"
+    EMULATED = "emulated"
+
+
+class Scope(_Choice):
+    """Which layers compute in the compute format: ``all``, or ``matmul`` as torch.autocast."""
+
+    ALL = "all"
+    MATMUL = "matmul"
+
+
+UPDATE_MODES = tuple(m.value for m in WriteBack)
 _LS_RE = re.compile(r"^(none|dynamic|static)(?::(.*))?$")
 
 
@@ -69,12 +124,12 @@ class Policy:
     grads: Format = FP32
     optimizer_state: Format = FP32
     master: Format | None = None
-    rounding: Rounding = Rounding.NEAREST_EVEN
-    grad_rounding: Rounding = Rounding.NEAREST_EVEN
-    update: str = "nearest"
+    rounding: RoundingSpec = RoundingSpec()
+    grad_rounding: RoundingSpec = RoundingSpec()
+    update: WriteBack = WriteBack.NEAREST
     loss_scale: str = "none"
-    backend: str = "auto"
-    scope: str = "all"
+    backend: Backend = Backend.AUTO
+    scope: Scope = Scope.ALL
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,14 +137,12 @@ class Policy:
             object.__setattr__(self, role, parse_format(getattr(self, role)))
         if self.master is not None:
             object.__setattr__(self, "master", parse_format(self.master))
-        object.__setattr__(self, "rounding", parse_rounding(self.rounding)[0])
-        object.__setattr__(self, "grad_rounding", parse_rounding(self.grad_rounding)[0])
-        if self.update not in UPDATE_MODES:
-            raise ValueError(f"update={self.update!r}; accepted: {', '.join(UPDATE_MODES)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}; accepted: {', '.join(BACKENDS)}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope={self.scope!r}; accepted: {', '.join(SCOPES)}")
+        # the rounding keeps its random bits (``sr4`` trains with 4 and prints as sr4)
+        object.__setattr__(self, "rounding", RoundingSpec.parse(self.rounding))
+        object.__setattr__(self, "grad_rounding", RoundingSpec.parse(self.grad_rounding))
+        object.__setattr__(self, "update", WriteBack.parse(self.update))
+        object.__setattr__(self, "backend", Backend.parse(self.backend))
+        object.__setattr__(self, "scope", Scope.parse(self.scope))
         object.__setattr__(self, "loss_scale", _check_loss_scale(self.loss_scale))
 
     @property
@@ -100,8 +153,8 @@ class Policy:
     @property
     def spec(self) -> str:
         """The canonical compact spec; ``parse_policy(p.spec) == p``."""
-        def fr(fmt, mode, default=Rounding.NEAREST_EVEN):
-            return f"{fmt}" if mode is default else f"{fmt}:{mode.value}"
+        def fr(fmt, mode: RoundingSpec) -> str:
+            return f"{fmt}" if mode == RoundingSpec() else f"{fmt}:{mode}"
 
         parts = [f"p={self.params}" + ("" if self.update == "nearest" else f":{self.update}"),
                  f"c={fr(self.compute, self.rounding)}",
@@ -190,8 +243,18 @@ def _parse_spec(spec: str) -> Policy:
         f, mode = fmt_and_mode(kv["params"])
         kwargs["params"] = f
         if mode:
-            kwargs["update"] = mode.lower() if mode.lower() in UPDATE_MODES else (
-                "stochastic" if parse_rounding(mode)[0].is_stochastic else "nearest")
+            # p=fmt:kahan names the write-back; a rounding mode (p=fmt:sr) picks the stochastic
+            # or nearest write-back
+            if mode.lower() in UPDATE_MODES:
+                kwargs["update"] = mode.lower()
+            else:
+                wmode, bits = parse_rounding(mode)
+                if wmode is Rounding.STOCHASTIC_LIMITED:
+                    # the write-back draws 32 bits; accepting srN here would drop the N
+                    raise ValueError(f"p={kv['params']!r}: the write-back takes nearest, "
+                                     f"stochastic (32 random bits) or kahan, not {mode!r}")
+                kwargs["update"] = (WriteBack.STOCHASTIC if wmode.is_stochastic
+                                    else WriteBack.NEAREST)
     params = kwargs.get("params", FP32)
     if "compute" in kv:
         kwargs["compute"], mode = fmt_and_mode(kv["compute"])
@@ -220,7 +283,7 @@ def _parse_spec(spec: str) -> Policy:
         # matmul-like layers run in the compute format, as under torch.autocast
         wider = (isinstance(params, FloatFormat) and isinstance(compute, FloatFormat)
                  and params == FP32 and compute != FP32)
-        kwargs["scope"] = "matmul" if wider else "all"
+        kwargs["scope"] = Scope.MATMUL if wider else Scope.ALL
     return Policy(**kwargs)
 
 

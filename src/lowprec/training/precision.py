@@ -14,6 +14,10 @@ every format to be fp32, fp16 or bf16. ``emulated`` keeps fp32 tensors and round
 policy's grids (:mod:`lowprec.training.emulate`); it accepts any format. ``auto`` picks native where the
 hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
 AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
+
+Regimes that need more than formats (BinaryNet, dynamic fixed point) plug in through
+:class:`lowprec.training.regimes.Regime`: Precision builds those the policy needs and calls their
+hooks; it has no branch for any of them.
 """
 
 from __future__ import annotations
@@ -24,15 +28,15 @@ import warnings
 import torch
 from torch import nn
 
-from .regimes.dynamic_fixed import Controller, resolve
+from ..numerics.formats import BF16, FP16, FP32, Format
+from ..numerics.quantize import quantize, quantize_
+from ..numerics.storage import storage_dtype
 from .emulate import Emulation
-from ..numerics.formats import BF16, FP16, FP32, BinaryFormat, DynamicFixedFormat
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
-from ..numerics.storage import storage_dtype
-from .optim import FormatOptimizer, LowPrecisionOptimizer
-from .policy import Policy, parse_policy
-from ..numerics.quantize import quantize, quantize_
+from .optim import FormatOptimizer, PolicyOptimizer
+from .policy import Backend, Policy, Scope, WriteBack, parse_policy
+from .regimes import GroupKey, Regime, Role, regimes_for
 from .tree import cast_floating
 
 __all__ = ["Precision"]
@@ -66,39 +70,52 @@ class Precision:
         if generator is None and seed is not None:
             generator = torch.Generator().manual_seed(seed)
         self.generator = generator
-        self.backend: str | None = None
+        # the regimes this policy needs, chosen by the registry (lowprec.training.regimes)
+        self.regimes: list[Regime] = regimes_for(self.policy, generator)
+        self.backend: Backend | None = None
         self.device: torch.device | None = None
         self.emulation: Emulation | None = None
         self.optimizer = None
         self.model: nn.Module | None = None
-        self.controller = None  # ranges of dynamic fixed-point formats, created by setup
-        self._binary = False
-        self._added_params: list = []
         self._names: dict[int, str] = {}
         self.steps = 0
         self.skipped = 0
         self.nonfinite = 0
         self.trace: list[dict] = []
         self._handles: list = []
+        self._added: list = []  # parameters the regimes added to the model
         self._optimizers: dict[int, object] = {}  # id -> optimizer setup configured or returned
         self._given: dict[int, object] = {}  # id of an optimizer setup wrapped -> the wrapper
         self._unscaled: dict[int, bool] = {}  # id of an optimizer unscale_() ran on -> found_inf
 
+    # -- regimes -----------------------------------------------------------------------------
+    def _resolve(self, fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
+        """The static format a group rounds with now (each regime may refine it)."""
+        for regime in self.regimes:
+            fmt = regime.resolve(fmt, key, x)
+        return fmt
+
+    def _engine_options(self) -> dict:
+        options: dict = {}
+        for regime in self.regimes:
+            options.update(regime.engine_options())
+        return options
+
     # -- set-up ------------------------------------------------------------------------------
-    def resolve_backend(self, device: torch.device) -> str:
+    def resolve_backend(self, device: torch.device) -> Backend:
         pol = self.policy
-        if pol.backend == "native":
+        if pol.backend is Backend.NATIVE:
             if not _can_be_native(pol):
                 raise ValueError(
                     f"policy {pol} cannot run natively: native needs fp32/fp16/bf16 formats with "
                     "gradients in the compute format; use backend=emulated")
-            return "native"
-        if pol.backend == "emulated" or not _can_be_native(pol):
-            return "emulated" if not pol.is_fp32 else "native"
+            return Backend.NATIVE
+        if pol.backend is Backend.EMULATED or not _can_be_native(pol):
+            return Backend.EMULATED if not pol.is_fp32 else Backend.NATIVE
         lowp = {f for f in (pol.params, pol.compute, pol.grads) if f != FP32}
         if device.type == "cuda" or lowp <= {BF16}:
-            return "native"
-        return "emulated"
+            return Backend.NATIVE
+        return Backend.EMULATED
 
     def setup(self, model: nn.Module, optimizer=None):
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
@@ -109,17 +126,14 @@ class Precision:
         self.backend = self.resolve_backend(self.device)
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}
-        if any(isinstance(f, DynamicFixedFormat) for f in (pol.params, pol.compute, pol.grads,
-                                                           pol.optimizer_state, pol.master)):
-            self.controller = Controller()
-        self._binary = isinstance(pol.compute, BinaryFormat)
-        if self._binary:
-            from .regimes.binary import binarize
-
-            self._added_params = binarize(model, stochastic=pol.rounding.is_stochastic,
-                                          generator=self.generator)
-        elif self.backend == "native":
-            if pol.scope == "all" and pol.params != FP32:
+        added: list = []
+        for regime in self.regimes:
+            added += regime.prepare(model)
+        if any(regime.replaces_compute for regime in self.regimes):
+            # the prepared model computes in the policy's compute format itself: no hooks
+            self.emulation = None
+        elif self.backend is Backend.NATIVE:
+            if pol.scope is Scope.ALL and pol.params != FP32:
                 dtype = storage_dtype(pol.params)
                 model.to(dtype)
                 # floating tensors anywhere in the positional and keyword inputs; integer ones
@@ -131,10 +145,11 @@ class Precision:
             with torch.no_grad():
                 if pol.params != FP32:
                     for name, p in model.named_parameters():
-                        quantize_(p.data, resolve(pol.params, f"param:{name}", p.data,
-                                                  self.controller))
-            self.emulation = Emulation(model, pol, self.generator, active=pol.scope == "all",
-                                       controller=self.controller)
+                        quantize_(p.data, self._resolve(pol.params, GroupKey(Role.PARAM, name),
+                                                        p.data))
+            self.emulation = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
+                                       **self._engine_options())
+        self._added = added
         if optimizer is not None:
             optimizer = self.setup_optimizer(optimizer)
         self.optimizer = optimizer
@@ -150,13 +165,9 @@ class Precision:
         if id(optimizer) in self._given:
             return self._given[id(optimizer)]
         known = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        added = [p for p in self._added_params if id(p) not in known]  # built on model.parameters()
-        if self._binary and added:
-            optimizer.add_param_group({"params": added})
-        if self._binary and isinstance(optimizer, LowPrecisionOptimizer):
-            from .regimes.binary import apply_lr_scales, glorot_lr_scales
-
-            apply_lr_scales(optimizer, glorot_lr_scales(self.model))
+        added = [p for p in self._added if id(p) not in known]  # built on model.parameters()
+        for regime in self.regimes:
+            regime.configure_optimizer(optimizer, added)
         out = self._setup_optimizer(optimizer)
         self._optimizers[id(out)] = out
         if out is not optimizer:
@@ -169,8 +180,8 @@ class Precision:
         lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
         # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
         # stepping 16-bit tensors itself would already have rounded to nearest
-        return pol.master is not None or pol.update != "nearest" or (
-            self.backend == "emulated" and lowp_storage)
+        return (pol.master is not None or pol.update is not WriteBack.NEAREST
+                or (self.backend is Backend.EMULATED and lowp_storage))
 
     def _warn_adam_eps(self, given, out) -> None:
         """torch's Adam computes sqrt(v) + eps in the dtype of its state: with fp16 state,
@@ -182,7 +193,7 @@ class Precision:
         pol = self.policy
         if isinstance(out, FormatOptimizer):
             fmt = FP32 if out.masters is not None else pol.optimizer_state
-        elif self.backend == "native" and pol.scope == "all":
+        elif self.backend is Backend.NATIVE and pol.scope is Scope.ALL:
             fmt = pol.params
         else:
             return
@@ -198,27 +209,26 @@ class Precision:
 
     def _setup_optimizer(self, optimizer):
         pol = self.policy
-        emulated = self.backend == "emulated"
+        emulated = self.backend is Backend.EMULATED
         pfmt = pol.params if emulated else None
+        options = dict(self._engine_options(), names=self._names)
         kwargs = dict(param_format=pfmt, state_format=pol.optimizer_state,
                       master_format=pol.master, update=pol.update, generator=self.generator,
-                      controller=self.controller, names=self._names)
-        if isinstance(optimizer, LowPrecisionOptimizer):
-            optimizer.configure(**kwargs)
-            return optimizer
-        if isinstance(optimizer, FormatOptimizer):
-            optimizer.storage.configure(**kwargs)
+                      **options)
+        if isinstance(optimizer, PolicyOptimizer):
+            optimizer.configure_storage(**kwargs)
             return optimizer
         if self._needs_wrap():
             wrapped = FormatOptimizer(optimizer, **{k: v for k, v in kwargs.items()
-                                                    if k not in ("controller", "names")})
-            wrapped.storage.configure(**kwargs)
+                                                    if k not in options})
+            wrapped.configure_storage(**kwargs)
             return wrapped
         return optimizer
 
     def convert_input(self, x):
         """Cast floating tensors to the model's storage dtype (pure native policies)."""
-        if self.backend == "native" and self.policy.scope == "all" and self.policy.params != FP32:
+        if (self.backend is Backend.NATIVE and self.policy.scope is Scope.ALL
+                and self.policy.params != FP32):
             return cast_floating(x, storage_dtype(self.policy.params))
         return x
 
@@ -227,15 +237,15 @@ class Precision:
     def autocast(self):
         """Mixed policies compute matmul layers in the compute format inside this context."""
         pol = self.policy
-        if pol.scope != "matmul" or pol.compute == FP32:
+        if pol.scope is not Scope.MATMUL or pol.compute == FP32:
             yield
             return
-        if self.backend == "native":
+        if self.backend is Backend.NATIVE:
             with torch.autocast(device_type=self.device.type, dtype=storage_dtype(pol.compute)):
                 yield
             return
         em = self.emulation
-        if em is None:  # binary: the transformed layers compute their own precision
+        if em is None:  # a regime's prepared model computes its own precision
             yield
             return
         prev, em.active = em.active, True
@@ -253,7 +263,7 @@ class Precision:
 
     @staticmethod
     def _params_with_grads(optimizer) -> list[torch.Tensor]:
-        if hasattr(optimizer, "params_for_check"):
+        if isinstance(optimizer, PolicyOptimizer):
             return optimizer.params_for_check()
         return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
@@ -276,15 +286,15 @@ class Precision:
         multiplying them by ``scale_by`` on the way."""
         grads = [p.grad for p in params]
         found = torch.zeros(1, device=grads[0].device)
-        rounds = self.backend == "emulated" and self.policy.params != FP32
+        rounds = self.backend is Backend.EMULATED and self.policy.params != FP32
         if rounds and not getattr(self.policy.params, "has_inf", False):
             # a saturating format would turn an Inf into its max: look before rounding too
             self._check(grads, found, 1.0)
         if rounds:
             # the gradients as parameter-format storage would hold them
             for p in params:
-                key = f"pgrad:{self._names.get(id(p), id(p))}"
-                quantize_(p.grad, resolve(self.policy.params, key, p.grad, self.controller))
+                key = GroupKey(Role.PARAM_GRAD, self._names.get(id(p), str(id(p))))
+                quantize_(p.grad, self._resolve(self.policy.params, key, p.grad))
         self._check(grads, found, scale_by)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
@@ -325,7 +335,7 @@ class Precision:
                           "was stepped and the step was not counted", UserWarning, stacklevel=3)
             return False
         scale = self.loss_scale.scale
-        takes_scale = getattr(optimizer, "accepts_grad_scale", False) and unscaled is None
+        takes_scale = isinstance(optimizer, PolicyOptimizer) and unscaled is None
         if unscaled is None:
             found_inf = self._found_inf(params, 1.0 if takes_scale else 1.0 / scale)
         else:
@@ -336,10 +346,8 @@ class Precision:
                 optimizer.step(grad_scale=1.0 / scale)
             else:
                 optimizer.step()
-            if self._binary:
-                from .regimes.binary import clip_latent_weights
-
-                clip_latent_weights(self.model)
+            for regime in self.regimes:
+                regime.after_step(self.model)
         self.trace.append({"step": self.steps, "scale": scale, "found_inf": found_inf,
                            "skipped": skip})
         self.steps += 1
@@ -358,7 +366,7 @@ class Precision:
             raise ValueError(
                 f"step() got the {type(optimizer).__name__} given to setup(), which wrapped it: "
                 "step the optimizer that setup() returned")
-        if isinstance(optimizer, (LowPrecisionOptimizer, FormatOptimizer)) or self._needs_wrap():
+        if isinstance(optimizer, PolicyOptimizer) or self._needs_wrap():
             raise ValueError(
                 f"step() got a {type(optimizer).__name__} that setup() never saw; under policy "
                 f"{self.policy} it must be configured: opt = prec.setup_optimizer(opt) (or pass "
@@ -374,11 +382,11 @@ class Precision:
             "nonfinite": self.nonfinite,
             "trace": list(self.trace),
             "generator": None if self.generator is None else self.generator.get_state(),
-            "dynamic_ranges": None if self.controller is None else self.controller.state_dict(),
+            "regimes": {r.name: r.state_dict() for r in self.regimes},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("policy") not in (None, self.policy.spec):
+        if state.get("policy") is not None and parse_policy(state["policy"]) != self.policy:
             raise ValueError(f"state is for policy {state['policy']!r}, this Precision has "
                              f"{self.policy.spec!r}")
         self.loss_scale.load_state_dict(state["loss_scale"])
@@ -387,10 +395,10 @@ class Precision:
         self.trace = list(state["trace"])
         if state.get("generator") is not None and self.generator is not None:
             self.generator.set_state(state["generator"])
-        if state.get("dynamic_ranges") is not None:
-            if self.controller is None:
-                self.controller = Controller()
-            self.controller.load_state_dict(state["dynamic_ranges"])
+        saved = state.get("regimes", {})
+        for regime in self.regimes:
+            if regime.name in saved:
+                regime.load_state_dict(saved[regime.name])
 
     # -- measurement -------------------------------------------------------------------------
     def memory(self, model: nn.Module | None = None, batch=None, loss_fn=None) -> MemoryLedger:
@@ -400,7 +408,7 @@ class Precision:
         if model is None or batch is None or loss_fn is None:
             raise ValueError("memory() needs a model (or setup() first), a batch and a loss_fn")
         inputs, targets = batch
-        compute = self.policy.compute if self.backend == "emulated" else None
+        compute = self.policy.compute if self.backend is Backend.EMULATED else None
         return measure_memory(model, (self.convert_input(inputs), targets), loss_fn,
                               param_format=self.policy.params, optimizer=self.optimizer,
                               compute=compute, autocast=self.autocast)

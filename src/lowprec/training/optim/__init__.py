@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from .adam import Adam, AdamW
 from .base import LowPrecisionOptimizer
+from .protocol import PolicyOptimizer
 from .sgd import SGD
 from .wrapper import FormatOptimizer
 from .writeback import Storage
 
-__all__ = ["SGD", "Adam", "AdamW", "FormatOptimizer", "LowPrecisionOptimizer", "Storage"]
+__all__ = ["SGD", "Adam", "AdamW", "FormatOptimizer", "LowPrecisionOptimizer", "PolicyOptimizer",
+           "Storage"]

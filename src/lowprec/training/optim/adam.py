@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable
 
 from ...numerics.formats import FloatFormat
-from .base import LowPrecisionOptimizer
+from .base import LowPrecisionOptimizer, sqrt_rn
 from .writeback import group_lr
 
 __all__ = ["Adam", "AdamW"]
@@ -25,6 +25,34 @@ class Adam(LowPrecisionOptimizer):
       update m / (sqrt(v) + eps) explodes. When the state format has a narrow exponent range
       (fewer than 8 exponent bits), this optimizer stores sqrt(v) instead of v
       (``exp_avg_sq_sqrt``): it has the magnitude of g, like m, so both fit or underflow together.
+
+    The update of one element, in float32 (the definition both the torch path below and the
+    fused kernel, lp_opt_step in numerics/_qkernel.c, implement, bit for bit). Every operation is
+    one correctly rounded IEEE 754 float32 operation; ``fma(a, b, c)`` is a * b + c rounded once
+    (torch's CPU ``add`` with alpha, ``lerp`` and ``addcmul`` compute exactly this:
+    ``vec::fmadd``); ``addcdiv`` is w + (value * m) / d, unfused. Constants are float64 Python
+    numbers rounded to float32, as torch rounds a scalar given to a float32 tensor op; t is the
+    step count, c1 = 1 - beta1::
+
+        g = grad * grad_scale                    # skipped without grad_scale (x * 1 is exact)
+        w = w * (1 - lr * wd)                    # if wd, AdamW        (w.mul(1 - lr*wd))
+        g = fma(w, wd, g)                        # if wd, Adam (L2)    (g.add(w, alpha=wd))
+        m = fma(c1, g - m, m) if c1 < 0.5 else fma(c1 - 1, g - m, g)   # m.lerp_(g, c1)
+        m = round_state(m)
+        v = fma((1 - beta2) * g, g, v * beta2)   # v.mul_(beta2).addcmul_(g, g, value=1-beta2)
+        v = round_state(v);  r = sqrt(v)         # v stored, or where sqrt(v) is stored:
+        # v = fma((1 - beta2) * g, g, (s * s) * beta2);  s = r = round_state(sqrt(v))
+        d = r / sqrt(1 - beta2**t) + eps
+        w = round_param(w + (-(lr / (1 - beta1**t)) * m) / d)    # w.addcdiv(m, d, value=...)
+
+    ``sqrt`` is the correctly rounded square root (IEEE 754 squareRoot). torch's float32 CPU
+    ``sqrt`` is not (torch 2.13 with MKL: off by one unit in the last place on about a fifth of
+    random inputs, and its bits depend on the build's vector-math library and the CPU). So the
+    torch path takes the root in float64 and rounds it to float32, which is the correctly
+    rounded float32 root (double rounding is harmless for sqrt when 53 >= 2 * 24 + 2, Figueroa
+    1995), and the kernel uses sqrtf. Only with every format fp32, where the fused kernel never
+    runs, does the torch path call torch.sqrt, so that it stays bit-identical to
+    torch.optim.Adam. ``round_state`` and ``round_param`` are as in :class:`~.sgd.SGD`.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -39,6 +67,11 @@ class Adam(LowPrecisionOptimizer):
     def _sqrt_storage(self, p) -> bool:
         f = self.storage.sformat(p)
         return isinstance(f, FloatFormat) and f.exp_bits < 8
+
+    def _sqrt(self, v32, p):
+        """The root of the stored v: correctly rounded, or torch.optim's own kernel when every
+        format is fp32 (see the class docstring)."""
+        return v32.sqrt() if self._all_fp32(p) else sqrt_rn(v32)
 
     def _moment_layout(self, p):
         sf = self.storage.sformat(p)
@@ -59,10 +92,11 @@ class Adam(LowPrecisionOptimizer):
         state["step"] += 1
         step = state["step"]
         sqrt_key = "exp_avg_sq_sqrt" in state
+        lr, wd = group_lr(group), group["weight_decay"]
         opt = _kernel.LPOpt(kind=1, decoupled=int(group["decoupled"]),
-                            sqrt_storage=int(sqrt_key), lr=group_lr(group), wd=group["weight_decay"],
-                            beta1=beta1, beta2=beta2, eps=group["eps"],
-                            step_size=group_lr(group) / (1 - beta1**step),
+                            sqrt_storage=int(sqrt_key), wd=wd, decay=1 - lr * wd,
+                            lerp_w=1 - beta1, beta2=beta2, beta2_c=1 - beta2, eps=group["eps"],
+                            neg_step=-(lr / (1 - beta1**step)),
                             bc2_sqrt=math.sqrt(1 - beta2**step))
         s2 = state["exp_avg_sq_sqrt"] if sqrt_key else state["exp_avg_sq"]
         self._run_fused(p, state["exp_avg"], s2, opt, grad_scale)
@@ -83,11 +117,11 @@ class Adam(LowPrecisionOptimizer):
         if "exp_avg_sq" in state:
             v32 = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
             self._save(state["exp_avg_sq"], v32, sf, p, "exp_avg_sq")
-            root = state["exp_avg_sq"].float().sqrt()
+            root = self._sqrt(state["exp_avg_sq"].float(), p)
         else:
             v_old = state["exp_avg_sq_sqrt"].float().square()
             v32 = v_old.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-            self._save(state["exp_avg_sq_sqrt"], v32.sqrt(), sf, p, "exp_avg_sq")
+            self._save(state["exp_avg_sq_sqrt"], sqrt_rn(v32), sf, p, "exp_avg_sq")
             root = state["exp_avg_sq_sqrt"].float()
         self._save(state["exp_avg"], m32, sf, p, "exp_avg")
         m32 = state["exp_avg"].float()

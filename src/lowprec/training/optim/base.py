@@ -5,16 +5,30 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import BF16, FP32, FixedFormat, FloatFormat, Format
-from ...numerics.storage import format_bytes, storage_dtype
+from ...numerics.storage import storage_dtype
+from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, write
 
-__all__ = ["LowPrecisionOptimizer"]
+__all__ = ["LowPrecisionOptimizer", "sqrt_rn"]
 
 
-class LowPrecisionOptimizer(torch.optim.Optimizer):
+def sqrt_rn(x32: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of a float32 tensor.
+
+    Taken in float64 and rounded to float32: the float64 root is correctly rounded (IEEE 754),
+    and rounding it again to float32 gives the correctly rounded float32 root, because double
+    rounding is innocuous for sqrt when the wider format has at least 2p + 2 bits (53 >= 50;
+    Figueroa, "When is double rounding innocuous?", SIGNUM 1995). torch's own float32 ``sqrt``
+    on CPU may be off by one unit (see :class:`~.adam.Adam`); the fused kernel's ``sqrtf`` is
+    exact, and this is its torch twin.
+    """
+    return x32.double().sqrt_().float()
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
     """Base of lowprec's optimizers: subclasses give the fp32 maths in ``_new_weight``."""
 
-    accepts_grad_scale = True
+    honours_lr_scale = True  # group_lr: BinaryNet's per-layer scales
 
     def __init__(self, params, defaults, *, param_format=None, state_format=None,
                  master_format=None, update="nearest", generator=None) -> None:
@@ -25,6 +39,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if any(self.state.values()):
             raise RuntimeError("configure() must be called before the first step")
         self.storage.configure(**kwargs)
+
+    def configure_storage(self, **kwargs) -> None:
+        self.configure(**kwargs)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts floating state to the parameter's dtype when loading; lowprec keeps each
@@ -55,7 +72,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             state["compensation"] = torch.zeros_like(p, dtype=storage_dtype(st.pformat(p)))
 
     def state_layout(self, p) -> dict[str, Format]:
-        """Format of every state tensor this optimizer keeps for ``p`` (for the memory ledger)."""
+        """Format of every state tensor this optimizer keeps for ``p``, each with one value per
+        element of ``p`` (``"master"``: the master weights). The memory ledger
+        (:func:`lowprec.training.memory.optimizer_bytes`) counts their bytes from it."""
         st = self.storage
         layout = dict(self._moment_layout(p))
         if st.master_format is not None:
@@ -67,18 +86,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _moment_layout(self, p) -> dict[str, Format]:  # pragma: no cover - overridden
         return {}
 
-    def state_bytes(self) -> tuple[int, int]:
-        """(optimizer-state bytes, master-weight bytes) for all parameters."""
-        state = master = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                for name, fmt in self.state_layout(p).items():
-                    nbytes = format_bytes(fmt, p.numel())
-                    if name == "master":
-                        master += nbytes
-                    else:
-                        state += nbytes
-        return state, master
+    def _all_fp32(self, p) -> bool:
+        """Every format fp32: the torch path is then torch.optim's op sequence exactly."""
+        st = self.storage
+        return (st.pformat(p) == FP32 and st.sformat(p) == FP32
+                and st.master_format in (None, FP32))
 
     def params_for_check(self) -> list[torch.Tensor]:
         """The parameters whose gradients Precision checks and rounds."""

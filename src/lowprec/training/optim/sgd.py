@@ -14,7 +14,28 @@ __all__ = ["SGD"]
 
 
 class SGD(LowPrecisionOptimizer):
-    """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD's rule)."""
+    """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD's rule).
+
+    The update of one element, in float32 (the definition both the torch path below and the
+    fused kernel, lp_opt_step in numerics/_qkernel.c, implement, bit for bit). Every operation is
+    one correctly rounded IEEE 754 float32 operation; ``fma(a, b, c)`` is a * b + c rounded once,
+    what torch's CPU ``add(x, alpha=a)`` computes (``vec::fmadd``). Constants are float64
+    Python numbers rounded to float32, as torch rounds a scalar given to a float32 tensor op::
+
+        g = grad * grad_scale                    # skipped without grad_scale (x * 1 is exact)
+        g = fma(w, wd, g)                        # if wd        (g.add(w, alpha=wd))
+        if momentum:
+            b = g                                # first step   (clone)
+            b = fma(g, 1 - dampening, b * momentum)  # later    (b.mul_(m).add_(g, alpha=1-d))
+            b = round_state(b)                   # stored; the rounded b is used below
+            g = fma(b, momentum, g) if nesterov else b
+        w = round_param(fma(g, -lr, w))          # (w.add(g, alpha=-lr))
+
+    ``round_state`` rounds to nearest even onto the state format; ``round_param`` applies the
+    write-back mode (nearest, or stochastic with one seed drawn per parameter tensor per step
+    from the optimizer's generator; see :mod:`.writeback`). With every format fp32 both roundings
+    are the identity and this is torch.optim.SGD's sequence exactly.
+    """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
@@ -46,8 +67,8 @@ class SGD(LowPrecisionOptimizer):
             state["momentum_buffer"] = torch.zeros_like(
                 p, dtype=storage_dtype(self.storage.sformat(p)))
         opt = _kernel.LPOpt(kind=0, nesterov=int(group["nesterov"]), first=int(bool(first)),
-                            has_momentum=int(bool(mom)), lr=group_lr(group), momentum=mom,
-                            dampening=group["dampening"], wd=group["weight_decay"])
+                            has_momentum=int(bool(mom)), neg_lr=-group_lr(group), momentum=mom,
+                            damp_c=1 - group["dampening"], wd=group["weight_decay"])
         self._run_fused(p, state.get("momentum_buffer"), None, opt, grad_scale)
         return True
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics.formats import FP32
-from ...numerics.storage import format_bytes, storage_dtype
+from ...numerics.formats import FP32, Format
+from ...numerics.storage import format_of_dtype, storage_dtype
+from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to
 
 __all__ = ["FormatOptimizer"]
 
 
-class FormatOptimizer(torch.optim.Optimizer):
+class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
     """Any torch optimizer under a policy's storage rules.
 
     With master weights (Apex O2), the wrapped optimizer steps fp32 copies of the parameters
@@ -30,8 +31,6 @@ class FormatOptimizer(torch.optim.Optimizer):
     wrapped optimizer's: a ``torch.optim.lr_scheduler`` built on either object, before or after
     ``Precision.setup``, sets the learning rate the step actually uses.
     """
-
-    accepts_grad_scale = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_format=None, state_format=None,
                  master_format=None, update="nearest", generator=None) -> None:
@@ -79,6 +78,9 @@ class FormatOptimizer(torch.optim.Optimizer):
         group = dict(param_group)
         group["params"] = self._masters_for(params) if self.masters is not None else params
         self.optimizer.add_param_group(group)
+
+    def configure_storage(self, **kwargs) -> None:
+        self.storage.configure(**kwargs)
 
     def params_for_check(self) -> list[torch.Tensor]:
         """The model's parameters (not the masters) whose gradients Precision checks."""
@@ -138,28 +140,35 @@ class FormatOptimizer(torch.optim.Optimizer):
                 for key, val in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
                         v32 = val.float()
-                        val.copy_(round_to(v32, st.now(sf, p, f"state.{key}", v32), "nearest",
+                        val.copy_(round_to(v32, st.now(sf, p, key, v32), "nearest",
                                          None))
         return loss
 
-    def state_bytes(self) -> tuple[int, int]:
-        state = 0
-        for p, s in self.optimizer.state.items():
-            for val in s.values():
-                if torch.is_tensor(val):
-                    if val.is_floating_point() and val.dim() > 0:
-                        state += format_bytes(self.storage.sformat(p), val.numel())
-                    else:
-                        state += val.numel() * val.element_size()
-        if self.storage.update == "kahan" and (self.masters is None or self.shadow):
-            state += sum(format_bytes(self.storage.pformat(p), p.numel())
-                         for p in self.model_params)
-        if self.shadow:  # fp32 copies that live between steps, though they carry nothing over
-            state += sum(4 * m.numel() for m in self.masters)
-            return state, 0
-        master = 0 if self.masters is None else sum(
-            format_bytes(self.storage.master_format, m.numel()) for m in self.masters)
-        return state, master
+    def state_layout(self, p) -> dict[str, Format]:
+        """Format of every state tensor kept for the model parameter ``p``, each with one value
+        per element of ``p`` (``"master"``: the master weights; ``"shadow"``: the fp32 copies
+        that live between steps, though they carry nothing over). The wrapped optimizer's
+        per-element state is listed once it exists (torch creates it at the first step); its
+        scalar bookkeeping (0-dim step counts) is not per element and not listed here. The
+        memory ledger (:func:`lowprec.training.memory.optimizer_bytes`) counts the bytes."""
+        st = self.storage
+        stepped = p
+        if self.masters is not None:
+            stepped = self.masters[next(i for i, q in enumerate(self.model_params) if q is p)]
+        layout: dict[str, Format] = {}
+        for name, val in self.optimizer.state.get(stepped, {}).items():
+            if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
+                # stepping masters or shadows, the wrapped optimizer keeps its state in their
+                # dtype, unrounded; otherwise step() rounds it onto the state format
+                layout[name] = (format_of_dtype(val.dtype) if self.masters is not None
+                                else st.sformat(p))
+        if st.update == "kahan" and (self.masters is None or self.shadow):
+            layout["compensation"] = st.pformat(p)
+        if self.shadow:
+            layout["shadow"] = FP32
+        elif self.masters is not None:
+            layout["master"] = st.master_format
+        return layout
 
     def state_dict(self) -> dict:
         return {

@@ -14,7 +14,7 @@ import torch
 from ...numerics.formats import FP32, Format, parse_format
 from ...numerics.quantize import quantize
 from ...numerics.storage import NATIVE_DTYPES, format_of_dtype
-from ..policy import UPDATE_MODES
+from ..policy import WriteBack
 
 __all__ = ["Storage", "group_lr", "round_to", "write", "kahan_write"]
 
@@ -77,11 +77,9 @@ class Storage:
         self.state_format = None if state_format is None else parse_format(state_format)
         self.master_format = None if master_format is None else parse_format(master_format)
         if update is not None:
-            if update not in UPDATE_MODES:
-                raise ValueError(f"update={update!r}; accepted: {', '.join(UPDATE_MODES)}")
-            self.update = update
+            self.update = WriteBack.parse(update)
         elif not hasattr(self, "update"):
-            self.update = "nearest"
+            self.update = WriteBack.NEAREST
         self.generator = generator
 
     def pformat(self, p: torch.Tensor) -> Format:
@@ -91,9 +89,12 @@ class Storage:
         return self.state_format if self.state_format is not None else self.pformat(p)
 
     def now(self, fmt: Format, p: torch.Tensor, role: str, x: torch.Tensor) -> Format:
-        """``fmt``, or for dynamic fixed point the static format its group has now."""
+        """``fmt``, or for dynamic fixed point the static format its group has now. ``role``:
+        a :class:`~lowprec.training.regimes.base.Role` value, else a state buffer's name."""
+        from ..regimes.base import GroupKey
         from ..regimes.dynamic_fixed import resolve
 
-        return resolve(fmt, f"{role}:{self.names.get(id(p), id(p))}", x, self.controller)
+        key = GroupKey.of(role, self.names.get(id(p), id(p)))
+        return resolve(fmt, key, x, self.controller)
 
 

@@ -8,9 +8,13 @@
 * ``binarize(model)`` replaces, in place, every linear and convolution layer by its binary
   version (sharing the latent weights) followed by BatchNorm, and every activation by
   ``BinaryActivation``; the first layer therefore sees the real inputs, the others binary ones,
-  and the output layer is real-valued. The ``binary`` policy applies it in ``Precision.setup``
-  and, with lowprec's optimizers, scales each layer's latent-weight learning rate by the inverse
-  of its Glorot coefficient, as the paper does.
+  and the output layer is real-valued.
+
+:class:`BinaryRegime` plugs this into ``Precision`` for policies whose compute format is
+``binary``: it binarizes the model at set-up, gives the optimizer the added BatchNorm
+parameters and, with optimizers that honour ``lr_scale`` (lowprec's), scales each layer's
+latent-weight learning rate by the inverse of its Glorot coefficient, as the paper does; after
+every step it clips the latent weights.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BinaryLinear", "BinaryConv2d", "BinaryActivation", "FeatureBatchNorm", "binarize", "binarize_weights",
+from ...numerics.formats import BinaryFormat
+from .base import Regime, register_regime
+
+__all__ = ["BinaryRegime", "BinaryLinear", "BinaryConv2d", "BinaryActivation", "FeatureBatchNorm",
+           "binarize", "binarize_weights",
            "sign_ste", "clip_latent_weights", "binary_layers", "glorot_lr_scales",
            "apply_lr_scales"]
 
@@ -178,3 +186,31 @@ def clip_latent_weights(model: nn.Module) -> None:
     """Keep the latent weights in [-1, 1] (BinaryNet clips them after every update)."""
     for m in binary_layers(model):
         m.weight.clamp_(-1.0, 1.0)
+
+
+@register_regime
+class BinaryRegime(Regime):
+    """BinaryNet as a regime (see the module docstring)."""
+
+    name = "binary"
+    replaces_compute = True  # the binary layers compute their own precision
+
+    @classmethod
+    def applies(cls, policy) -> bool:
+        return isinstance(policy.compute, BinaryFormat)
+
+    def prepare(self, model: nn.Module) -> list[nn.Parameter]:
+        self.model = model
+        return binarize(model, stochastic=self.policy.rounding.is_stochastic,
+                        generator=self.generator)
+
+    def configure_optimizer(self, optimizer, added: list[nn.Parameter]) -> None:
+        from ..optim.protocol import PolicyOptimizer
+
+        if added:
+            optimizer.add_param_group({"params": added})
+        if isinstance(optimizer, PolicyOptimizer) and optimizer.honours_lr_scale:
+            apply_lr_scales(optimizer, glorot_lr_scales(self.model))
+
+    def after_step(self, model: nn.Module) -> None:
+        clip_latent_weights(model)

@@ -8,33 +8,40 @@ their gradients, the momentum) has a range r, values living in [-2**r, 2**r) on 
 have); every ``interval`` observations: if the first rate exceeds ``max_overflow`` the range grows
 by one, else if the second does the range stays, else it shrinks by one (their code's rule).
 A group's first observation starts it at the smallest range holding its largest value.
+
+Groups are named by a :class:`~lowprec.training.regimes.base.GroupKey` (a role and a parameter
+or layer name). :class:`DynamicFixedRegime` plugs the controller into ``Precision``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 import torch
 
 from ...numerics.formats import DynamicFixedFormat, FixedFormat, Format
+from .base import GroupKey, Regime, register_regime
 
-__all__ = ["Controller", "resolve"]
+__all__ = ["Controller", "resolve", "DynamicFixedRegime"]
 
 
 class Controller:
+    """The ranges of the groups, keyed by :class:`GroupKey` (any hashable key works)."""
+
     def __init__(self) -> None:
-        self.groups: dict[str, dict] = {}
+        self.groups: dict[Hashable, dict] = {}
 
     @staticmethod
     def _clamp(r: int, fmt: DynamicFixedFormat) -> int:
         # frac bits = bits - r - 1 must stay in [0, 149]: the grid must be a float32 value
         return max(min(r, fmt.bits - 1), fmt.bits - 150)
 
-    def range_of(self, key: str) -> int | None:
+    def range_of(self, key: Hashable) -> int | None:
         g = self.groups.get(key)
         return None if g is None else g["range"]
 
-    def observe(self, key: str, fmt: DynamicFixedFormat, over: int, over1: int, n: int) -> None:
+    def observe(self, key: Hashable, fmt: DynamicFixedFormat, over: int, over1: int, n: int) -> None:
         """Record counts (for the tests and callers that count themselves) and apply the rule."""
         g = self.groups[key]
         g["over"] += over
@@ -52,7 +59,7 @@ class Controller:
                 g["range"] = self._clamp(g["range"] - 1, fmt)
             g["over"] = g["over1"] = g["n"] = 0
 
-    def start(self, key: str, fmt: DynamicFixedFormat, x: torch.Tensor | None = None,
+    def start(self, key: Hashable, fmt: DynamicFixedFormat, x: torch.Tensor | None = None,
               range_: int | None = None) -> None:
         if range_ is None:
             amax = float(x.detach().abs().max()) if x is not None and x.numel() else 0.0
@@ -61,7 +68,7 @@ class Controller:
                             "calls": 0}
 
     @torch.no_grad()
-    def format(self, key: str, fmt: DynamicFixedFormat, x: torch.Tensor) -> FixedFormat:
+    def format(self, key: Hashable, fmt: DynamicFixedFormat, x: torch.Tensor) -> FixedFormat:
         """The static format to round ``x`` with now; counts ``x``'s overflows for the rule."""
         if key not in self.groups:
             self.start(key, fmt, x)
@@ -87,10 +94,42 @@ def _count(x: torch.Tensor, t1: float, t2: float) -> tuple[int, int]:
     return int((a >= t1).sum()), int((a >= t2).sum())
 
 
-def resolve(fmt: Format, key: str, x: torch.Tensor, controller: Controller | None) -> Format:
+def resolve(fmt: Format, key: GroupKey, x: torch.Tensor, controller: Controller | None) -> Format:
     """``fmt`` itself, or for dynamic fixed point the static format its group has now."""
     if isinstance(fmt, DynamicFixedFormat):
         if controller is None:
             raise ValueError(f"{fmt} needs a dynamic fixed-point Controller (use Precision)")
         return controller.format(key, fmt, x)
     return fmt
+
+
+def _roles(policy) -> list:
+    return [policy.params, policy.compute, policy.grads, policy.optimizer_state, policy.master]
+
+
+@register_regime
+class DynamicFixedRegime(Regime):
+    """Dynamic fixed point in any role: one :class:`Controller` for the emulation engine, the
+    optimizers' storage and Precision's gradient rounding; its ranges are the regime's state."""
+
+    name = "dynamic_fixed"
+
+    def __init__(self, policy, generator: torch.Generator | None = None) -> None:
+        super().__init__(policy, generator)
+        self.controller = Controller()
+
+    @classmethod
+    def applies(cls, policy) -> bool:
+        return any(isinstance(f, DynamicFixedFormat) for f in _roles(policy))
+
+    def resolve(self, fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
+        return resolve(fmt, key, x, self.controller)
+
+    def engine_options(self) -> dict:
+        return {"controller": self.controller}
+
+    def state_dict(self) -> dict:
+        return {"ranges": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["ranges"])

@@ -1,0 +1,60 @@
+"""Loss scaling: the dynamic rule, and a skipped step against a control run."""
+
+import pytest
+import torch
+from helpers import small_mlp
+from torch import nn
+
+from lowprec import DynamicLossScale, Precision, StaticLossScale
+
+
+def test_dynamic_loss_scale_rule():
+    ls = DynamicLossScale(init=8.0, growth=2.0, backoff=0.5, interval=2, min=1.0, max=64.0)
+    for found in [False, False, True, False, False, False, False, True, True, True, True]:
+        ls.update(found)
+    # 8 -> 16 (2 good) -> 8 (inf) -> 16 -> 32 (4 good) -> 16 -> 8 -> 4 -> 2
+    assert ls.scale == 2.0
+    st = ls.state_dict()
+    ls2 = DynamicLossScale()
+    ls2.load_state_dict(st)
+    assert ls2.scale == 2.0 and ls2.good_steps == 0
+    with pytest.raises(ValueError, match="backoff"):
+        DynamicLossScale(backoff=2.0)
+    with pytest.raises(ValueError, match="scale"):
+        StaticLossScale(0)
+
+
+def _train_mlp(prec, steps, inject_at=None, skip_at=None, seed=0):
+    model = small_mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = prec.setup(model, opt)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 20, generator=g), torch.randint(0, 5, (64,), generator=g)
+    for step in range(steps):
+        opt.zero_grad()
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(x), y)
+        prec.backward(loss)
+        if step == inject_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        if step == skip_at:
+            prec.trace.append({"step": step, "skipped": True})
+            continue
+        prec.step(opt)
+    return model, prec
+
+
+def test_injected_inf_is_skipped_and_matches_a_control_run():
+    init, growth, backoff, interval, steps, k = 2.0**10, 2.0, 0.5, 3, 20, 7
+    scaled, prec = _train_mlp(
+        Precision("32-true", loss_scale=DynamicLossScale(init, growth, backoff, interval)),
+        steps, inject_at=k)
+    control, _ = _train_mlp(Precision("32-true"), steps, skip_at=k)
+    skipped = [t["step"] for t in prec.trace if t["skipped"]]
+    assert skipped == [k] and prec.skipped == 1
+    # growth events: every `interval` clean steps, the count restarting after the skip
+    n_growth = k // interval + (steps - k - 1) // interval
+    assert prec.loss_scale.scale == init * growth**n_growth * backoff**1
+    assert prec.trace[k]["scale"] == init * growth ** (k // interval)
+    for a, b in zip(scaled.parameters(), control.parameters()):
+        assert torch.equal(a, b)  # power-of-two scaling is exact in fp32

@@ -1,0 +1,74 @@
+"""The memory ledger: exact bytes by role against hand counts."""
+
+import torch
+from helpers import cnn_batch, small_cnn, small_mlp
+from torch import nn
+
+from lowprec import Precision
+from lowprec.training.optim import SGD
+
+
+def test_ledger_equals_hand_count_mlp():
+    model = small_mlp(0, d_in=20, hidden=32, d_out=5)
+    prec = Precision("32-true")
+    model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    B = 8
+    x, y = torch.randn(B, 20), torch.randint(0, 5, (B,))
+    led = prec.memory(model, (x, y), nn.functional.cross_entropy)
+    n_params = 20 * 32 + 32 + 32 * 5 + 5
+    assert led.params == led.grads == 4 * n_params
+    assert led.optimizer_state == 4 * n_params  # one momentum buffer, before the first step
+    assert led.master == 0
+    # saved for backward (derivatives.yaml): addmm saves its input (x, then the ReLU output,
+    # which ReLU itself saves: one storage), log_softmax its result, nll_loss the target and
+    # the 0-dim total weight; weights are parameters and not counted
+    hand = 4 * B * 20 + 4 * B * 32 + 4 * B * 5 + 8 * B + 4
+    assert led.activations == hand
+    # pure fp16 (emulated): everything in the model on the fp16 grid counts 2 bytes
+    prec16 = Precision("16-true")
+    m16 = small_mlp(0)
+    m16, o16 = prec16.setup(m16, SGD(m16.parameters(), lr=0.1, momentum=0.9))
+    led16 = prec16.memory(m16, (x, y), nn.functional.cross_entropy)
+    assert led16.params == 2 * n_params and led16.optimizer_state == 2 * n_params
+    # x and the ReLU output are rounded to fp16; log_softmax of fp16 logits is not on the grid;
+    # the total weight (8.0) is
+    assert led16.activations == 2 * B * 20 + 2 * B * 32 + 4 * B * 5 + 8 * B + 2
+
+
+def test_ledger_equals_hand_count_cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(4 * 4 * 4, 10))
+    prec = Precision("32-true")
+    model, opt = prec.setup(model, torch.optim.Adam(model.parameters()))
+    B = 4
+    x, y = torch.randn(B, 1, 8, 8), torch.randint(0, 10, (B,))
+    led = prec.memory(model, (x, y), nn.functional.cross_entropy)
+    n_params = 4 * 9 + 4 + 64 * 10 + 10
+    assert led.params == 4 * n_params
+    assert led.optimizer_state == 2 * 4 * n_params + 4 * 4  # exp_avg, exp_avg_sq, 0-dim steps
+    # conv saves its input; ReLU its output (which max-pool saves too: one storage) and
+    # max-pool its int64 indices; linear its (flattened, same storage) input; loss as above
+    hand = (4 * B * 64) + (4 * B * 4 * 64) + (8 * B * 4 * 16) + (4 * B * 64) + (4 * B * 10) \
+        + 8 * B + 4
+    assert led.activations == hand
+
+
+def test_ledger_does_not_move_batchnorm_statistics():
+    model = small_cnn()
+    prec = Precision("32-true")
+    model, _ = prec.setup(model)
+    before = model[1].running_mean.clone()
+    prec.memory(model, cnn_batch(), nn.functional.cross_entropy)
+    assert torch.equal(model[1].running_mean, before)
+
+
+def test_ledger_counts_a_slice_of_a_large_input_as_the_slice():
+    model = small_mlp(0)
+    prec = Precision("32-true")
+    model, _ = prec.setup(model)
+    big = torch.randn(10_000, 20)
+    y = torch.randint(0, 5, (8,))
+    a = prec.memory(model, (big[:8], y), nn.functional.cross_entropy).activations
+    b = prec.memory(model, (big[:8].clone(), y), nn.functional.cross_entropy).activations
+    assert a == b

@@ -1,0 +1,285 @@
+"""One optimizer arithmetic: the fused C step, the torch path and the written definition agree.
+
+The definition is the operation sequence in the docstrings of ``SGD`` and ``Adam``
+(lowprec/training/optim/sgd.py, adam.py): float32 operations, each correctly rounded, with
+fused multiply-adds where torch's CPU kernels fuse. Every operation of it is correctly rounded in
+both implementations (fmaf / torch's vec::fmadd, IEEE +, -, *, /, and a correctly rounded sqrt on
+both sides), so the fused kernel and the torch path must give the same bits, state included: the
+tests allow no unit in the last place. The references nobody here wrote: exact rational
+arithmetic (``fractions``) for the fused multiply-adds, numpy's IEEE float32 square root and
+float16 cast, ml_dtypes' bfloat16 cast.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_same_bits
+from lowprec import parse_format, quantize
+from lowprec.numerics import kernel
+from lowprec.training.memory import optimizer_bytes
+from lowprec.training.optim import SGD, Adam, AdamW, FormatOptimizer
+from lowprec.training.optim.base import sqrt_rn
+
+OPTIMIZERS = {
+    "sgd": (SGD, dict(lr=0.1)),
+    "sgd-momentum-wd": (SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    "sgd-dampening": (SGD, dict(lr=0.05, momentum=0.5, dampening=0.3, weight_decay=3e-2)),
+    "sgd-nesterov-wd": (SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)),
+    "adam": (Adam, dict(lr=1e-2)),
+    "adam-l2": (Adam, dict(lr=1e-2, weight_decay=1e-3)),
+    "adamw": (AdamW, dict(lr=1e-2, weight_decay=1e-2)),
+    # beta1 < 0.5: torch.lerp's weight 1 - beta1 >= 0.5 takes its other branch
+    "adam-beta1-0.3": (Adam, dict(lr=3e-3, betas=(0.3, 0.99), eps=1e-6)),
+}
+# (parameter dtype, parameter format, state format): native 16-bit tensors, emulated formats on
+# float32 carriers (e5m2 state: Adam stores sqrt(v)), fixed point, fp32 state, and fp32
+# parameters (which keep every float32 bit of the update) with bf16 state
+STORAGE = {
+    "fp32+bf16": (torch.float32, None, "bf16"),
+    "fp16": (torch.float16, None, None),
+    "bf16": (torch.bfloat16, None, None),
+    "e5m2": (torch.float32, "e5m2", "e5m2"),
+    "q6.10+bf16": (torch.float32, "q6.10", "bf16"),
+    "bf16+fp32": (torch.bfloat16, None, "fp32"),
+}
+SHAPE = (37, 301)  # 11137 elements: the kernel's tiles are 256, the last one partial
+BIG = (229, 307)  # 70303 elements: split between threads (2**15 or more each)
+
+
+@functools.lru_cache(maxsize=None)
+def _grads(step: int, shape=SHAPE) -> torch.Tensor:
+    """Gradients over six decades (subnormal moments in fp16, underflow in e5m2)."""
+    g = torch.Generator().manual_seed(100 + step)
+    scale = torch.pow(10.0, -torch.randint(0, 7, shape, generator=g).float())
+    return torch.randn(shape, generator=g) * scale
+
+
+def _run(cls, kw, dtype, pf, sf, update, fuse: bool, steps: int = 3, shape=SHAPE):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    w = (quantize(w, pf) if pf else w).to(dtype)
+    opt = cls([w], param_format=pf, state_format=sf, update=update,
+              generator=torch.Generator().manual_seed(11), **kw)
+    if not fuse:
+        opt._can_fuse = lambda p, s: False
+    for i in range(steps):
+        w.grad = _grads(i, shape).to(dtype, copy=True)
+        opt.step(grad_scale=0.37)
+        if fuse:
+            assert opt._can_fuse(w, opt.state[w]), "the fused kernel did not run"
+    return w, opt.state[w]
+
+
+@pytest.mark.skipif(not kernel.available(), reason="kernel not built")
+@pytest.mark.parametrize("update", ["nearest", "stochastic"])
+@pytest.mark.parametrize("storage", list(STORAGE))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_step_equals_torch_path_bit_for_bit(name, storage, update):
+    """Three steps with grad_scale: parameters and every state tensor, bit for bit (zero units
+    in the last place of the storage format; see the module docstring for why none is needed).
+    Stochastic write-back draws one seed per tensor per step from the optimizer's generator on
+    both paths and hashes the element index with it, so it too is bit-identical."""
+    cls, kw = OPTIMIZERS[name]
+    dtype, pf, sf = STORAGE[storage]
+    w_f, st_f = _run(cls, kw, dtype, pf, sf, update, fuse=True)
+    w_t, st_t = _run(cls, kw, dtype, pf, sf, update, fuse=False)
+    assert w_f.dtype == w_t.dtype == dtype
+    assert_same_bits(w_f, w_t, f"{name} {storage} {update}: parameter")
+    assert st_f.keys() == st_t.keys()
+    for key, val in st_f.items():
+        if torch.is_tensor(val):
+            assert val.dtype == st_t[key].dtype, key
+            assert_same_bits(val, st_t[key], f"{name} {storage} {update}: {key}")
+        else:
+            assert val == st_t[key], key
+
+
+@pytest.mark.skipif(not kernel.available(), reason="kernel not built")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no split to check")
+@pytest.mark.parametrize("name", ["sgd-nesterov-wd", "adam-l2"])
+def test_fused_step_split_between_threads_equals_torch_path(name):
+    """A tensor large enough for the kernel to split it between threads (shares aligned to its
+    tiles; stochastic bits hashed from the element's index, not the thread's)."""
+    cls, kw = OPTIMIZERS[name]
+    w_f, st_f = _run(cls, kw, torch.float16, None, None, "stochastic", fuse=True, shape=BIG)
+    w_t, st_t = _run(cls, kw, torch.float16, None, None, "stochastic", fuse=False, shape=BIG)
+    assert_same_bits(w_f, w_t, f"{name}: parameter")
+    for key, val in st_f.items():
+        if torch.is_tensor(val):
+            assert_same_bits(val, st_t[key], f"{name}: {key}")
+
+
+def test_sqrt_rn_is_the_correctly_rounded_float32_root():
+    """Against numpy's float32 sqrt (IEEE 754 squareRoot, the hardware instruction), on random
+    bit patterns over every exponent, subnormals included, and the extremes."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F800000, (400_000,), generator=g, dtype=torch.int64)
+    bits = torch.cat([bits, torch.tensor([0, 1, 2, 0x007FFFFF, 0x00800000, 0x7F7FFFFF])])
+    x = bits.to(torch.int32).view(torch.float32)
+    assert_same_bits(sqrt_rn(x), torch.from_numpy(np.sqrt(x.numpy())), "sqrt_rn")
+
+
+# -- the written definition against exact arithmetic -------------------------------------------
+
+def _f32(q: Fraction) -> np.float32:
+    """The rational q rounded to float32, to nearest, ties to even (exact: the candidates
+    around float(q) are compared with q as rationals)."""
+    d = np.float32(float(q))
+    cands = [np.nextafter(d, np.float32(-np.inf)), d, np.nextafter(d, np.float32(np.inf))]
+    dist = [abs(Fraction(float(c)) - q) for c in cands]
+    best = min(dist)
+    ties = [c for c, dd in zip(cands, dist) if dd == best]
+    return min(ties, key=lambda c: int(np.array(c).view(np.int32)) & 1)
+
+
+def fma(a, b, c) -> np.ndarray:
+    """a * b + c rounded once to float32, elementwise (exact rational arithmetic)."""
+    a, b, c = np.broadcast_arrays(*(np.asarray(v, dtype=np.float32) for v in (a, b, c)))
+    return np.array([_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+                     for x, y, z in zip(a.ravel(), b.ravel(), c.ravel())],
+                    dtype=np.float32).reshape(a.shape)
+
+
+def _arrays(n=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, generator=g) * 10.0 ** -torch.randint(0, 5, (n,), generator=g)
+    b = torch.randn(n, generator=g)
+    return a, b, a.numpy(), b.numpy()
+
+
+def test_torch_cpu_ops_are_the_fused_multiply_adds_of_the_definition():
+    """The torch path relies on these identities (torch's vec::fmadd); a torch build that
+    computes them otherwise fails here, not silently in the bit-identity test."""
+    a, b, A, B = _arrays()
+    f = np.float32
+    assert_same_bits(a.add(b, alpha=0.37), torch.from_numpy(fma(B, f(0.37), A)), "add alpha")
+    assert_same_bits(a.clone().mul_(0.9).add_(b, alpha=0.7),
+                     torch.from_numpy(fma(B, f(0.7), A * f(0.9))), "mul_ add_")
+    for wt in (0.1, 0.7):
+        wf = f(wt)
+        expected = fma(wf, B - A, A) if wt < 0.5 else fma(wf - f(1), B - A, B)
+        assert_same_bits(a.clone().lerp_(b, wt), torch.from_numpy(expected), f"lerp {wt}")
+    assert_same_bits(a.clone().addcmul_(b, b, value=1e-3),
+                     torch.from_numpy(fma(f(1e-3) * B, B, A)), "addcmul")
+    d = b.abs() + 0.5
+    assert_same_bits(a.addcdiv(b, d, value=-0.01),
+                     torch.from_numpy(A + (f(-0.01) * B) / d.numpy()), "addcdiv")
+
+
+def _round_state(x: np.ndarray, fmt: str) -> np.ndarray:
+    dt = np.float16 if fmt == "fp16" else ml_dtypes.bfloat16
+    return x.astype(dt).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_adam_torch_path_is_the_written_definition(fmt):
+    """Two steps of Adam with L2 decay, fp16 (sqrt(v) stored) or bf16 storage, computed from the
+    class docstring with numpy float32, exact fused multiply-adds and numpy's casts."""
+    lr, b1, b2, eps, wd, gs = 1e-2, 0.9, 0.999, 1e-8, 1e-3, 0.37
+    _, _, w0, _ = _arrays(300, seed=3)
+    w0 = _round_state(w0, fmt)
+    grads = [_arrays(300, seed=10 + i)[2] for i in range(2)]
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    wt = torch.from_numpy(w0).to(dtype)
+    opt = Adam([wt], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    opt._can_fuse = lambda p, s: False
+    f = np.float32
+    w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    for t, g0 in enumerate(grads, start=1):
+        g16 = _round_state(g0, fmt)
+        wt.grad = torch.from_numpy(g16).to(dtype)
+        opt.step(grad_scale=gs)
+        g = g16 * f(gs)
+        g = fma(w, f(wd), g)
+        m = _round_state(fma(f(1 - b1), g - m, m), fmt)
+        if fmt == "fp16":  # v holds sqrt(v) here
+            v = _round_state(np.sqrt(fma(f(1 - b2) * g, g, (v * v) * f(b2))), fmt)
+            r = v
+        else:
+            v = _round_state(fma(f(1 - b2) * g, g, v * f(b2)), fmt)
+            r = np.sqrt(v)
+        d = r / f(math.sqrt(1 - b2**t)) + f(eps)
+        w = _round_state(w + (f(-(lr / (1 - b1**t))) * m) / d, fmt)
+    key = "exp_avg_sq_sqrt" if fmt == "fp16" else "exp_avg_sq"
+    assert_same_bits(opt.state[wt]["exp_avg"], torch.from_numpy(m), "m")
+    assert_same_bits(opt.state[wt][key], torch.from_numpy(v), "v")
+    assert_same_bits(wt, torch.from_numpy(w), "w")
+
+
+def test_sgd_torch_path_is_the_written_definition():
+    """Two steps of Nesterov SGD with weight decay in fp16, from the class docstring."""
+    lr, mom, wd, gs = 0.1, 0.9, 1e-3, 0.37
+    _, _, w0, _ = _arrays(300, seed=4)
+    w0 = _round_state(w0, "fp16")
+    wt = torch.from_numpy(w0).to(torch.float16)
+    opt = SGD([wt], lr=lr, momentum=mom, weight_decay=wd, nesterov=True)
+    opt._can_fuse = lambda p, s: False
+    f = np.float32
+    w, buf = w0.copy(), None
+    for i in range(2):
+        g16 = _round_state(_arrays(300, seed=20 + i)[2], "fp16")
+        wt.grad = torch.from_numpy(g16).to(torch.float16)
+        opt.step(grad_scale=gs)
+        g = fma(w, f(wd), g16 * f(gs))
+        buf = g if buf is None else fma(g, f(1.0), buf * f(mom))
+        buf = _round_state(buf, "fp16")
+        g = fma(buf, f(mom), g)
+        w = _round_state(fma(g, f(-lr), w), "fp16")
+    assert_same_bits(opt.state[wt]["momentum_buffer"], torch.from_numpy(buf), "buf")
+    assert_same_bits(wt, torch.from_numpy(w), "w")
+
+
+# -- memory accounting from the optimizers' state layouts ----------------------------------------
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+
+
+N_PARAMS, N_TENSORS = 20 * 32 + 32 + 32 * 5 + 5, 4
+
+
+def _one_step(model, opt):
+    x, y = torch.randn(4, 20).to(next(model.parameters()).dtype), torch.tensor([0, 1, 2, 3])
+    torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+    opt.step()
+
+
+def test_ledger_of_a_lowprec_adam_with_sqrt_storage_and_kahan_by_hand():
+    model = _mlp().to(torch.bfloat16)
+    opt = Adam(model.parameters(), lr=1e-3, state_format="e5m2", update="kahan")
+    p0 = next(model.parameters())
+    e5m2, bf16 = parse_format("e5m2"), parse_format("bf16")
+    assert opt.state_layout(p0) == {"exp_avg": e5m2, "exp_avg_sq_sqrt": e5m2,
+                                    "compensation": bf16}
+    # two moments of one byte (e5m2) and a bf16 compensation buffer per element, no master;
+    # the layout is known before the first step and unchanged by it
+    assert optimizer_bytes(opt) == (N_PARAMS * (1 + 1 + 2), 0)
+    _one_step(model, opt)
+    assert optimizer_bytes(opt) == (N_PARAMS * (1 + 1 + 2), 0)
+
+
+def test_ledger_of_a_wrapped_torch_adam_with_master_weights_by_hand():
+    model = _mlp().half()
+    fo = FormatOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), param_format="fp16",
+                         master_format="fp32")
+    assert optimizer_bytes(fo) == (0, 4 * N_PARAMS)  # torch creates its state at the first step
+    _one_step(model, fo)
+    # exp_avg and exp_avg_sq of the fp32 masters, and torch's 0-dim float32 step per tensor
+    assert optimizer_bytes(fo) == (2 * 4 * N_PARAMS + 4 * N_TENSORS, 4 * N_PARAMS)
+
+
+def test_ledger_of_a_wrapped_torch_sgd_with_shadows_by_hand():
+    model = _mlp().to(torch.bfloat16)
+    fo = FormatOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         update="stochastic", generator=torch.Generator().manual_seed(0))
+    _one_step(model, fo)
+    # the fp32 momentum of the fp32 shadows, and the shadows themselves (no master weights)
+    assert optimizer_bytes(fo) == (4 * N_PARAMS + 4 * N_PARAMS, 0)

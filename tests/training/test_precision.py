@@ -1,0 +1,76 @@
+"""Precision: backends, emulated grids, every named policy through one loop."""
+
+import math
+
+import pytest
+import torch
+from helpers import cnn_batch, small_cnn, small_mlp, train_steps
+from torch import nn
+
+import lowprec
+from lowprec import POLICIES, Precision, quantize
+from lowprec.numerics.formats import FP32
+from lowprec.numerics.storage import format_bytes
+from lowprec.training.regimes import GroupKey, Role
+from lowprec.training.optim import SGD, FormatOptimizer
+
+
+def test_native_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="emulated"):
+        Precision("p=e4m3fn,b=native").setup(small_mlp())
+
+
+DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float32,
+          "16-mixed": torch.float32, "bf16-mixed": torch.float32, "16-master": torch.float32}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("opt_kind", ["torch", "lowprec"])
+def test_policy_contract(name, opt_kind):
+    model = small_cnn()
+    if opt_kind == "torch":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
+    prec = Precision(name, seed=0)
+    model, opt = prec.setup(model, opt)
+    x, y = cnn_batch()
+    losses = train_steps(prec, model, opt, x, y, 4)
+    assert all(math.isfinite(v) for v in losses)
+    pol = prec.policy
+    expected_dtype = DTYPES.get(name)
+    if expected_dtype is not None:
+        assert next(model.parameters()).dtype == expected_dtype
+    if pol.params != FP32:  # parameters lie on the parameter format's grid
+        from lowprec.numerics.formats import DynamicFixedFormat
+        for pname, p in model.named_parameters():
+            fmt = pol.params
+            if isinstance(fmt, DynamicFixedFormat):
+                # written at the range its group had then (now's, give or take one): on the
+                # grid of now's range - 1, whose integer part is widened to hold them all
+                r = prec.regimes[0].controller.range_of(GroupKey(Role.PARAM, pname))
+                fmt = lowprec.FixedFormat(r + 3, fmt.bits - r)
+            assert torch.equal(p.float(), quantize(p.float(), fmt))
+    if pol.master is not None:
+        assert isinstance(opt, (FormatOptimizer, SGD))
+    # state round trips with equal next steps: tests/test_contracts.py
+    led = prec.memory(model, (x, y), nn.functional.cross_entropy)
+    params = list(model.parameters())
+    if prec.backend == "native":  # real tensors: their own storage is the reference
+        assert led.params == sum(p.numel() * p.element_size() for p in params)
+    else:  # fp32 carriers of the parameter format's values
+        assert led.params == format_bytes(pol.params, sum(p.numel() for p in params))
+    assert led.grads == led.params  # every parameter trains; gradients in the parameter format
+
+
+def test_emulated_activations_are_on_the_grid():
+    model = small_cnn()
+    prec = Precision("p=fp32,c=e4m3fn,g=e5m2,s=all,b=emulated")
+    model, _ = prec.setup(model)
+    outs = {}
+    model[4].register_forward_hook(lambda m, a, o: outs.update(conv2=o))
+    model[4].register_forward_pre_hook(lambda m, a: outs.update(w=m.weight))
+    model(cnn_batch()[0])
+    assert torch.equal(outs["conv2"], quantize(outs["conv2"], "e4m3fn"))
+    assert torch.equal(outs["w"], quantize(outs["w"], "e4m3fn"))  # weights rounded when used
+    assert isinstance(model[4].weight, nn.Parameter)  # and restored afterwards
