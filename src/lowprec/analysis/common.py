@@ -61,7 +61,8 @@ def low_precision_copy(model: nn.Module, fmt: str | Format,
 def as_batches(data, batch_size: int = 1000):
     """Yield (x, y-or-None) batches from a data set with a test split (``x_test``, ``y_test``,
     as :class:`lowprec.experiments.data.Dataset`), an (x, y) pair, a tensor or any iterable of
-    (x, y)."""
+    (x, y). ``x`` may be a tensor, a dict of keyword inputs or a tuple of positional inputs
+    (see :func:`lowprec.training.tree.call_model`)."""
     if hasattr(data, "x_test") and hasattr(data, "y_test"):
         data = (data.x_test, data.y_test)
     if torch.is_tensor(data):
@@ -69,7 +70,9 @@ def as_batches(data, batch_size: int = 1000):
     if isinstance(data, Mapping):  # keyword inputs without labels
         data = (data, None)
     if isinstance(data, (tuple, list)) and len(data) == 2 and (
-            torch.is_tensor(data[0]) or isinstance(data[0], Mapping)):
+            torch.is_tensor(data[0]) or isinstance(data[0], Mapping)
+            or (type(data) is tuple and type(data[0]) is tuple
+                and (data[1] is None or torch.is_tensor(data[1])))):
         x, y = data
         for i in range(0, batch_size_of(x), batch_size):
             yield (slice_batch(x, i, i + batch_size),

@@ -73,9 +73,13 @@ def output_tensor(out, output_fn=None) -> torch.Tensor:
 
 
 def call_model(model, inputs):
-    """``model(**inputs)`` for a mapping of keyword inputs, else ``model(inputs)``."""
+    """``model(**inputs)`` for a mapping of keyword inputs, ``model(*inputs)`` for a plain tuple
+    of positional inputs (wrap a dict in a 1-tuple to pass it as one argument), else
+    ``model(inputs)`` (a tensor, a list, a named tuple such as ``PackedSequence``)."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
+    if type(inputs) is tuple:
+        return model(*inputs)
     return model(inputs)
 
 

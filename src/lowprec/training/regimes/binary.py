@@ -74,14 +74,21 @@ class _BinaryMixin:
         return binarize_weights(self.weight, self.stochastic and self.training, self.generator)
 
 
+    def _after(self, y):
+        # the BatchNorm binarize() attaches as a child (``bn``), so that the layer keeps its
+        # own attributes (``weight``, which e.g. Hugging Face's ViT reads for its input dtype)
+        bn = self._modules.get("bn")
+        return bn(y) if bn is not None else y
+
+
 class BinaryLinear(_BinaryMixin, nn.Linear):
     def forward(self, x):
-        return nn.functional.linear(x, self.binary_weight(), self.bias)
+        return self._after(nn.functional.linear(x, self.binary_weight(), self.bias))
 
 
 class BinaryConv2d(_BinaryMixin, nn.Conv2d):
     def forward(self, x):
-        return self._conv_forward(x, self.binary_weight(), self.bias)
+        return self._after(self._conv_forward(x, self.binary_weight(), self.bias))
 
 
 class FeatureBatchNorm(nn.BatchNorm1d):
@@ -132,9 +139,8 @@ def binarize(model: nn.Module, *, stochastic: bool = False,
                         child.out_features if isinstance(child, nn.Linear) else
                         child.out_channels).to(child.weight.device)
                     added.extend(bn.parameters())
-                    parent._modules[name] = nn.Sequential(b, bn)
-                else:
-                    parent._modules[name] = b
+                    b.bn = bn
+                parent._modules[name] = b
             elif isinstance(child, _ACTIVATIONS):
                 parent._modules[name] = BinaryActivation()
             elif isinstance(child, (BinaryLinear, BinaryConv2d, BinaryActivation)):
