@@ -136,8 +136,10 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
         o16 = run_model(m16, prec.convert_input(x32), output_fn).float()
         if o32.dim() > 2:
             o32, o16 = o32.reshape(-1, o32.shape[-1]), o16.reshape(-1, o16.shape[-1])
-        if y is not None and torch.as_tensor(y).numel() != o32.shape[0]:
-            y = None
+        if y is not None:
+            y = torch.as_tensor(y).reshape(-1)
+            if y.numel() != o32.shape[0]:
+                y = None
         if outputs == "probs":
             o32 = torch.softmax(o32, dim=1)
             o16 = quantize(torch.softmax(o16, dim=1), fmt)  # the 16-bit model's softmax

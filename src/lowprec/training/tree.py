@@ -92,9 +92,10 @@ def batch_size_of(inputs) -> int:
 
 
 def slice_batch(inputs, start: int, stop: int):
-    """Rows ``start:stop`` of every tensor in ``inputs`` (tensor, tuple, list or mapping)."""
+    """Rows ``start:stop`` of every tensor in ``inputs`` (tensor, tuple, list or mapping);
+    0-dim tensors (a scale passed with the batch) are left whole."""
     if torch.is_tensor(inputs):
-        return inputs[start:stop]
+        return inputs[start:stop] if inputs.dim() else inputs  # a 0-dim tensor is shared
     if isinstance(inputs, Mapping):
         return {k: slice_batch(v, start, stop) for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):
