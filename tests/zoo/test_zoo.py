@@ -61,6 +61,10 @@ def test_torch_and_lowprec_optimizers(model, optimizer, policy):
     # the warning fires exactly when a torch Adam keeps fp16 state (eps = 1e-8 rounds to 0)
     fp16_state = policy == "16-true" and optimizer.startswith("torch-adam")
     assert eps_warned == fp16_state
+    if fp16_state:
+        # what the warning says happens: measured on BERT, NaN from step 9 (Adam) or 12
+        # (AdamW), where lowprec.optim.Adam trains (1.10 -> 0.19 in 20 steps)
+        return
     assert falls(run["losses"]), run["losses"]
 
 
