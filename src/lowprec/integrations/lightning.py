@@ -146,6 +146,10 @@ class LowprecFabricPrecision(_Common, FabricPrecision):
     def unscale_gradients(self, optimizer) -> None:
         self.lowprec.unscale_(self._configured(optimizer))
 
+    def main_params(self, optimizer):
+        # the wrapper holds the model's parameters; the user's object steps the masters
+        return super().main_params(self._configured(optimizer))
+
     def optimizer_step(self, optimizer, **kwargs):
         opt = self._configured(optimizer)
         stepped = self.lowprec.step(opt)

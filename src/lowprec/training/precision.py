@@ -205,7 +205,7 @@ class Precision:
             f"where eps={eps:g} rounds to 0 and small squared gradients flush to zero: its "
             "update divides by zero and turns NaN. Use lowprec.optim.Adam / lowprec.optim.AdamW "
             "(fp32 maths, sqrt of the second moment stored), or o=fp32 in the policy.",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)  # the caller of setup()
 
     def _setup_optimizer(self, optimizer):
         pol = self.policy
