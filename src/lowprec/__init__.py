@@ -23,7 +23,7 @@ from .training.memory import MemoryLedger
 from .training.policy import POLICIES, Policy, parse_policy, register_policy
 from .training.precision import Precision
 from .numerics.quantize import quantize, quantize_
-from .numerics.rounding import Rounding, parse_rounding
+from .numerics.rounding import Rounding, RoundingSpec, parse_rounding
 from .training import optim
 from .training.regimes import binary, dynamic_fixed
 from . import analysis
@@ -52,6 +52,7 @@ __all__ = [
     "Overflow",
     "Quantizer",
     "Rounding",
+    "RoundingSpec",
     "Style",
     "parse_format",
     "parse_rounding",

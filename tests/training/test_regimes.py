@@ -234,3 +234,69 @@ def test_mx_policy_rounds_matmul_weights_and_inputs_in_blocks_along_the_reductio
     assert torch.equal(x_conv, quantize(x_conv.detach(), conv_mx))
     assert not torch.equal(w_conv, quantize(w_conv.detach(), mx))  # not the last axis
     assert torch.isfinite(out).all()
+
+
+def test_a_new_regime_plugs_in_without_touching_precision():
+    """A regime defined here, registered, is chosen by the registry from the policy and sees
+    every hook at its point of the lifecycle; its state travels in Precision's state_dict."""
+    from lowprec.training.regimes import REGIMES, Regime, register_regime
+
+    calls = []
+
+    class CountingRegime(Regime):
+        name = "counting-test"
+
+        @classmethod
+        def applies(cls, policy):
+            return policy.compute == parse_format("e3m4")
+
+        def prepare(self, model):
+            calls.append("prepare")
+            self.steps = 0
+            return []
+
+        def configure_optimizer(self, optimizer, added):
+            calls.append(("configure", type(optimizer).__name__))
+
+        def resolve(self, fmt, key, x):
+            calls.append(("resolve", key.role))
+            return fmt
+
+        def after_step(self, model):
+            self.steps += 1
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+
+    register_regime(CountingRegime)
+    try:
+        assert Precision("p=fp32,c=fp16").regimes == []
+        prec = Precision("p=e3m4,c=e3m4,g=e3m4,o=fp32", seed=0)
+        (regime,) = prec.regimes
+        model = nn.Sequential(nn.Linear(4, 3))
+        model, opt = prec.setup(model, SGD(model.parameters(), lr=0.1))
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        train_steps(prec, model, opt, x, y, 3)
+        # prepare, set-up's rounding of both parameters, the optimizer, then each step's grads
+        assert calls[:4] == ["prepare", ("resolve", Role.PARAM), ("resolve", Role.PARAM),
+                             ("configure", "SGD")]
+        assert calls[4:] == [("resolve", Role.PARAM_GRAD)] * 6
+        assert regime.steps == 3 and prec.state_dict()["regimes"] == {"counting-test": {"steps": 3}}
+        again = Precision("p=e3m4,c=e3m4,g=e3m4,o=fp32")
+        again.load_state_dict(prec.state_dict())
+        assert again.regimes[0].steps == 3
+        with pytest.raises(ValueError, match="already registered"):
+            register_regime(type("Other", (Regime,), {"name": "counting-test"}))
+    finally:
+        REGIMES.remove(CountingRegime)
+
+
+def test_group_keys_are_typed():
+    assert GroupKey.of("param", "0.weight") == GroupKey(Role.PARAM, "0.weight")
+    assert GroupKey.of("momentum", "0.weight") == GroupKey(Role.STATE, "0.weight", "momentum")
+    assert str(GroupKey(Role.STATE, "0.weight", "exp_avg")) == "state.exp_avg:0.weight"
+    with pytest.raises(ValueError, match="role='weights'; accepted: param, pgrad"):
+        GroupKey("weights", "0")

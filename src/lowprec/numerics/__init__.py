@@ -18,7 +18,7 @@ from .formats import (
     parse_format,
 )
 from .quantize import quantize, quantize_
-from .rounding import Rounding, parse_rounding
+from .rounding import Rounding, RoundingSpec, parse_rounding
 from .storage import format_bytes, format_of_dtype, storage_dtype
 
 __all__ = [
@@ -26,6 +26,6 @@ __all__ = [
     "BinaryFormat", "BlockFormat", "DynamicFixedFormat", "FixedFormat", "FloatFormat", "Format",
     "Overflow", "Style", "parse_format",
     "Quantizer", "quantize_ste", "quantize", "quantize_",
-    "Rounding", "parse_rounding",
+    "Rounding", "RoundingSpec", "parse_rounding",
     "format_bytes", "format_of_dtype", "storage_dtype",
 ]

@@ -494,10 +494,16 @@ static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si,
     else loop_ne_tile(a, q, n, 0, 0, 0, si);
 }
 
-/* The arithmetic loops use fmaf(): compiled for FMA hardware (the avx2 and x86-64-v4 clones)
- * it is one vfmadd instruction and vectorizes; the default clone calls libm's fmaf, correctly
- * rounded too, so every clone gives the same bits. */
-LP_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t end) {
+/* The arithmetic loops use fmaf(): compiled for FMA hardware (the x86-64-v3 clone, AVX2 + FMA,
+ * and x86-64-v4) it is one vfmadd instruction and vectorizes; the default clone (CPUs before
+ * 2013) calls libm's fmaf, correctly rounded too, so every clone gives the same bits. GCC's
+ * "avx2" target does not include FMA, hence x86-64-v3 here rather than LP_CLONES' avx2. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LP_OPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LP_OPT_CLONES
+#endif
+LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t end) {
     const lp_opt o = *j->o;
     const lp_inv pi = make_inv(j->pq, 0), si = make_inv(j->sq, 0);
     const uint32_t k0 = j->pq->k0, k1 = j->pq->k1;

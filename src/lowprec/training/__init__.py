@@ -5,14 +5,15 @@ ledger and the regimes of the literature."""
 from . import optim
 from .loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
-from .policy import POLICIES, Policy, parse_policy, register_policy
+from .policy import POLICIES, Backend, Policy, Scope, WriteBack, parse_policy, register_policy
 from .precision import Precision
-from .regimes import binary, dynamic_fixed
+from . import regimes
+from .regimes import Regime, binary, dynamic_fixed, register_regime
 
 __all__ = [
-    "optim", "binary", "dynamic_fixed",
+    "optim", "regimes", "binary", "dynamic_fixed", "Regime", "register_regime",
     "DynamicLossScale", "LossScale", "NoLossScale", "StaticLossScale", "make_loss_scale",
     "MemoryLedger", "measure_memory",
-    "POLICIES", "Policy", "parse_policy", "register_policy",
+    "POLICIES", "Policy", "parse_policy", "register_policy", "WriteBack", "Backend", "Scope",
     "Precision",
 ]

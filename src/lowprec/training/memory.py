@@ -23,6 +23,7 @@ import torch
 from ..numerics.formats import FP32, Format
 from ..numerics.storage import format_bytes
 from ..numerics.quantize import quantize
+from .optim import FormatOptimizer, LowPrecisionOptimizer
 
 __all__ = ["MemoryLedger", "measure_memory", "optimizer_bytes", "saved_activation_bytes"]
 
@@ -137,8 +138,6 @@ def optimizer_bytes(optimizer) -> tuple[int, int]:
     :class:`~lowprec.training.optim.FormatOptimizer` (0-dim step counts) is counted at its
     dtype's width. A plain torch optimizer is counted from its state tensors.
     """
-    from .optim import FormatOptimizer, LowPrecisionOptimizer
-
     if isinstance(optimizer, FormatOptimizer):
         params = optimizer.model_params
     elif isinstance(optimizer, LowPrecisionOptimizer):
