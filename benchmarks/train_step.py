@@ -1,6 +1,7 @@
 """Time per training step and ledger bytes of every policy, relative to 32-true, in one run.
 
-Two models on MNIST-shaped batches: a LeNet-5-style CNN and an MLP (784-512-512-10). Policies
+Three models: a LeNet-5-style CNN and an MLP (784-512-512-10) on MNIST-shaped batches, and a
+small pre-norm transformer (2 layers, d=128, 4 heads, 64 tokens, vocabulary 256). Policies
 are measured in interleaved rounds (every policy once per round, the median over rounds), so a
 slow moment of the machine hits all of them alike.
 
@@ -34,6 +35,38 @@ def mlp():
                          nn.ReLU(), nn.Linear(512, 10))
 
 
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.n1(x)).split(D, -1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.f2(nn.functional.gelu(self.f1(self.n2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int = 256, d: int = 128, layers: int = 2, heads: int = 4,
+                 ctx: int = 64) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(ctx, d) * 0.02)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids) + self.pos[:ids.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x)).flatten(0, 1)  # (tokens, vocab) for cross-entropy
+
+
 class Runner:
     def __init__(self, make, policy: str, batch: int) -> None:
         torch.manual_seed(0)
@@ -42,8 +75,12 @@ class Runner:
         self.model, self.opt = self.prec.setup(model, SGD(model.parameters(), lr=0.01,
                                                           momentum=0.9))
         g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(batch, 1, 28, 28, generator=g)
-        self.y = torch.randint(0, 10, (batch,), generator=g)
+        if isinstance(model, Transformer):  # batch // 8 sequences of 64 tokens
+            self.x = torch.randint(0, 256, (max(batch // 8, 1), 64), generator=g)
+            self.y = torch.randint(0, 256, (self.x.numel(),), generator=g)
+        else:
+            self.x = torch.randn(batch, 1, 28, 28, generator=g)
+            self.y = torch.randint(0, 10, (batch,), generator=g)
         self.loss_fn = nn.CrossEntropyLoss()
 
     def step(self) -> None:
@@ -70,7 +107,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--policies", default=None,
                     help="comma-separated policies (default: every named policy)")
-    ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp or both")
+    ap.add_argument("--models", default="cnn,mlp,transformer",
+                    help="comma-separated: cnn, mlp, transformer")
     args = ap.parse_args()
     from lowprec.experiments.config import split_policies
     from lowprec.experiments.system import tune_cpu_allocator
@@ -79,7 +117,8 @@ def main() -> None:
     names = split_policies(args.policies) if args.policies else list(POLICIES)
     if "32-true" not in names:
         names.insert(0, "32-true")
-    models = [m for m in [("LeNet-5 CNN", lenet, "cnn"), ("MLP 784-512-512-10", mlp, "mlp")]
+    models = [m for m in [("LeNet-5 CNN", lenet, "cnn"), ("MLP 784-512-512-10", mlp, "mlp"),
+                          ("Transformer 2x128, 64 tokens", Transformer, "transformer")]
               if m[2] in args.models.split(",")]
     print(f"lowprec {lowprec.__version__}, torch {torch.__version__}, "
           f"{platform.machine()}, {torch.get_num_threads()} threads, batch {args.batch}, "

@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(600)
 def test_two_ranks_end_identical_with_an_inf_on_one_rank(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent / "src"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2] / "src"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            f"--master_port={_free_port()}", "--master_addr=127.0.0.1", str(WORKER), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from helpers import cnn_batch, small_cnn, small_mlp, train_steps
 from torch import nn
 
@@ -69,8 +70,15 @@ def test_emulated_activations_are_on_the_grid():
     model, _ = prec.setup(model)
     outs = {}
     model[4].register_forward_hook(lambda m, a, o: outs.update(conv2=o))
-    model[4].register_forward_pre_hook(lambda m, a: outs.update(w=m.weight))
-    model(cnn_batch()[0])
+
+    class Seen(TorchFunctionMode):  # below the engine's mode: sees the weight each op gets
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "conv2d" and args[1].shape[0] == 8:
+                outs["w"] = args[1]
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        model(cnn_batch()[0])
     assert torch.equal(outs["conv2"], quantize(outs["conv2"], "e4m3fn"))
     assert torch.equal(outs["w"], quantize(outs["w"], "e4m3fn"))  # weights rounded when used
-    assert isinstance(model[4].weight, nn.Parameter)  # and restored afterwards
+    assert not torch.equal(model[4].weight, outs["w"])  # the stored fp32 weight unchanged

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .formats import Format, parse_format
-from .quantize import quantize
+from .ops import quantize_call
 from .rounding import Rounding, parse_rounding
 
 __all__ = ["quantize_ste", "Quantizer"]
@@ -25,7 +25,8 @@ class _QuantizeSTE(torch.autograd.Function):
             return x.view_as(x)
         if callable(fwd):  # a format chosen from the tensor itself (dynamic fixed point)
             fwd = fwd(x)
-        return quantize(x, fwd, fwd_round, generator=generator, random_bits=fwd_bits or None)
+        # through the lowprec::quantize custom op, so torch.compile keeps it in the graph
+        return quantize_call(x, fwd, fwd_round, fwd_bits or 0, generator)
 
     @staticmethod
     def backward(ctx, grad):
@@ -33,8 +34,7 @@ class _QuantizeSTE(torch.autograd.Function):
         if callable(bwd) and grad is not None:
             bwd = bwd(grad)
         if bwd is not None and grad is not None:
-            grad = quantize(grad, bwd, bwd_round, generator=generator,
-                            random_bits=bwd_bits or None)
+            grad = quantize_call(grad, bwd, bwd_round, bwd_bits or 0, generator)
         return grad, None, None, None, None, None, None, None
 
 

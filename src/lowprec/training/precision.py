@@ -11,7 +11,7 @@
 
 Backends. ``native`` runs real torch dtypes (``model.half()``, ``torch.autocast``); it needs
 every format to be fp32, fp16 or bf16. ``emulated`` keeps fp32 tensors and rounds values onto the
-policy's grids (:mod:`lowprec.training.emulate`); it accepts any format. ``auto`` picks native where the
+policy's grids at every op (:mod:`lowprec.training.emulation`); it accepts any format. ``auto`` picks native where the
 hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
 AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
 
@@ -28,16 +28,16 @@ import warnings
 import torch
 from torch import nn
 
-from ..numerics.formats import BF16, FP16, FP32, Format
+from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
 from ..numerics.quantize import quantize, quantize_
 from ..numerics.storage import storage_dtype
-from .emulate import Emulation
+from .emulation import Emulation
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
 from .regimes import GroupKey, Regime, Role, regimes_for
-from .tree import cast_floating
+from .tree import cast_floating, map_floating
 
 __all__ = ["Precision"]
 
@@ -63,8 +63,12 @@ class Precision:
     """Apply a :class:`Policy` to a model and optimizer; see the module docstring."""
 
     def __init__(self, policy: str | Policy = "32-true", *, loss_scale: str | LossScale | None = None,
-                 generator: torch.Generator | None = None, seed: int | None = None) -> None:
+                 generator: torch.Generator | None = None, seed: int | None = None,
+                 overrides: dict | None = None) -> None:
         self.policy = parse_policy(policy)
+        # glob on module names -> policy or format; ops inside a matching module follow it
+        # (emulated backend only)
+        self.overrides = dict(overrides or {})
         self.loss_scale = make_loss_scale(loss_scale if loss_scale is not None
                                           else self.policy.loss_scale)
         if generator is None and seed is not None:
@@ -124,6 +128,10 @@ class Precision:
         pol = self.policy
         self.device = _device_of(model)
         self.backend = self.resolve_backend(self.device)
+        if self.overrides and self.backend is Backend.NATIVE:
+            if pol.backend is Backend.NATIVE:
+                raise ValueError("per-module overrides need backend=emulated (or auto)")
+            self.backend = Backend.EMULATED
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}
         added: list = []
@@ -136,19 +144,28 @@ class Precision:
             if pol.scope is Scope.ALL and pol.params != FP32:
                 dtype = storage_dtype(pol.params)
                 model.to(dtype)
+                # oneDNN runs bf16 convolutions with its AMX/AVX-512 kernels on channels-last
+                # (NHWC) tensors; NCHW bf16 takes a slower reordering path on CPU
+                fmt = (torch.channels_last if dtype == torch.bfloat16 and self.device.type ==
+                       "cpu" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+                       else None)
+                if fmt is not None:
+                    model.to(memory_format=fmt)
+
+                def cast(a):
+                    a = a.to(dtype)
+                    return a.contiguous(memory_format=fmt) if fmt is not None and a.dim() == 4 \
+                        else a
+
                 # floating tensors anywhere in the positional and keyword inputs; integer ones
                 # (token ids, masks) stay as they are
                 self._handles.append(model.register_forward_pre_hook(
-                    lambda m, args, kwargs: (cast_floating(args, dtype),
-                                             cast_floating(kwargs, dtype)), with_kwargs=True))
+                    lambda m, args, kwargs: (map_floating(args, cast), map_floating(kwargs, cast)),
+                    with_kwargs=True))
         else:
-            with torch.no_grad():
-                if pol.params != FP32:
-                    for name, p in model.named_parameters():
-                        quantize_(p.data, self._resolve(pol.params, GroupKey(Role.PARAM, name),
-                                                        p.data))
             self.emulation = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
-                                       **self._engine_options())
+                                       overrides=self.overrides, **self._engine_options())
+            self._store_emulated(model)
         self._added = added
         if optimizer is not None:
             optimizer = self.setup_optimizer(optimizer)
@@ -206,6 +223,22 @@ class Precision:
             "update divides by zero and turns NaN. Use lowprec.optim.Adam / lowprec.optim.AdamW "
             "(fp32 maths, sqrt of the second moment stored), or o=fp32 in the policy.",
             UserWarning, stacklevel=4)  # the caller of setup()
+
+    @torch.no_grad()
+    def _store_emulated(self, model: nn.Module) -> None:
+        """Parameters (and, for pure policies, floating buffers such as BatchNorm's running
+        statistics, which ``model.half()`` would convert too) on their storage format's grid."""
+        em = self.emulation
+        for name, p in model.named_parameters():
+            fmt = em.param_format(name)
+            if fmt != FP32:
+                quantize_(p.data, self._resolve(fmt, GroupKey(Role.PARAM, name), p.data))
+        for name, b in model.named_buffers():
+            fmt = em.param_format(name)
+            if (b.is_floating_point() and fmt != FP32 and em.rule_of(name).scope == "all"
+                    and not isinstance(fmt, DynamicFixedFormat)):
+                quantize_(b, fmt)
+        em.mark_storage(model)
 
     def _setup_optimizer(self, optimizer):
         pol = self.policy
@@ -286,15 +319,19 @@ class Precision:
         multiplying them by ``scale_by`` on the way."""
         grads = [p.grad for p in params]
         found = torch.zeros(1, device=grads[0].device)
-        rounds = self.backend is Backend.EMULATED and self.policy.params != FP32
-        if rounds and not getattr(self.policy.params, "has_inf", False):
+        em = self.emulation
+        pfmts = [em.param_format(self._names.get(id(p), "")) if em is not None
+                 else self.policy.params for p in params]
+        rounds = self.backend is Backend.EMULATED and any(f != FP32 for f in pfmts)
+        if rounds and not all(getattr(f, "has_inf", False) for f in pfmts if f != FP32):
             # a saturating format would turn an Inf into its max: look before rounding too
             self._check(grads, found, 1.0)
         if rounds:
             # the gradients as parameter-format storage would hold them
-            for p in params:
-                key = GroupKey(Role.PARAM_GRAD, self._names.get(id(p), str(id(p))))
-                quantize_(p.grad, self._resolve(self.policy.params, key, p.grad))
+            for p, fmt in zip(params, pfmts):
+                if fmt != FP32:
+                    key = GroupKey(Role.PARAM_GRAD, self._names.get(id(p), str(id(p))))
+                    quantize_(p.grad, self._resolve(fmt, key, p.grad))
         self._check(grads, found, scale_by)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)

@@ -1,0 +1,708 @@
+"""The operator-level emulation engine: every floating tensor an op produces on the policy's grid.
+
+A :class:`torch.overrides.TorchFunctionMode` sees each call of the torch API that a model's
+forward makes (``F.linear``, ``x + y``, ``x += y``, ``torch.softmax``, attention, views) in its
+own ``forward``, in a container's ``forward`` or in a plain function. For each call it
+
+* runs the op in fp32 (matmuls, convolutions and reductions accumulate in fp32) and rounds each
+  floating output once to the compute format, as tensor cores and torch's CPU fp16/bf16 kernels
+  do; the rounding is an autograd function whose backward rounds the gradient reaching that
+  output to the gradient format (every activation gradient an op's backward produces lands
+  there, summed over the op's consumers);
+* leaves integer and bool tensors alone, and skips ops whose output is a selection of on-grid
+  inputs (views, ``relu``, max-pooling, ``cat``, embedding lookups): no copy, no rounding;
+* rounds in place what an in-place op wrote (``x += y``, ``masked_fill_``, ``x[i] = v``);
+* under a mixed policy (``scope="matmul"``) follows torch.autocast's op lists
+  (:mod:`.oplists`): ops autocast runs in the low-precision dtype get rounded inputs, weights and
+  output; its fp32 ops stay fp32; other ops produce the compute format when all their floating
+  inputs are in it (autocast's dtype propagation), fp32 otherwise.
+
+Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
+twice. Module hooks track which module is running, for per-module overrides and for naming ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import types
+import warnings
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format, parse_format
+from ...numerics.quantize import quantize, quantize_
+from ...numerics.rounding import Rounding
+from ..policy import Policy, parse_policy
+from ..regimes.base import GroupKey, Role
+from ..regimes.dynamic_fixed import Controller, resolve
+from .oplists import (BUFFER_OPS, FP32_OPS, GRID_OPS, LOWP_OPS, NORM_OPS, PASS_OPS,
+                      is_inplace, reduction_axes)
+
+__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK"]
+
+MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
+_ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)
+_BUFFER_POS = (3, 4)  # torch.batch_norm(input, weight, bias, running_mean, running_var, ...)
+
+
+def group_key(role: str, name: str) -> GroupKey:
+    """The dynamic fixed-point group of a rounding: one range per role ("act" or "grad") and
+    module (or parameter, for a weight rounded when used)."""
+    return GroupKey(Role.ACTIVATION if role == "act" else Role.GRAD, name)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The formats the ops of one module follow."""
+
+    compute: Format
+    grads: Format
+    params: Format
+    rounding: Rounding = Rounding.NEAREST_EVEN
+    grad_rounding: Rounding = Rounding.NEAREST_EVEN
+    scope: str = "all"
+
+    @classmethod
+    def of(cls, policy: Policy) -> "Rule":
+        return cls(policy.compute, policy.grads, policy.params, policy.rounding,
+                   policy.grad_rounding, policy.scope)
+
+    @property
+    def active(self) -> bool:
+        return self.compute != FP32 or self.grads != FP32
+
+    @property
+    def block(self) -> bool:
+        return isinstance(self.compute, BlockFormat)
+
+
+def parse_override(value, base: Policy) -> Rule:
+    """An override is a policy (``"32-true"``, a spec) or a format (``"bf16"``: pure)."""
+    if isinstance(value, Rule):
+        return value
+    if isinstance(value, Policy):
+        return Rule.of(value)
+    try:
+        return Rule.of(parse_policy(value))
+    except (ValueError, TypeError):
+        pass
+    try:
+        fmt = parse_format(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"override {value!r} is neither a policy (e.g. '32-true', "
+                         "'p=fp32,c=bf16') nor a format (e.g. 'bf16', 'e4m3fn')") from None
+    return Rule(fmt, fmt, fmt, base.rounding, base.grad_rounding, "all")
+
+
+_NAMES: dict = {}
+
+
+def _warn_if_compiling(module, args) -> None:
+    if torch.compiler.is_compiling():
+        warnings.warn("lowprec: an emulated policy runs the model eagerly under torch.compile "
+                      "(its op-level rounding is Python); Quantizer modules do compile",
+                      stacklevel=2)
+
+
+def op_name(func) -> str:
+    """``linear``, ``add``, ``add_``, ``__getitem__``: the name torch gives a torch-API call."""
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):
+        name = getattr(func, "__name__", None) or type(func).__name__
+        try:
+            _NAMES[func] = name
+        except TypeError:
+            pass
+        return name
+
+
+def _marked(t: torch.Tensor, fmt: Format) -> bool:
+    m = getattr(t, MARK, None)
+    return m is fmt or (m is not None and m == fmt)
+
+
+def _mark(t: torch.Tensor, fmt: Format) -> None:
+    try:
+        setattr(t, MARK, fmt)
+    except (AttributeError, RuntimeError):
+        pass
+
+
+def _floating(t) -> bool:
+    return torch.is_tensor(t) and t.dtype in _ROUNDABLE
+
+
+def _tensors(obj, out: list) -> list:
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out)
+    return out
+
+
+def _map(fn, obj):
+    """``fn`` over the tensors of nested tuples, lists, namedtuples (PackedSequence) and dicts."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        vals = [_map(fn, v) for v in obj]
+        if hasattr(obj, "_fields"):  # namedtuple (torch.return_types are structseqs: tuples)
+            return type(obj)(*vals)
+        try:
+            return type(obj)(vals)
+        except TypeError:
+            return tuple(vals)
+    if isinstance(obj, list):
+        return [_map(fn, v) for v in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, _map(fn, v)) for k, v in obj.items())
+    return obj
+
+
+def _fresh(y: torch.Tensor) -> torch.Tensor:
+    # quantize returns ``out.reshape(x.shape)``, a same-shape view of its own buffer; autograd
+    # forbids modifying a custom Function's view output in place (``relu_`` after it), so hand
+    # back the buffer itself
+    b = y._base
+    if b is not None and b.shape == y.shape and b.stride() == y.stride() and \
+            b.storage_offset() == y.storage_offset():
+        return b
+    return y if b is None else y.clone()
+
+
+def _kernel_nodes(out: torch.Tensor, args, name: str) -> torch.Tensor:
+    """Label the autograd nodes of a kernel the engine computes as several fp32 ops (batch
+    norm, attention) with ``metadata["kernel"]``: their intermediate gradients are the kernel's
+    internal fp32 values, as in the fused 16-bit kernel's backward."""
+    if out.grad_fn is None:
+        return out
+    stop = {t.grad_fn for t in args if torch.is_tensor(t)}
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stop or not node.next_functions and \
+                node.name().endswith("AccumulateGrad"):
+            continue
+        seen.add(node)
+        if node.name().endswith("AccumulateGrad"):
+            continue
+        node.metadata["kernel"] = name
+        todo.extend(n for n, _ in node.next_functions)
+    return out
+
+
+def _batch_stats(args, kwargs) -> bool:
+    """torch.batch_norm(input, weight, bias, running_mean, running_var, training, ...) normalises
+    with the batch's statistics (training, or no running statistics)."""
+    if kwargs or len(args) < 8 or not torch.is_tensor(args[0]) or args[0].dim() < 2:
+        return False
+    return bool(args[5]) or args[3] is None or args[4] is None
+
+
+def _plain_lstm(args, kwargs) -> bool:
+    """_VF.lstm(input, (h0, c0), weights, has_biases, num_layers, dropout, train,
+    bidirectional, batch_first): not packed, unidirectional, no projections."""
+    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)) or args[7]:
+        return False
+    per_layer = 4 if args[3] else 2
+    return len(args[2]) == per_layer * args[4] and args[1][0].shape[-1] * 4 == args[2][0].shape[0]
+
+
+def _plain_attention(args, kwargs) -> bool:
+    """scaled_dot_product_attention without dropout or grouped heads, keys up to one block."""
+    if len(args) < 3 or any(k not in ("attn_mask", "dropout_p", "is_causal", "scale")
+                            for k in kwargs):
+        return False
+    return (not kwargs.get("dropout_p", 0.0) and len(args) <= 3 and args[0].dim() >= 2
+            and args[1].shape[-2] <= 512)
+
+
+class _Round(torch.autograd.Function):
+    """Values to ``fwd``; the gradient reaching the output to ``bwd`` (None: unchanged)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
+        ctx.spec = (bwd, bmode, gen)
+        return _fresh(quantize(x, fwd, mode, generator=gen))
+
+    @staticmethod
+    def backward(ctx, g):
+        bwd, bmode, gen = ctx.spec
+        if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
+            g = _fresh(quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen))
+        return g, None, None, None, None, None
+
+
+class _RoundInplace(torch.autograd.Function):
+    """In-place form for what an in-place op wrote (``x += y``)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
+        ctx.spec = (bwd, bmode, gen)
+        quantize_(x, fwd, mode, generator=gen)
+        ctx.mark_dirty(x)
+        return x
+
+    backward = _Round.backward
+
+
+_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_EXPANDED: dict = {}
+
+
+def _no_torch_function(*args, **kwargs) -> bool:
+    return False
+
+
+def _expanded(func: types.FunctionType) -> types.FunctionType:
+    """``func`` with its ``if has_torch_function(...): return handle_torch_function(...)``
+    preamble made false, so that, run under the mode, it executes its body (whose builtins the
+    mode then sees) instead of handing itself back to the mode. A function that checks some
+    other way comes back to the mode, which then runs it as one op (``expanding``)."""
+    body = _EXPANDED.get(func)
+    if body is None:
+        glb = func.__globals__
+        if any(n in glb for n in _CHECKS):
+            glb = dict(glb)
+            glb.update({n: _no_torch_function for n in _CHECKS if n in glb})
+            body = types.FunctionType(func.__code__, glb, func.__name__, func.__defaults__,
+                                      func.__closure__)
+            body.__kwdefaults__ = func.__kwdefaults__
+        else:
+            body = func
+        _EXPANDED[func] = body
+    return body
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, engine: "Emulation") -> None:
+        super().__init__()
+        self.engine = engine
+        self.expanding: set = set()
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        if name in PASS_OPS:
+            return func(*args, **kwargs)
+        if isinstance(func, types.FunctionType) and func not in self.expanding:
+            # a Python function of torch (F.layer_norm, F.multi_head_attention_forward,
+            # Tensor.split): run its body under the mode, so each builtin it calls is an op
+            body = _expanded(func)
+            self.expanding.add(func)
+            try:
+                with self:
+                    return body(*args, **kwargs)
+            finally:
+                self.expanding.discard(func)
+        em = self.engine
+        rule = em.rule()
+        if not rule.active:
+            out = func(*args, **kwargs)
+        elif rule.scope == "all":
+            out = em.run_pure(func, name, rule, args, kwargs)
+        else:
+            out = em.run_mixed(func, name, rule, args, kwargs)
+        if em.observers:
+            for fn in em.observers:
+                fn(name, em.module_name(), args, kwargs, out)
+        return out
+
+
+class Emulation:
+    """Round every op of ``model``'s forward onto ``policy``'s grids while it runs.
+
+    ``active`` switches the rounding on and off (mixed precision rounds only inside
+    ``Precision.autocast()``, like torch.autocast). ``overrides`` maps glob patterns on module
+    names to a policy or a format: ops run inside a matching module (or its children) follow it.
+    ``detach()`` removes the hooks. ``with emulation.enabled():`` rounds ops run outside the
+    model's forward too (a loss, a functional model).
+    """
+
+    def __init__(self, model: nn.Module | None, policy: Policy, generator: torch.Generator | None
+                 = None, *, active: bool = True, controller: Controller | None = None,
+                 overrides: dict | None = None) -> None:
+        self.policy = policy
+        self.generator = generator
+        self.active = active
+        self.controller = controller
+        self.root_rule = Rule.of(policy)
+        self.overrides = {str(k): parse_override(v, policy) for k, v in (overrides or {}).items()}
+        self.observers: list[Callable] = []
+        self.handles: list = []
+        self.rules: dict[str, Rule] = {}  # module name -> rule, for modules under an override
+        self._stack: list[tuple[str, Rule]] = []
+        self._entered: list[bool] = []
+        self._mode = _Mode(self)
+        self._depth = 0
+        self._pnames: dict[int, str] = {}
+        if model is not None:
+            self._pnames = {id(p): n for n, p in model.named_parameters()}
+            self._attach(model)
+
+    # -- modules -----------------------------------------------------------------------------
+    def _match(self, name: str) -> Rule | None:
+        for pat, rule in self.overrides.items():
+            if fnmatch.fnmatchcase(name, pat):
+                return rule
+        return None
+
+    def _attach(self, model: nn.Module) -> None:
+        rules = {"": self._match("") or self.root_rule}
+        # torch.compile cannot hold the mode's Python-level rounding: the model's forward and
+        # the hooks run eagerly (a graph break), with a one-line warning, never without rounding
+        self.handles.append(model.register_forward_pre_hook(_warn_if_compiling))
+        for name, m in model.named_modules():
+            if name:
+                parent = name.rpartition(".")[0]
+                rules[name] = self._match(name) or rules.get(parent, self.root_rule)
+            self.handles.append(m.register_forward_pre_hook(
+                torch.compiler.disable(self._pre(name, rules[name])), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(torch.compiler.disable(self._post),
+                                                        always_call=True))
+        self.rules = rules
+        self._model = model
+        self._had_forward = "forward" in model.__dict__
+        if self._had_forward:
+            model.forward = torch.compiler.disable(model.forward)
+        else:  # a method bound to the model, so that copy.deepcopy rebinds it to the copy
+            model.forward = types.MethodType(torch.compiler.disable(type(model).forward), model)
+
+    def mark_storage(self, model: nn.Module) -> None:
+        """Mark parameters stored in their module's compute format as on its grid (no rounding
+        when an op uses them); call after the parameters were rounded to it."""
+        for mname, m in model.named_modules():
+            rule = self.rules.get(mname, self.root_rule)
+            for p in m.parameters(recurse=False):
+                if rule.params == rule.compute and not isinstance(rule.compute,
+                                                                 (BlockFormat, DynamicFixedFormat)):
+                    _mark(p, rule.compute)
+
+    def rule_of(self, name: str) -> Rule:
+        """The rule of the module owning parameter (or buffer) ``name``."""
+        return self.rules.get(name.rpartition(".")[0], self.root_rule)
+
+    def param_format(self, name: str) -> Format:
+        """The storage format of parameter (or buffer) ``name``: its module's rule's."""
+        return self.rule_of(name).params
+
+    def rule(self) -> Rule:
+        return self._stack[-1][1] if self._stack else self.root_rule
+
+    def module_name(self) -> str:
+        return self._stack[-1][0] if self._stack else ""
+
+    def _pre(self, name: str, rule: Rule):
+        def hook(module, args, kwargs):
+            self._stack.append((name, rule))
+            enter = self.active and self._depth == 0
+            self._entered.append(enter)
+            if not enter:
+                return None
+            self._mode.__enter__()
+            self._depth += 1
+            if rule.active and rule.scope == "all":  # the model's floating inputs
+                return (_map(lambda t: self._in(t, rule, "input"), args),
+                        _map(lambda t: self._in(t, rule, "input"), kwargs))
+            return None
+        return hook
+
+    def _post(self, module, args, output):
+        if self._stack:
+            self._stack.pop()
+        if self._entered and self._entered.pop():
+            self._depth -= 1
+            self._mode.__exit__(None, None, None)
+        return None
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        model = getattr(self, "_model", None)
+        if model is not None and not self._had_forward:
+            model.__dict__.pop("forward", None)
+        self._model = None
+
+    @contextlib.contextmanager
+    def enabled(self):
+        """Round the ops run in this block (outside a model's forward too)."""
+        if self._depth:
+            yield self
+            return
+        self._depth += 1
+        try:
+            with self._mode:
+                yield self
+        finally:
+            self._depth -= 1
+
+    # -- rounding ----------------------------------------------------------------------------
+    def _fmts(self, rule: Rule, key: str, x: torch.Tensor, axis: int | None, grads: bool):
+        c, g = rule.compute, (rule.grads if grads else None)
+        if axis is not None:
+            c = replace(c, axis=axis) if isinstance(c, BlockFormat) else c
+            g = replace(g, axis=axis) if isinstance(g, BlockFormat) else g
+        if isinstance(c, DynamicFixedFormat):
+            c = resolve(c, group_key("act", key), x, self.controller)
+        if isinstance(g, DynamicFixedFormat):
+            gfmt, ctrl, gkey = g, self.controller, group_key("grad", key)
+            g = lambda t: resolve(gfmt, gkey, t, ctrl)  # noqa: E731 (resolved on the gradient)
+        if g is not None and g == FP32:
+            g = None
+        return c, g
+
+    def round(self, t: torch.Tensor, rule: Rule, key: str, *, axis: int | None = None,
+              grads: bool = True) -> torch.Tensor:
+        """``t`` on ``rule.compute``'s grid; its gradient on ``rule.grads``'s (if ``grads``)."""
+        with torch._C.DisableTorchFunction():
+            fwd, bwd = self._fmts(rule, key, t, axis, grads)
+            if t.requires_grad and torch.is_grad_enabled():
+                out = _Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                                   self.generator)
+            else:
+                out = _fresh(quantize(t, fwd, rule.rounding, generator=self.generator))
+        if axis is None:
+            _mark(out, rule.compute)
+        return out
+
+    def round_(self, t: torch.Tensor, rule: Rule, key: str) -> None:
+        """Round in place what an in-place op wrote into ``t``."""
+        with torch._C.DisableTorchFunction():
+            fwd, bwd = self._fmts(rule, key, t, None, True)
+            done = False
+            if t.requires_grad and torch.is_grad_enabled() and not t.is_leaf:
+                try:
+                    _RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                                        self.generator)
+                    done = True
+                except RuntimeError:  # a view autograd cannot rebase: round the values only
+                    pass
+            if not done:
+                with torch.no_grad():
+                    quantize_(t, fwd, rule.rounding, generator=self.generator)
+        _mark(t, rule.compute)
+
+    def _in(self, t, rule: Rule, key: str):
+        if not _floating(t) or _marked(t, rule.compute):
+            return t
+        if isinstance(t, nn.Parameter):
+            # the op sees the rounded weight; its gradient reaches the parameter unrounded: the
+            # gradient format is the activations' (Precision rounds parameter gradients to
+            # their storage format at the step)
+            return self.round(t, rule, self._pnames.get(id(t), key), grads=False)
+        return self.round(t, rule, key)
+
+    # -- ops ---------------------------------------------------------------------------------
+    def run_pure(self, func, name: str, rule: Rule, args, kwargs):
+        """scope "all": every op's floating output on the compute grid."""
+        key = self.module_name()
+        fmt = rule.compute
+        grid = name in GRID_OPS
+        inplace = is_inplace(name)
+        if not grid:
+            okey = key  # one dynamic fixed-point group per module and role
+
+            def rin(t):
+                return self._in(t, rule, okey + ".in")
+
+            if name in BUFFER_OPS:
+                args = tuple(a if i in _BUFFER_POS else _map(rin, a) for i, a in enumerate(args))
+            elif inplace:
+                args = (args[0],) + tuple(_map(rin, a) for a in args[1:])
+            else:
+                args = _map(rin, args)
+            kwargs = _map(rin, kwargs) if kwargs else kwargs
+        if name == "batch_norm" and _batch_stats(args, kwargs):
+            out = _kernel_nodes(self._batch_norm(rule, key, *args, **kwargs), args, name)
+        elif name == "lstm" and _plain_lstm(args, kwargs):
+            with self._mode:  # each op of the cell is an op of its own, as in the CPU kernel
+                return self._lstm(*args)
+        elif name == "scaled_dot_product_attention" and _plain_attention(args, kwargs):
+            out = _kernel_nodes(self._attention(rule, key, *args, **kwargs), args, name)
+        else:
+            out = func(*args, **kwargs)
+        if name in BUFFER_OPS:
+            self._round_buffers(args, rule)
+        if inplace:
+            t = args[0] if args else None
+            if _floating(t) and not (grid and _marked(t, fmt)):
+                self.round_(t, rule, key)
+            return out
+        inputs = _tensors(args, _tensors(kwargs, []))
+        on_grid = grid and all(_marked(a, fmt) for a in inputs if _floating(a))
+        okey = key  # one dynamic fixed-point group per module and role
+
+        def rout(o):
+            if not _floating(o) or any(o is a for a in inputs):
+                return o
+            if on_grid:
+                _mark(o, fmt)
+                return o
+            if grid and o._is_view():  # a view of an off-grid tensor stays a view
+                return o
+            return self.round(o, rule, okey)
+
+        return _map(rout, out)
+
+    def run_mixed(self, func, name: str, rule: Rule, args, kwargs):
+        """scope "matmul": torch.autocast's lists and dtype propagation."""
+        key = self.module_name()
+        fmt = rule.compute
+        okey = key  # one dynamic fixed-point group per module and role
+        if name in LOWP_OPS:
+            if rule.block:
+                axes = reduction_axes(name, len(args), bool(kwargs.get("transposed", False)))
+                args = tuple(_map(lambda t, ax=ax: self.round(t, rule, f"{okey}.{i}", axis=ax)
+                                  if _floating(t) else t, a)
+                             for i, (a, ax) in enumerate(zip(args, axes)))
+                kwargs = _map(lambda t: self.round(t, rule, okey, axis=-1)
+                              if _floating(t) else t, kwargs) if kwargs else kwargs
+                return func(*args, **kwargs)  # MX accumulates in fp32 and outputs fp32
+            args = _map(lambda t: self._in(t, rule, okey + ".in"), args)
+            kwargs = (_map(lambda t: self._in(t, rule, okey + ".in"), kwargs) if kwargs
+                      else kwargs)
+            out = func(*args, **kwargs)
+            inputs = _tensors(args, [])
+            return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
+                        else self.round(o, rule, okey), out)
+        if name in FP32_OPS or rule.block:
+            return func(*args, **kwargs)
+        inplace = is_inplace(name)
+        if name in NORM_OPS:
+            lowp = bool(args) and _floating(args[0]) and _marked(args[0], fmt)
+            inputs = _tensors(args, [])
+        else:
+            inputs = _tensors(args, _tensors(kwargs, []))
+            fl = [a for a in inputs if _floating(a) and (a.dim() > 0 or len(inputs) == 1)]
+            lowp = bool(fl) and all(_marked(a, fmt) for a in fl)
+        out = func(*args, **kwargs)
+        if inplace:
+            t = args[0] if args else None
+            if _floating(t) and _marked(t, fmt) and name not in GRID_OPS:
+                self.round_(t, rule, okey)
+            return out
+        if not lowp:
+            return out
+        grid = name in GRID_OPS
+
+        def rout(o):
+            if not _floating(o) or any(o is a for a in inputs):
+                return o
+            if grid:
+                _mark(o, fmt)
+                return o
+            return self.round(o, rule, okey)
+
+        return _map(rout, out)
+
+    def _batch_norm(self, rule: Rule, key: str, x, weight, bias, running_mean, running_var,
+                    training, momentum, eps, cudnn_enabled=True):
+        """Batch normalisation with batch statistics as torch's 16-bit CPU kernel computes it:
+        mean and 1/sqrt(var + eps) in fp32 and stored in the 16-bit format (they are the
+        kernel's ``save_mean``/``save_invstd`` outputs), then y = x * a + b' with
+        a = invstd * weight, b' = bias - mean * a in fp32 (``batch_norm_cpu_collect_stats`` and
+        ``batch_norm_cpu_transform_input`` in aten/src/ATen/native/cpu/batch_norm_kernel.cpp);
+        the caller rounds y once. Running statistics are updated from the fp32 statistics."""
+        dims = [0] + list(range(2, x.dim()))
+        n = x.numel() // x.shape[1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        var, mean = torch.var_mean(x, dims, correction=0)
+        if running_mean is not None and running_var is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(var.detach() * (n / max(n - 1, 1)),
+                                                    alpha=momentum)
+        mean_q = self.round(mean, rule, key + ".stats", grads=False)
+        inv_q = self.round(torch.rsqrt(var + eps), rule, key + ".stats", grads=False)
+        a = inv_q if weight is None else inv_q * weight
+        b = -mean_q * a if bias is None else bias - mean_q * a
+        return x * a.view(shape) + b.view(shape)
+
+    def _attention(self, rule: Rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
+                   is_causal=False, scale=None, enable_gqa=False):
+        """Attention as flash-attention kernels compute it in 16 bits (FlashAttention-2, and
+        torch's CPU ``FlashAttentionKernel.cpp`` for fp16/bf16): scores and softmax statistics in
+        fp32, the unnormalised probabilities exp(s - max) rounded to the 16-bit format for the
+        P @ V product (accumulated in fp32), divided by the fp32 row sum; the caller rounds the
+        output once. (Sequences up to the kernel's 512-key block: one block, no rescaling.)"""
+        s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if is_causal:
+            L, S = q.shape[-2], k.shape[-2]
+            s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1),
+                              float("-inf"))
+        if attn_mask is not None:
+            s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                 else s + attn_mask)
+        m = s.amax(-1, keepdim=True).detach()
+        e = torch.exp(s - m)
+        p = self.round(e, rule, key + ".probs", grads=False)
+        return (p @ v) / e.sum(-1, keepdim=True)
+
+    @staticmethod
+    def _lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
+              batch_first):
+        """A unidirectional LSTM as ATen's CPU implementation runs it for 16-bit dtypes
+        (``FullLayer`` and ``LSTMCell`` in aten/src/ATen/native/RNN.cpp): the input projection of
+        the whole sequence first, then per step gates = linear(h, W_hh, b_hh) + that step's
+        projection, the four activations, c = f * c + i * g and h = o * tanh(c), each op
+        producing a 16-bit tensor. Run under the mode, every one of them is rounded."""
+        h0, c0 = hx
+        stride = 4 if has_biases else 2
+        seq = x.transpose(0, 1) if batch_first else x
+        hs, cs = [], []
+        for layer in range(num_layers):
+            w = weights[layer * stride:(layer + 1) * stride]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            h, c = h0[layer], c0[layer]
+            proj = torch.nn.functional.linear(seq, w[0], b_ih)
+            outs = []
+            for t in range(proj.shape[0]):
+                gates = torch.nn.functional.linear(h, w[1], b_hh) + proj[t]
+                i, f, g, o = gates.chunk(4, 1)
+                i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+                c = f * c + i * g
+                h = o * c.tanh()
+                outs.append(h)
+            seq = torch.stack(outs)
+            hs.append(h)
+            cs.append(c)
+            if dropout and train and layer < num_layers - 1:
+                seq = torch.nn.functional.dropout(seq, dropout)
+        return (seq.transpose(0, 1) if batch_first else seq), torch.stack(hs), torch.stack(cs)
+
+    def _round_buffers(self, args, rule: Rule) -> None:
+        # running statistics as the parameter format stores them (pure policies: fp16 buffers)
+        if rule.params == FP32 or isinstance(rule.params, (BlockFormat, DynamicFixedFormat)):
+            return
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for i in _BUFFER_POS:
+                if i < len(args) and _floating(args[i]):
+                    quantize_(args[i], rule.params)
+
+
+@contextlib.contextmanager
+def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
+             controller: Controller | None = None):
+    """Round every op run in this block onto ``policy``'s grids (no model needed):
+
+    >>> with emulated("16-true"):
+    ...     y = torch.nn.functional.gelu(x)     # fp32 gelu, rounded once to fp16
+    """
+    pol = parse_policy(policy)
+    if controller is None and any(isinstance(f, DynamicFixedFormat)
+                                  for f in (pol.compute, pol.grads)):
+        controller = Controller()
+    em = Emulation(None, pol, generator, controller=controller)
+    with em.enabled():
+        yield em

@@ -1,0 +1,262 @@
+"""The operator-level emulation engine: what it rounds, where, and what it leaves alone.
+
+References: torch's own fp16/bf16 casts and kernels (``model.half()`` on this CPU), float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lowprec import Precision, Quantizer
+from lowprec.analysis import first_nonfinite
+from lowprec.numerics.ops import quantize_op
+from lowprec.training.emulation import emulated
+
+from helpers import assert_same_bits
+
+
+def on_grid(t, dtype=torch.float16) -> bool:
+    return torch.equal(t, t.to(dtype).float())
+
+
+class Seen(TorchFunctionMode):
+    """Entered before the model runs, so below the engine's mode: records the arguments each
+    op receives after the engine rounded them."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.args = names, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.names:
+            self.args.setdefault(name, []).append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_inplace_relu_and_residual_add_in_place_train_and_stay_on_the_grid():
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.relu = nn.Linear(8, 8), nn.ReLU(inplace=True)
+
+        def forward(self, x):  # as torchvision's BasicBlock: in-place add, then in-place ReLU
+            out = self.l(x)
+            out += x * 0.3
+            return self.relu(out)
+
+    torch.manual_seed(0)
+    model, _ = Precision("16-true").setup(nn.Sequential(Res(), nn.Linear(8, 2)))
+    x = torch.randn(4, 8)
+    out = model[0](x)
+    assert on_grid(out) and on_grid(model(x))
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_residual_add_overflows_to_inf_where_native_fp16_does_and_first_nonfinite_names_it():
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x) + x * 30000  # 60000 + l(x): beyond fp16's 65504 when l(x) > 5504
+
+    torch.manual_seed(0)
+    model = Res()
+    with torch.no_grad():
+        model.l.weight.fill_(2000.0)
+        model.l.bias.zero_()
+    x = torch.full((2, 4), 2.0)
+    native = copy.deepcopy(model).half()(x.half()).float()
+    emu, _ = Precision("16-true").setup(copy.deepcopy(model))
+    out = emu(x)
+    assert torch.isinf(native).all()  # l(x) = 16000, 60000 + 16000 -> Inf in fp16
+    assert_same_bits(out, native, "emulated vs native fp16")
+    rep = first_nonfinite(model, (x, torch.tensor([0, 1])), F.cross_entropy, "16-true")
+    assert rep.forward is not None and (rep.forward.name, rep.forward.kind) == ("", "add")
+    assert rep.forward.input_range["inf"] == 0 and rep.forward.output_range["inf"] == 8
+    assert first_nonfinite(model, (x, torch.tensor([0, 1])), F.cross_entropy, "32-true").clean
+    # below the overflow: 60000 exactly, as native, not fp32's 60000 + l(x)
+    with torch.no_grad():
+        model.l.weight.fill_(1e-4)
+    emu, _ = Precision("16-true").setup(copy.deepcopy(model))
+    assert_same_bits(emu(x), copy.deepcopy(model).half()(x.half()).float())
+
+
+def test_batchnorm_running_statistics_are_held_in_fp16_under_16_true():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    with torch.no_grad():
+        net[1].running_var.fill_(1.1)
+    model, _ = Precision("16-true").setup(copy.deepcopy(net))
+    assert on_grid(model[1].running_var)
+    model(torch.randn(2, 3, 6, 6))
+    assert on_grid(model[1].running_mean) and on_grid(model[1].running_var)
+    assert model[1].num_batches_tracked.dtype == torch.int64
+
+
+def test_integer_tensors_are_untouched_and_keyword_and_dict_inputs_are_rounded():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, ids, *, extra, more):
+            return self.emb(ids) + extra + more["x"], ids
+
+    torch.manual_seed(0)
+    model, _ = Precision("16-true").setup(Net())
+    seen = Seen({"add"})
+    ids = torch.randint(0, 10, (3,))
+    with seen:
+        out, ids_out = model(ids, extra=torch.randn(3, 4), more={"x": torch.randn(3, 4)})
+    assert ids_out is ids
+    assert all(on_grid(a) for args in seen.args["add"] for a in args if torch.is_tensor(a))
+    assert on_grid(out)
+
+
+def test_mixed_policy_rounds_what_autocast_casts_lstm_addmm_and_the_attention_projection():
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(6, 8)
+            self.w = nn.Parameter(torch.randn(8, 8))  # GPT-2's Conv1D: an addmm
+            self.b = nn.Parameter(torch.randn(8))
+            self.attn = nn.MultiheadAttention(8, 2)
+
+        def forward(self, x):
+            h, _ = self.lstm(x)
+            h = torch.addmm(self.b, h.reshape(-1, 8), self.w).reshape(h.shape)
+            a, _ = self.attn(h, h, h, need_weights=False)
+            return F.softmax(a, -1)
+
+    prec = Precision("16-mixed")
+    model, _ = prec.setup(Net())
+    seen = Seen({"lstm", "addmm", "linear", "softmax"})
+    x = torch.randn(5, 2, 6)
+    with prec.autocast(), seen:
+        out = model(x)
+    for name in ("lstm", "addmm", "linear"):
+        tensors = [t for args in seen.args[name] for a in args
+                   for t in (a if isinstance(a, (list, tuple)) else [a]) if torch.is_tensor(a)
+                   or isinstance(a, (list, tuple))]
+        tensors = [t for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+        assert tensors and all(on_grid(t) for t in tensors), name
+    # softmax is on autocast's fp32 list: its output is fp32, off the fp16 grid
+    assert not on_grid(out)
+    with seen:  # outside autocast a mixed policy rounds nothing
+        seen.args.clear()
+        model(x)
+    assert not all(on_grid(t) for args in seen.args["addmm"] for t in args)
+
+
+def test_packed_sequences_run_under_every_scope_all_policy():
+    torch.manual_seed(0)
+    for policy in ("16-true", "p=bf16,b=emulated", "fixed16-rn", "dfxp-10-12"):
+        model, _ = Precision(policy, seed=0).setup(nn.LSTM(4, 6))
+        packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 4), [5, 3])
+        out, _ = model(packed)
+        assert isinstance(out, nn.utils.rnn.PackedSequence)
+        out.data.sum().backward()
+
+
+def test_per_module_overrides_keep_norms_in_fp32_and_the_head_in_bf16():
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.add_module("proj", nn.Linear(8, 8))
+    net.add_module("norm", nn.LayerNorm(8))
+    net.add_module("lm_head", nn.Linear(8, 5))
+    with torch.no_grad():
+        net.norm.weight.uniform_(0.5, 1.5)
+    prec = Precision("16-true", overrides={"*norm*": "32-true", "lm_head": "bf16"})
+    model, _ = prec.setup(copy.deepcopy(net))
+    assert prec.backend == "emulated"
+    assert on_grid(model.proj.weight) and on_grid(model.lm_head.weight, torch.bfloat16)
+    assert torch.equal(model.norm.weight, net.norm.weight)  # fp32 norm weights: not rounded
+    assert not on_grid(model.norm.weight)
+    outs = {}
+    for name in ("proj", "norm", "lm_head"):
+        getattr(model, name).register_forward_hook(lambda m, a, o, n=name: outs.update({n: o}))
+    model(torch.randn(3, 8))
+    assert on_grid(outs["proj"])
+    assert not on_grid(outs["norm"]) and not on_grid(outs["norm"], torch.bfloat16)
+    assert on_grid(outs["lm_head"], torch.bfloat16)  # (bf16 values in range are fp16 values too)
+    with pytest.raises(ValueError, match="neither a policy"):
+        Precision("16-true", overrides={"x": "fp99"}).setup(copy.deepcopy(net))
+
+
+def test_views_are_not_copied_and_selection_ops_are_not_rounded():
+    x = torch.randn(4, 6).half().float()
+    with emulated("16-true"):
+        v = x.view(6, 4)
+        t = x.t()
+        r = F.relu(x)
+    assert v.data_ptr() == x.data_ptr() and t.data_ptr() == x.data_ptr()
+    assert torch.equal(r, F.relu(x))
+
+
+def test_stochastic_rounding_follows_the_generator():
+    torch.manual_seed(0)
+    outs = []
+    for _ in range(2):
+        model, _ = Precision("p=fp32,c=e4m3fn:sr,g=e5m2:sr,s=all,b=emulated",
+                             seed=7).setup(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+        with torch.no_grad():
+            model[0].weight.fill_(0.1)
+            model[0].bias.zero_()
+        outs.append(model(torch.linspace(-1, 1, 64).reshape(8, 8)))
+    assert torch.equal(outs[0], outs[1])
+
+
+# -- torch.compile -------------------------------------------------------------------------------
+def test_quantize_is_a_custom_op_with_a_fake_implementation():
+    op = quantize_op()
+    x = torch.randn(3, 5)
+    assert torch.equal(op(x, "fp16", "nearest", 0), x.half().float())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        y = op(fx, "e4m3fn", "nearest", 0)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_quantizer_modules_compile_without_graph_breaks_and_give_the_eager_bits():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Quantizer("e4m3fn", "e5m2"), nn.GELU(),
+                          nn.Linear(8, 4), Quantizer("fp16"))
+    x = torch.randn(5, 8, requires_grad=True)
+    explain = torch._dynamo.explain(model)(x)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    eager = model(x)
+    eager.sum().backward()
+    g_eager, x.grad = x.grad.clone(), None
+    compiled = torch.compile(model)(x)
+    compiled.sum().backward()
+    assert_same_bits(compiled, eager, "forward")
+    assert_same_bits(x.grad, g_eager, "input gradient")
+
+
+def test_a_compiled_emulated_model_runs_eagerly_with_a_warning_and_keeps_every_rounding():
+    torch.manual_seed(0)
+    model, _ = Precision("16-true").setup(nn.Sequential(nn.Linear(8, 16), nn.GELU(),
+                                                        nn.Linear(16, 4)))
+    x = torch.randn(5, 8)
+    eager = model(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model)(x)
+    assert any("runs the model eagerly" in str(w.message) for w in caught)
+    assert_same_bits(compiled, eager, "compiled vs eager")
+    assert on_grid(compiled)
