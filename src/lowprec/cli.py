@@ -1,12 +1,17 @@
 """The ``lowprec`` command: parses arguments and calls one library function per command.
 
-A user's mistake (an unknown format, a bad number) prints one line and exits with code 2;
-tracebacks are kept for bugs.
+Exit codes: 0 success; 1 a comparison with failed runs, an uncertified model, or an I/O error
+(disk full: one line naming the path); 2 a user's mistake (an unknown format, a bad number, a
+run folder in use or stored with another configuration), always one line on stderr; 130 on
+Ctrl-C and 143 on SIGTERM (the run folder stays resumable). Tracebacks are kept for bugs.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import signal
 import sys
 
 from rich.console import Console
@@ -14,9 +19,81 @@ from rich.table import Table
 
 __all__ = ["main", "build_parser"]
 
+_MAX_SEED = 2**32 - 1
+
 
 class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C (the same clean stop), with its own exit code."""
+
+
+_MAX_LINE = 400
+
+
+def _one_line(msg: str) -> str:
+    """Whitespace collapsed, a long message cut in the middle: one bounded line."""
+    msg = " ".join(str(msg).split())
+    if len(msg) > _MAX_LINE:
+        msg = msg[:_MAX_LINE - 60] + " ... " + msg[-55:]
+    return msg
+
+
+# plain ASCII decimals only: int() and float() also take "1_000" and non-ASCII digits
+_INT_RE = re.compile(r"^[+-]?\d+$", re.ASCII)
+_FLOAT_RE = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$|^[+-]?(?:inf|infinity|nan)$",
+                       re.ASCII | re.IGNORECASE)
+
+
+def _int_arg(lo: int, hi: int):
+    def parse(text: str) -> int:
+        if not _INT_RE.match(text.strip()):
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not an integer")
+        v = int(text)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not in [{lo}, {hi}]")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float_arg(*, positive: bool = False, nonnegative: bool = False):
+    def parse(text: str) -> float:
+        if not _FLOAT_RE.match(text.strip()):
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not a number")
+        v = float(text)
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not finite")
+        if positive and not v > 0:
+            raise argparse.ArgumentTypeError(f"{_short(text)} must be > 0")
+        if nonnegative and not v >= 0:
+            raise argparse.ArgumentTypeError(f"{_short(text)} must be >= 0")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+def _short(text: str, limit: int = 60) -> str:
+    s = repr(text)
+    return s if len(s) <= limit else f"{s[:limit // 2]}...{s[-limit // 2:]} ({len(text)} chars)"
+
+
+def _quantize_value(text: str) -> float:
+    """A number for ``quantize``: decimal, inf, nan, -0 (ASCII only)."""
+    if not _FLOAT_RE.match(text.strip()):
+        raise UserError(f"value {_short(text)} is not a number (decimal, inf, nan or -0)")
+    return float(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), exit code 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _user(fn, *args, **kwargs):
@@ -57,17 +134,14 @@ def cmd_quantize(args, console: Console) -> int:
 
     fmts = [_user(parse_format, s) for s in args.format]
     mode, _ = _user(parse_rounding, args.rounding)
-    try:
-        values = [float(v) for v in args.values]
-    except ValueError as err:
-        raise UserError(f"values must be numbers: {err}") from None
+    values = [_quantize_value(v) for v in args.values]
     x = torch.tensor(values, dtype=torch.float32)
     gen = torch.Generator().manual_seed(args.seed)
+    outs = [_user(quantize, x, f, mode, generator=gen) for f in fmts]
     table = Table(title=f"quantize(x, fmt, rounding={mode.value!r})", header_style="bold")
     table.add_column("x (float32)", justify="right")
     for f in fmts:
         table.add_column(str(f), justify="right")
-    outs = [quantize(x, f, mode, generator=gen) for f in fmts]
     for i, v in enumerate(x.tolist()):
         table.add_row(f"{v:.9g}", *[f"{o[i].item():.9g}" for o in outs])
     console.print(table)
@@ -96,10 +170,31 @@ def _config_from(args, **overrides):
     """CompareConfig from the flags: the preset's settings, then every flag given explicitly."""
     from .experiments.config import PRESETS, CompareConfig, split_policies
 
-    preset = getattr(args, "preset", None) or "default"
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r}; accepted: {', '.join(PRESETS)}")
-    values = dict(PRESETS[preset])
+    from pathlib import Path
+
+    from .experiments.results import CorruptDatabase, read_stored_config
+
+    preset = getattr(args, "preset", None)
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset={_short(preset)}; accepted: {', '.join(PRESETS)}")
+    stored = None
+    if args.resume and args.out.strip() and (Path(args.out) / "results.db").exists():
+        try:
+            stored = read_stored_config(Path(args.out) / "results.db")
+        except CorruptDatabase as err:
+            raise ValueError(str(err)) from None
+    if stored is not None:
+        # --resume continues the stored comparison: flags not given take the stored values,
+        # flags given must agree with them (the runner refuses a difference)
+        values = {k: stored[k] for k in ("data", "model", "epochs", "batch_size", "lr",
+                                         "optimizer", "momentum", "weight_decay",
+                                         "train_subset", "schedule") if k in stored}
+        values["policies"] = tuple(stored.get("policies") or ())
+        values["seeds"] = tuple(stored.get("seeds") or ())
+        if preset is not None:
+            values.update(PRESETS[preset])
+    else:
+        values = dict(PRESETS[preset or "default"])
     for key in ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum",
                 "weight_decay", "train_subset", "schedule"):
         v = getattr(args, key, None)
@@ -113,29 +208,38 @@ def _config_from(args, **overrides):
     return CompareConfig(out=args.out, resume=args.resume, quiet=args.quiet, **values)
 
 
-def _run(cfg, console: Console, quiet: bool) -> int:
+def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
+         command: str = "compare") -> int:
     from pathlib import Path
 
     from .experiments.data import DatasetNotFound
     from .experiments.results import CorruptDatabase
     from .experiments.config import RunError
-    from .experiments.runner import run_compare
+    from .experiments.runfolder import FolderBusy, RunIOError
+    from .experiments.runner import failed_runs, run_compare
 
     try:
-        out = run_compare(cfg)
-    except (RunError, DatasetNotFound, CorruptDatabase) as err:
+        out = run_compare(cfg, force_config=force_config)
+    except (RunError, DatasetNotFound, CorruptDatabase, FolderBusy) as err:
         raise UserError(str(err)) from None
-    except KeyboardInterrupt:
+    except RunIOError as err:
+        print(f"lowprec {command}: error: {_one_line(err)}; the database is intact, continue "
+              "with --resume once fixed", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as err:
         print(f"interrupted: finished runs are stored in {cfg.out}; continue with --resume",
               file=sys.stderr)
-        return 130
+        return 143 if isinstance(err, _Terminated) else 130
+    failed = failed_runs(Path(out), cfg)
     if not quiet:
         _print_summary(Path(out), console)
-    return 0
+    for run_id, reason in failed:
+        print(f"lowprec {command}: run {run_id} failed: {_one_line(reason)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_compare(args, console: Console) -> int:
-    return _run(_user(_config_from, args), console, args.quiet)
+    return _run(_user(_config_from, args), console, args.quiet, args.force_config)
 
 
 def cmd_train(args, console: Console) -> int:
@@ -143,23 +247,43 @@ def cmd_train(args, console: Console) -> int:
     args.preset = None
     args.out = out
     cfg = _user(_config_from, args, policies=(args.policy,), seeds=(args.seed,))
-    return _run(cfg, console, args.quiet)
+    return _run(cfg, console, args.quiet, args.force_config, "train")
 
 
 def cmd_report(args, console: Console) -> int:
     from pathlib import Path
 
+    import sqlite3
+
     from .experiments.report import write_report
     from .experiments.results import CorruptDatabase
+    from .experiments.runfolder import RunIOError
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "results.db").exists():
-        raise UserError(f"{run_dir} has no results.db (run lowprec compare --out {run_dir})")
     try:
-        md, page = write_report(run_dir)
+        found = (run_dir / "results.db").is_file()
+    except OSError as err:  # a name too long for the file system...
+        raise UserError(f"{_short(args.run_dir)}: {err.strerror or err}") from None
+    if not found:
+        raise UserError(f"{_short(args.run_dir)} has no results.db (run lowprec compare "
+                        "--out DIR first)")
+    try:
+        write_report(run_dir)
+        _print_summary(run_dir, console)
     except CorruptDatabase as err:
         raise UserError(str(err)) from None
-    _print_summary(run_dir, console)
+    except sqlite3.OperationalError as err:
+        if "full" in str(err) or "I/O" in str(err):
+            print(f"lowprec report: error: could not write to {run_dir}: {err}", file=sys.stderr)
+            return 1
+        raise UserError(f"{run_dir / 'results.db'}: {err}; the file was left untouched"
+                        ) from None
+    except sqlite3.DatabaseError as err:
+        raise UserError(f"{run_dir / 'results.db'}: {err}; the file was left untouched"
+                        ) from None
+    except RunIOError as err:
+        print(f"lowprec report: error: {_one_line(err)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -168,19 +292,15 @@ def _trained_model(args, console: Console):
     import torch
     from torch import nn
 
-    from .experiments.data import DatasetNotFound, load_dataset
-    from .experiments.models import build_model
+    from .experiments.data import DatasetNotFound, load_checked_dataset
+    from .experiments.models import build_checked_model
 
-    try:
-        data = load_dataset(args.data)
-        model = build_model(args.model, data.input_shape, data.num_classes)
-    except DatasetNotFound as err:
-        raise UserError(str(err)) from None
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    if args.epochs < 0:
-        raise UserError(f"epochs={args.epochs} must be >= 0")
     torch.manual_seed(args.seed)
+    try:
+        data = load_checked_dataset(args.data)
+        model = build_checked_model(args.model, data)
+    except (DatasetNotFound, ValueError) as err:
+        raise UserError(str(err)) from None
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     n = len(data.x_train)
     for epoch in range(args.epochs):
@@ -222,7 +342,7 @@ def cmd_advise(args, console: Console) -> int:
 
     fmt = _user(parse_format_checked, args.format)
     model, data = _trained_model(args, console)
-    adv = advise(model, data, fmt, batches=args.batches, lr=args.lr)
+    adv = _user(advise, model, data, fmt, batches=args.batches, lr=args.lr)
     console.print(str(adv))
     return 0
 
@@ -237,11 +357,12 @@ def _add_analysis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default="mnist", help="dataset (as for compare; default: mnist)")
     p.add_argument("--model", default="lenet5", help="model (as for compare; default: lenet5)")
     p.add_argument("--format", default="fp16", help="the low-precision format (default: fp16)")
-    p.add_argument("--epochs", type=int, default=3,
+    p.add_argument("--epochs", type=_int_arg(0, 100_000), default=3,
                    help="fp32 training epochs before the analysis (default: 3; 0: untrained)")
-    p.add_argument("--lr", type=float, default=0.02, help="learning rate (default: 0.02)")
-    p.add_argument("--batch-size", type=int, default=32, help="default: 32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=_float_arg(positive=True), default=0.02,
+                   help="learning rate (default: 0.02)")
+    p.add_argument("--batch-size", type=_int_arg(1, 2**31), default=32, help="default: 32")
+    p.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0)
     p.add_argument("--quiet", action="store_true")
 
 
@@ -258,27 +379,34 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
         p.add_argument("--policies", default=None,
                        help="comma-separated names or specs (default: "
                             f"{','.join(DEFAULT_POLICIES)})")
-        p.add_argument("--seeds", type=int, default=None, help="seeds per policy (default: 3)")
+        p.add_argument("--seeds", type=_int_arg(1, 10_000), default=None,
+                       help="seeds per policy (default: 3)")
         p.add_argument("--preset", default=None, help="an experiment of the literature: "
                        + ", ".join(PRESETS) + " (policies, model and optimizer; flags override)")
-    p.add_argument("--epochs", type=int, default=None, help="default: 15")
-    p.add_argument("--batch-size", type=int, default=None, help="default: 32")
-    p.add_argument("--lr", type=float, default=None, help="default: 0.02")
+    p.add_argument("--epochs", type=_int_arg(1, 100_000), default=None, help="default: 15")
+    p.add_argument("--batch-size", type=_int_arg(1, 2**31), default=None, help="default: 32")
+    p.add_argument("--lr", type=_float_arg(positive=True), default=None, help="default: 0.02")
     p.add_argument("--optimizer", default=None, help="sgd (momentum 0.9, default) or adam")
-    p.add_argument("--momentum", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--momentum", type=_float_arg(nonnegative=True), default=None,
+                   help=argparse.SUPPRESS)
     p.add_argument("--schedule", default=None, help="learning-rate schedule: cosine "
                    "(default) or constant")
-    p.add_argument("--weight-decay", type=float, default=None, help="default: 5e-4")
-    p.add_argument("--train-subset", type=int, default=None,
+    p.add_argument("--weight-decay", type=_float_arg(nonnegative=True), default=None,
+                   help="default: 5e-4")
+    p.add_argument("--train-subset", type=_int_arg(1, 2**31), default=None,
                    help="train on the first N training examples only")
     p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run folder: finished runs are kept")
+                   help="continue an interrupted run folder: finished runs are kept, flags not "
+                   "given take the stored values, flags that differ are refused")
+    p.add_argument("--force-config", action="store_true",
+                   help="with --resume: continue with the flags given even where they differ "
+                   "from the stored configuration (recorded in the database)")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="lowprec",
         description="Reduced-precision training on PyTorch: formats, rounding, quantization.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -295,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target format (repeatable), e.g. -f fp16 -f e4m3fn")
     q.add_argument("--rounding", "-r", default="nearest",
                    help="nearest, nearest_away, toward_zero, up, down, stochastic, srN")
-    q.add_argument("--seed", type=int, default=0, help="seed of stochastic rounding")
+    q.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0,
+                   help="seed of stochastic rounding")
     q.set_defaults(func=cmd_quantize)
 
     c = sub.add_parser("compare", help="train every policy x seed, store results, write the "
@@ -305,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="one policy, one seed (what compare runs)")
     t.add_argument("--policy", default="32-true", help="a policy name or spec")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0)
     _add_run_args(t, compare=False)
     t.set_defaults(func=cmd_train)
 
@@ -318,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     ad = sub.add_parser("advise", help="can this model train and run in FORMAT, and what must "
                         "be done? (certificate, loss scale, ranges, lost updates, first Inf/NaN)")
     _add_analysis_args(ad)
-    ad.add_argument("--batches", type=int, default=4, help="batches analysed (default: 4)")
+    ad.add_argument("--batches", type=_int_arg(1, 100_000), default=4,
+                    help="batches analysed (default: 4)")
     ad.set_defaults(func=cmd_advise)
 
     r = sub.add_parser("report", help="rebuild report.html and report.md from a run folder")
@@ -327,22 +457,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+        return int(exc.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    # a pipe or a log file gets wide tables rather than rich's 80-column default
-    console = Console() if sys.stdout.isatty() else Console(width=160)
-    from .experiments.system import tune_cpu_allocator
-
-    tune_cpu_allocator()  # the application's choice, not the library's (see experiments/system.py)
+    previous = None
     try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM stops like Ctrl-C
+    except ValueError:
+        pass  # not the main thread: leave signals alone
+    try:
+        # a pipe or a log file gets wide tables rather than rich's 80-column default
+        console = Console() if sys.stdout.isatty() else Console(width=160)
+        from .experiments.system import tune_cpu_allocator
+
+        tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
         return int(args.func(args, console) or 0)
     except UserError as err:
-        print(f"lowprec {args.command}: error: {err}", file=sys.stderr)
+        print(f"lowprec {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM outside a run (start-up, analysis)
+        print(f"lowprec {args.command}: interrupted", file=sys.stderr)
+        return 143 if isinstance(err, _Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

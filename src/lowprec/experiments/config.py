@@ -45,6 +45,10 @@ def lr_at(cfg: "CompareConfig", epoch: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * epoch / cfg.epochs))
 
 
+MAX_SEED = 2**32 - 1  # seeds feed torch.manual_seed and seed * 100003 + epoch stays in 64 bits
+MAX_RUNS = 10_000     # policies x seeds of one comparison
+
+
 class RunError(Exception):
     """A configuration or output-folder problem, reported to the user in one line."""
 
@@ -75,28 +79,53 @@ class CompareConfig:
         for p in self.policies:
             try:
                 parse_policy(p)
-            except ValueError as err:
+            except (ValueError, TypeError) as err:
                 raise RunError(str(err)) from None
         if isinstance(self.seeds, int):
+            if not 1 <= self.seeds <= MAX_RUNS:
+                raise RunError(f"seeds={self.seeds}: give 1 to {MAX_RUNS} seeds per policy")
             self.seeds = tuple(range(self.seeds))
-        self.seeds = tuple(int(s) for s in self.seeds)
         if not self.seeds:
             raise RunError("no seeds given")
-        for name, value, ok in [("epochs", self.epochs, isinstance(self.epochs, int) and
-                                 self.epochs > 0),
-                                ("batch_size", self.batch_size, isinstance(self.batch_size, int)
-                                 and self.batch_size > 0),
-                                ("lr", self.lr, self.lr > 0 and math.isfinite(self.lr)),
-                                ("momentum", self.momentum, 0 <= self.momentum < 1),
-                                ("weight_decay", self.weight_decay, self.weight_decay >= 0)]:
+        if len(self.seeds) * len(self.policies) > MAX_RUNS:
+            raise RunError(f"{len(self.policies)} policies x {len(self.seeds)} seeds is more "
+                           f"than {MAX_RUNS} runs")
+        for s in self.seeds:
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED:
+                raise RunError(f"seed {s!r} is not an integer in [0, {MAX_SEED}]")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise RunError(f"seeds {list(self.seeds)[:10]} repeat a seed")
+        self.seeds = tuple(self.seeds)
+        if len(set(self.policies)) != len(self.policies):
+            raise RunError("a policy is listed twice")
+        if not isinstance(self.out, str) or not self.out.strip():
+            raise RunError("--out is empty: name a run folder")
+
+        def num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def count(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name, value, ok, why in [
+                ("epochs", self.epochs, count(self.epochs) and 0 < self.epochs <= 100_000,
+                 "an integer in [1, 100000]"),
+                ("batch_size", self.batch_size, count(self.batch_size) and
+                 0 < self.batch_size <= 2**31, "a positive integer"),
+                ("lr", self.lr, num(self.lr) and self.lr > 0, "a positive finite number"),
+                ("momentum", self.momentum, num(self.momentum) and 0 <= self.momentum < 1,
+                 "a number in [0, 1)"),
+                ("weight_decay", self.weight_decay, num(self.weight_decay) and
+                 self.weight_decay >= 0, "a finite number >= 0")]:
             if not ok:
-                raise RunError(f"{name}={value!r} is not valid (must be positive)")
+                raise RunError(f"{name}={value!r} is not valid: must be {why}")
         if self.schedule not in SCHEDULES:
             raise RunError(f"schedule={self.schedule!r}; accepted: {', '.join(SCHEDULES)}")
         if self.optimizer not in OPTIMIZERS:
             raise RunError(f"optimizer={self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
-        if self.train_subset is not None and self.train_subset <= 0:
-            raise RunError(f"train_subset={self.train_subset!r} must be positive")
+        if self.train_subset is not None and not (isinstance(self.train_subset, int)
+                                                  and self.train_subset > 0):
+            raise RunError(f"train_subset={self.train_subset!r} must be a positive integer")
 
     def to_json(self) -> dict:
         d = asdict(self)

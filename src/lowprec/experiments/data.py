@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .util import import_callable
+from .util import describe_error, import_callable, short
 
-__all__ = ["Dataset", "load_dataset", "DatasetNotFound", "read_idx", "write_idx", "DATASETS",
-           "FASHION_MNIST_DIR"]
+__all__ = ["Dataset", "load_dataset", "load_checked_dataset", "check_dataset", "DatasetNotFound",
+           "read_idx", "write_idx", "DATASETS", "FASHION_MNIST_DIR"]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -132,6 +132,8 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
         raise ValueError(f"{path}: not an IDX file (bad magic {raw[:4].hex()})")
     ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes)")
     dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
     dtype = np.dtype(_IDX_TYPES[raw[2]])
     data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim)
@@ -216,22 +218,83 @@ def load_user(spec: str) -> Dataset:
     out = import_callable(spec, "dataset", DatasetNotFound)()
     if isinstance(out, Dataset):
         return out
+    shape = (f"{fn_name}() must return (x_train, y_train, x_test, y_test) of numbers, or a "
+             "lowprec.experiments.data.Dataset")
     try:
         xtr, ytr, xte, yte = out
+        arrays = [np.asarray(a) for a in (xtr, ytr, xte, yte)]
     except (TypeError, ValueError):
-        raise ValueError(f"dataset {spec!r}: {fn_name}() must return (x_train, y_train, x_test, "
-                         "y_test) or a lowprec.experiments.data.Dataset") from None
-    xtr, xte = (torch.as_tensor(np.asarray(a), dtype=torch.float32) for a in (xtr, xte))
+        raise ValueError(f"dataset {short(spec)}: {shape}") from None
+    for name, a in zip(("x_train", "y_train", "x_test", "y_test"), arrays):
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"dataset {short(spec)}: {name} holds {a.dtype} values; {shape}")
+    for name, a in (("y_train", arrays[1]), ("y_test", arrays[3])):
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"dataset {short(spec)}: {name} has dtype {a.dtype}; class labels "
+                             "must be integers (0 .. classes-1)")
+    xtr, xte = (torch.as_tensor(a, dtype=torch.float32) for a in (arrays[0], arrays[2]))
     if xtr.dim() == 2:  # flat features: one channel
-        xtr, xte = xtr[:, None], xte[:, None]
-    return Dataset(spec, xtr, torch.as_tensor(np.asarray(ytr)).long(), xte,
-                   torch.as_tensor(np.asarray(yte)).long(),
-                   int(max(int(np.max(ytr)), int(np.max(yte)))) + 1)
+        xtr = xtr[:, None]
+    if xte.dim() == 2:
+        xte = xte[:, None]
+    ytr, yte = (torch.as_tensor(a.astype(np.int64)) for a in (arrays[1], arrays[3]))
+    top = max(int(ytr.max()) if ytr.numel() else 0, int(yte.max()) if yte.numel() else 0)
+    return Dataset(spec, xtr, ytr, xte, yte, top + 1)
 
 
 DATASETS = {"mnist": load_mnist, "digits": load_digits, "mnist1d": load_mnist1d,
             "fashion-mnist": load_fashion_mnist}
 _ACCEPTED = "mnist, digits, mnist1d, fashion-mnist[:DIR], idx:DIR, cifar10:DIR, module:function"
+
+
+def check_dataset(d: Dataset) -> Dataset:
+    """The dataset is one a classifier can train on, or ValueError in one line: float features
+    of one shape for train and test, finite; integer labels, one per example, in [0, classes)."""
+    name = short(d.name, 60)
+    for part in ("x_train", "y_train", "x_test", "y_test"):
+        if not torch.is_tensor(getattr(d, part)):
+            raise ValueError(f"dataset {name}: {part} is not a tensor")
+    for xs, ys, split in ((d.x_train, d.y_train, "train"), (d.x_test, d.y_test, "test")):
+        if xs.dim() < 2 or len(xs) == 0:
+            raise ValueError(f"dataset {name}: {split} features have shape {tuple(xs.shape)}; "
+                             "expected (examples, features...) with at least one example")
+        if not xs.is_floating_point():
+            raise ValueError(f"dataset {name}: {split} features have dtype {xs.dtype}")
+        if ys.dtype.is_floating_point or ys.dtype == torch.bool or ys.is_complex():
+            raise ValueError(f"dataset {name}: {split} labels have dtype {ys.dtype}; class "
+                             "labels must be integers")
+        if ys.dim() != 1 or len(ys) != len(xs):
+            raise ValueError(f"dataset {name}: {len(xs)} {split} examples but labels of shape "
+                             f"{tuple(ys.shape)}; one label per example")
+        if len(ys) and (int(ys.min()) < 0 or int(ys.max()) >= d.num_classes):
+            raise ValueError(f"dataset {name}: {split} labels range over [{int(ys.min())}, "
+                             f"{int(ys.max())}]; they must be in [0, {d.num_classes - 1}]")
+        bad = int((~torch.isfinite(xs)).sum())
+        if bad:
+            raise ValueError(f"dataset {name}: {bad} {split} feature values are NaN or Inf")
+    if d.x_test.shape[1:] != d.x_train.shape[1:]:
+        raise ValueError(f"dataset {name}: test examples have shape {tuple(d.x_test.shape[1:])}, "
+                         f"train examples {tuple(d.x_train.shape[1:])}")
+    if not isinstance(d.num_classes, int) or d.num_classes < 2:
+        raise ValueError(f"dataset {name}: {d.num_classes} classes; a classifier needs >= 2")
+    return d
+
+
+def load_checked_dataset(spec: str) -> Dataset:
+    """:func:`load_dataset` then :func:`check_dataset`; any failure to read the files or to call
+    the user's function is one line: ValueError (or DatasetNotFound when files are missing)."""
+    try:
+        d = load_dataset(spec)
+    except (DatasetNotFound, ValueError):
+        raise
+    except MemoryError:
+        raise ValueError(f"dataset {short(spec, 60)}: not enough memory to load it") from None
+    except Exception as err:  # truncated or garbage files, a user function that raises
+        raise ValueError(f"dataset {short(spec, 60)} could not be read: "
+                         f"{describe_error(err)}") from None
+    if not isinstance(d, Dataset):
+        raise ValueError(f"dataset {short(spec, 60)} is not a Dataset")
+    return check_dataset(d)
 
 
 def load_dataset(spec: str) -> Dataset:

@@ -12,9 +12,9 @@ import math
 import torch
 from torch import nn
 
-from .util import import_callable
+from .util import describe_error, import_callable, short
 
-__all__ = ["build_model", "MODELS", "MLP", "LeNet5", "ResNet20", "SmallVGG", "CNN1d",
+__all__ = ["build_model", "build_checked_model", "check_model", "MODELS", "MLP", "LeNet5", "ResNet20", "SmallVGG", "CNN1d",
            "TransformerClassifier"]
 
 
@@ -172,9 +172,51 @@ def build_model(name: str, input_shape, num_classes: int) -> nn.Module:
         return MODELS[key](tuple(input_shape), num_classes)
     _, sep, fn_name = name.partition(":")
     if sep and fn_name.isidentifier():
-        model = import_callable(name, "model")(tuple(input_shape), num_classes)
+        fn = import_callable(name, "model")
+        try:
+            model = fn(tuple(input_shape), num_classes)
+        except Exception as err:  # a wrong signature, or the user's code failing
+            raise ValueError(f"model {short(name)}: {fn_name}(input_shape, num_classes) raised "
+                             f"{describe_error(err)}") from None
         if not isinstance(model, nn.Module):
             raise ValueError(f"model {name!r}: {fn_name}() returned {type(model).__name__}, "
                              "not an nn.Module")
         return model
-    raise ValueError(f"unknown model {name!r}; accepted: {_ACCEPTED}")
+    raise ValueError(f"unknown model {short(name)}; accepted: {_ACCEPTED}")
+
+
+def check_model(model: nn.Module, name: str, data) -> None:
+    """The model has trainable parameters and maps 2 examples of ``data`` to (2, classes)
+    logits; ValueError in one line otherwise. Leaves no trace: no RNG draw, no statistics."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"model {short(name)} has no trainable parameters")
+    x = data.x_train[:2].clone()
+    was = model.training
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            out = model(x)
+    except Exception as err:
+        raise ValueError(f"model {short(name)} does not fit {data}: {describe_error(err)}"
+                         ) from None
+    finally:
+        model.train(was)
+        model.load_state_dict(state)
+    if not torch.is_tensor(out) or tuple(out.shape) != (2, data.num_classes):
+        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise ValueError(f"model {short(name)} gives outputs of shape {got} for 2 examples; "
+                         f"{data.name} needs (2, {data.num_classes}): one logit per class")
+
+
+def build_checked_model(name: str, data) -> nn.Module:
+    """:func:`build_model` for ``data``, then :func:`check_model`."""
+    try:
+        model = build_model(name, data.input_shape, data.num_classes)
+    except ValueError:
+        raise
+    except Exception as err:  # a built-in model refusing the input shape (RuntimeError...)
+        raise ValueError(f"model {short(name)} does not fit {data}: {describe_error(err)}"
+                         ) from None
+    check_model(model, name, data)
+    return model

@@ -11,12 +11,12 @@ from __future__ import annotations
 import base64
 import html
 import math
-import os
 import statistics
 from pathlib import Path
 
 from .render import html_table, md_table, png_bytes, subplots
 from .results import ResultsDB
+from .runfolder import atomic_write_bytes, io_error
 
 __all__ = ["summarize", "write_report", "summary_rows"]
 
@@ -184,9 +184,7 @@ def _figures(db: ResultsDB, rows: list[dict]) -> dict[str, bytes]:
 # -- writing ---------------------------------------------------------------------------------
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data, f"the report file {path.name}")
 
 
 def _config_line(db: ResultsDB) -> str:
@@ -238,7 +236,10 @@ def write_report(run_dir: str | Path, db: ResultsDB | None = None) -> tuple[Path
         if own:
             db.close()
     files = run_dir / "report_files"
-    files.mkdir(exist_ok=True)
+    try:
+        files.mkdir(exist_ok=True)
+    except OSError as err:
+        raise io_error(files, "the report folder", err) from None
     for name, data in figs.items():
         _atomic_write(files / name, data)
     title = "lowprec comparison"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import json
 import math
 import statistics
 
@@ -18,10 +17,9 @@ def _rows(db: ResultsDB, prefix: str = "certificate"):
     runs = {r["run_id"]: r for r in db.runs()}
     table: dict[tuple[str, str], list[dict]] = {}
     for run_id, r in runs.items():
-        for row in db.conn.execute("SELECT kind, payload FROM analysis WHERE run_id = ? AND kind "
-                                   "LIKE ?", (run_id, f"{prefix}:%")):
-            table.setdefault((r["policy"], row[0].split(":", 1)[1]), []).append(
-                {"run_id": run_id, **json.loads(row[1])})
+        for kind, payload in db.analyses_of(run_id, prefix):
+            table.setdefault((r["policy"], kind.split(":", 1)[1]), []).append(
+                {"run_id": run_id, **payload})
     return table
 
 

@@ -15,10 +15,15 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES"]
+__all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES", "NOT_REQUESTED",
+           "read_stored_config"]
 
 SCHEMA_VERSION = 1
 RUN_STATUSES = ("running", "finished", "diverged", "failed")
+#: The error of an interrupted run that a resumed comparison no longer asked for; its checkpoint
+#: is kept, and a later comparison that asks for it again continues it.
+NOT_REQUESTED = "interrupted, then not requested by a resumed comparison (checkpoint kept)"
+_TABLES = {"meta", "runs", "epochs", "memory", "scale_trace", "analysis"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -90,6 +95,9 @@ class ResultsDB:
                 "SELECT name FROM sqlite_master WHERE type='table'")}
             if tables and "runs" not in tables:
                 raise sqlite3.DatabaseError("not a lowprec results database")
+            if tables and not _TABLES <= tables:
+                missing = ", ".join(sorted(_TABLES - tables))
+                raise sqlite3.DatabaseError(f"table(s) {missing} missing")
             if not tables and not create:
                 raise sqlite3.DatabaseError("empty database")
             self.conn.execute("PRAGMA journal_mode=WAL")
@@ -101,6 +109,10 @@ class ResultsDB:
                             self.conn.execute(stmt)
                     self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                                       (str(SCHEMA_VERSION),))
+        except sqlite3.OperationalError as err:
+            if "full" in str(err) or "disk" in str(err) or "I/O" in str(err):
+                raise  # the disk, not the file: the caller reports it as an I/O error
+            raise CorruptDatabase(f"{self.path}: {err}; the file was left untouched") from None
         except sqlite3.DatabaseError as err:
             raise CorruptDatabase(f"{self.path}: {err}; the file was left untouched") from None
 
@@ -172,7 +184,27 @@ class ResultsDB:
             c.execute("INSERT OR REPLACE INTO analysis VALUES (?,?,?)",
                       (run_id, kind, json.dumps(payload)))
 
+    def set_meta(self, key: str, value) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                      (key, json.dumps(value, sort_keys=True)))
+
     # -- reads -------------------------------------------------------------------------------
+    def meta(self, key: str):
+        r = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return _loads(self.path, r[0]) if r else None
+
+    def stored_config(self) -> dict | None:
+        """The comparison's configuration: as recorded in meta, else (older folders) the
+        first run's."""
+        cfg = self.meta("config")
+        if cfg is None:
+            r = self.conn.execute("SELECT config FROM runs ORDER BY started LIMIT 1").fetchone()
+            cfg = _loads(self.path, r[0]) if r else None
+        if cfg is not None and not isinstance(cfg, dict):
+            raise CorruptDatabase(f"{self.path}: the stored configuration is not a JSON object")
+        return cfg
+
     def run(self, run_id: str) -> dict | None:
         r = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         return _decode(r) if r else None
@@ -196,10 +228,23 @@ class ResultsDB:
     def analysis(self, run_id: str, kind: str) -> dict | None:
         r = self.conn.execute("SELECT payload FROM analysis WHERE run_id = ? AND kind = ?",
                               (run_id, kind)).fetchone()
-        return json.loads(r[0]) if r else None
+        return _loads(self.path, r[0]) if r else None
+
+    def analyses_of(self, run_id: str, prefix: str) -> list[tuple[str, dict]]:
+        """(kind, payload) of a run's analyses whose kind starts with ``prefix:``."""
+        out = []
+        for kind, payload in self.conn.execute(
+                "SELECT kind, payload FROM analysis WHERE run_id = ? AND kind LIKE ?",
+                (run_id, f"{prefix}:%")):
+            value = _loads(self.path, payload)
+            if not isinstance(value, dict):
+                raise CorruptDatabase(f"{self.path}: analysis {kind!r} of {run_id!r} is not a "
+                                      "JSON object; the file was left untouched")
+            out.append((kind, value))
+        return out
 
     def analyses(self, kind: str) -> dict[str, dict]:
-        return {r[0]: json.loads(r[1]) for r in self.conn.execute(
+        return {r[0]: _loads(self.path, r[1]) for r in self.conn.execute(
             "SELECT run_id, payload FROM analysis WHERE kind = ?", (kind,))}
 
 
@@ -211,9 +256,40 @@ def _num(v):
     return v if v == v and abs(v) != float("inf") else None
 
 
+def _loads(path, text: str):
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as err:
+        raise CorruptDatabase(f"{path}: a stored JSON value is damaged ({err}); the file was "
+                              "left untouched") from None
+
+
 def _decode(row) -> dict:
     d = dict(row)
     for key in ("config", "versions", "hardware"):
         if d.get(key):
-            d[key] = json.loads(d[key])
+            d[key] = _loads("results.db", d[key])
     return d
+
+
+def read_stored_config(path: str | Path) -> dict | None:
+    """The stored configuration of a results database, read without writing to it (None when
+    there is none yet); CorruptDatabase when it cannot be read."""
+    path = Path(path)
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error as err:
+        raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
+    try:
+        try:
+            r = conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
+            if r is None:
+                r = conn.execute("SELECT config FROM runs ORDER BY started LIMIT 1").fetchone()
+        except sqlite3.DatabaseError as err:
+            raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
+        cfg = _loads(path, r[0]) if r else None
+        if cfg is not None and not isinstance(cfg, dict):
+            raise CorruptDatabase(f"{path}: the stored configuration is not a JSON object")
+        return cfg
+    finally:
+        conn.close()

@@ -11,10 +11,12 @@ recorded as diverged, with its step, and the comparison goes on.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
 import platform
+import sqlite3
 import subprocess
 import sys
 import time
@@ -28,14 +30,17 @@ from torch import nn
 from .. import __version__
 from ..analysis.certify import certify
 from .config import CompareConfig, RunError, lr_at
-from .data import Dataset, load_dataset
-from .models import build_model
+from .data import Dataset, load_checked_dataset
+from .models import build_checked_model
 from ..training.optim import SGD, Adam
 from ..training.precision import Precision
-from .results import ResultsDB
+from .results import NOT_REQUESTED, ResultsDB
+from .runfolder import (FolderLock, RunIOError, atomic_torch_save, io_error,
+                        remove_stale_temps)
 from .system import tune_cpu_allocator
 
-__all__ = ["run_compare", "environment", "atomic_save", "analyse_run", "certificate_formats"]
+__all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
+           "certificate_formats", "config_differences", "check_policies", "failed_runs"]
 
 def environment() -> dict:
     """Library versions, git revision and hardware, recorded with every run."""
@@ -63,10 +68,9 @@ def environment() -> dict:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, then rename: a reader sees the old or the new file."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """torch.save to a temporary file, then rename: a reader sees the old or the new file; on
+    failure the temporary file is removed and RunIOError names the path."""
+    atomic_torch_save(obj, path, "the checkpoint")
 
 
 def certificate_formats(policy) -> list[str]:
@@ -128,19 +132,38 @@ def _run_key(run_id: str) -> str:
     return f"{safe}-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
 
 
-def _prepare_out(out: Path, resume: bool) -> Path:
+def _prepare_out(out: Path) -> None:
+    if not str(out).strip():
+        raise RunError("--out is empty: name a run folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise RunError(f"output folder {out} is not writable ({err.strerror or err})") from None
-    db = out / "results.db"
-    if db.exists() and not resume:
-        raise RunError(f"{db} already exists: continue it with --resume, or choose another --out")
-    (out / "checkpoints").mkdir(exist_ok=True)
-    return db
+        raise RunError(f"output folder {str(out)[:200]} is not writable "
+                       f"({err.strerror or err})") from None
+
+
+_HYPER = ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay",
+          "train_subset", "schedule")
+
+
+def config_differences(stored: dict, cfg: CompareConfig) -> list[str]:
+    """What a resumed comparison would train differently from the stored one ("key: stored X,
+    given Y"). Policies and seeds may change: new runs are added, dropped ones are marked."""
+    given = cfg.to_json()
+    return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in _HYPER
+            if stored.get(k) != given.get(k)]
+
+
+def check_policies(cfg: CompareConfig) -> None:
+    """Every policy can be set up on this machine (e.g. b=native needs native formats)."""
+    for p in cfg.policies:
+        try:
+            Precision(p).resolve_backend(torch.device("cpu"))
+        except ValueError as err:
+            raise RunError(str(err)) from None
 
 
 def _make_optimizer(cfg: CompareConfig, model: nn.Module):
@@ -209,8 +232,36 @@ class _Progress:
             self.p.advance(self.overall, 1)
 
 
-def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
-               out: Path, env: dict, progress: _Progress) -> str:
+def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
+    """The memory ledger of one step, leaving no trace in the run: the forward and backward it
+    needs would advance stochastic rounding's generator, move dynamic fixed-point ranges and
+    BatchNorm statistics, and fill .grad; all of it is put back, so a run measured and a run
+    resumed before its first checkpoint (which is not measured again) train identically."""
+    model_state = copy.deepcopy(model.state_dict())
+    prec_state = copy.deepcopy(prec.state_dict())
+    rng = torch.get_rng_state()
+    grads = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
+    try:
+        return prec.memory(model, batch, nn.functional.cross_entropy)
+    finally:
+        model.load_state_dict(model_state)
+        prec.load_state_dict(prec_state)
+        torch.set_rng_state(rng)
+        for p, g in grads.items():
+            p.grad = g
+
+
+def _resumable(existing: dict | None) -> bool:
+    return existing is not None and (existing["status"] == "running" or (
+        existing["status"] == "failed" and existing.get("error") == NOT_REQUESTED))
+
+
+def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+              out: Path, env: dict, progress: "_Progress | None" = None) -> str:
+    """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
+    in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
+    the run folder's lock. A finished or diverged run is left as stored."""
+    progress = progress or _Progress(1, True)
     run_id = f"{policy}|seed={seed}"
     ckpt_path = out / "checkpoints" / f"{_run_key(run_id)}.pt"
     existing = db.run(run_id)
@@ -219,7 +270,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         return existing["status"]
 
     torch.manual_seed(seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    model = build_checked_model(cfg.model, data)
     opt = _make_optimizer(cfg, model)
     prec = Precision(policy, seed=seed)
     model, opt = prec.setup(model, opt)
@@ -229,14 +280,23 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
     n = len(x_train)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
     start_epoch = 0
-    if existing and existing["status"] == "running" and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+    if _resumable(existing) and ckpt_path.exists():
+        try:
+            ckpt = torch.load(ckpt_path, weights_only=False)
+        except Exception as err:  # a damaged checkpoint: redo the run rather than mix states
+            ckpt = None
+            db.record_analysis(run_id, "checkpoint_error", {"error": repr(err)[:300]})
+    else:
+        ckpt = None
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         prec.load_state_dict(ckpt["precision"])
+        if ckpt.get("rng") is not None:
+            torch.set_rng_state(ckpt["rng"])
         start_epoch = ckpt["epoch"] + 1
         db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
-    elif existing and existing["status"] == "running" and db.memory(run_id) is not None:
+    elif _resumable(existing) and db.memory(run_id) is not None:
         # interrupted before its first checkpoint: the same run, redone from its first epoch
         # (its row, start time and ledger are kept; what it recorded after them is dropped)
         db.truncate(run_id, last_epoch=-1, last_step=-1)
@@ -246,7 +306,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
                      hardware=env["hardware"])
         db.set_backend(run_id, prec.backend)
         batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
-        db.record_memory(run_id, prec.memory(model, batch, nn.functional.cross_entropy))
+        db.record_memory(run_id, _measure_memory(prec, model, batch))
     progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
                        start_epoch * steps_per_epoch)
 
@@ -292,10 +352,13 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         if status == "diverged":
             break
         atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "precision": prec.state_dict(), "epoch": epoch}, ckpt_path)
+                     "precision": prec.state_dict(), "epoch": epoch,
+                     "rng": torch.get_rng_state()}, ckpt_path)
     if status == "finished":
         try:
             analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
+        except (OSError, sqlite3.OperationalError, RunIOError):
+            raise
         except Exception as err:  # the run itself finished: keep it, record why analysis did not
             db.record_analysis(run_id, "analysis_error", {"error": repr(err)})
     db.finish_run(run_id, status, diverged_step=diverged_step)
@@ -305,44 +368,103 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
     return status
 
 
-def run_compare(cfg: CompareConfig) -> Path:
+def _disk_error(err: BaseException, db_path: Path) -> RunIOError:
+    if isinstance(err, RunIOError):
+        return err
+    return io_error(db_path, "results", err)
+
+
+def run_compare(cfg: CompareConfig, *, force_config: bool = False) -> Path:
     """Train every policy x seed of ``cfg``, store the results, write the report.
-    Returns the run folder."""
+    Returns the run folder.
+
+    The folder is locked for the whole call (:class:`FolderLock`). With ``cfg.resume`` the
+    stored configuration must match ``cfg`` (RunError listing the differences) unless
+    ``force_config``, which is recorded in the database. Raises RunError for a user's mistake,
+    RunIOError when the disk fails, and KeyboardInterrupt as is (the folder stays resumable).
+    """
     cfg.validate()
     tune_cpu_allocator()
     out = Path(cfg.out)
-    db_path = _prepare_out(out, cfg.resume)
-    try:
-        data = load_dataset(cfg.data)
-    except ValueError as err:
-        raise RunError(str(err)) from None
-    try:
-        build_model(cfg.model, data.input_shape, data.num_classes)
-    except (ValueError, RuntimeError) as err:
-        raise RunError(f"model {cfg.model!r} does not fit {data}: {err}") from None
-    db = ResultsDB(db_path)
-    env = environment()
-    runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
-    try:
-        with _Progress(len(runs), cfg.quiet) as progress:
-            for policy, seed in runs:
-                try:
-                    _train_run(cfg, data, policy, seed, db, out, env, progress)
-                except KeyboardInterrupt:
-                    raise
-                except Exception as err:  # a run's failure is recorded; the others go on
-                    run_id = f"{policy}|seed={seed}"
-                    if db.run(run_id) is None:
-                        db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
-                                     config=cfg.to_json(), versions=env["versions"],
-                                     git=env["git"], hardware=env["hardware"])
-                    db.finish_run(run_id, "failed", error="".join(
-                        traceback.format_exception_only(type(err), err)).strip())
-                    progress.run_done()
-        from .report import write_report
+    _prepare_out(out)
+    with FolderLock(out, "lowprec compare"):
+        remove_stale_temps(out)
+        db_path = out / "results.db"
+        if db_path.exists() and not cfg.resume:
+            raise RunError(f"{db_path} already exists: continue it with --resume, or choose "
+                           "another --out")
+        check_policies(cfg)
+        try:
+            data = load_checked_dataset(cfg.data)
+            build_checked_model(cfg.model, data)
+        except ValueError as err:
+            raise RunError(str(err)) from None
+        try:
+            (out / "checkpoints").mkdir(exist_ok=True)
+            db = ResultsDB(db_path)
+        except OSError as err:
+            raise io_error(out, "the run folder", err) from None
+        except sqlite3.OperationalError as err:
+            raise io_error(db_path, "the results database", err) from None
+        try:
+            _check_and_record_config(db, cfg, force_config)
+            _train_all(cfg, data, db, out)
+            from .report import write_report
 
-        write_report(out, db)
-    finally:
-        db.close()
+            write_report(out, db)
+        except (OSError, sqlite3.OperationalError) as err:
+            raise _disk_error(err, db_path) from None
+        finally:
+            db.close()
     return out
 
+
+def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> None:
+    stored = db.stored_config()
+    if stored is None:
+        db.set_meta("config", cfg.to_json())
+        return
+    diffs = config_differences(stored, cfg)
+    if diffs and not force:
+        raise RunError("--resume with another configuration (" + "; ".join(diffs) +
+                       "): drop those flags to continue as stored, or add --force-config")
+    if diffs:
+        history = db.meta("forced_config") or []
+        history.append({"time": time.time(), "differences": diffs, "config": cfg.to_json()})
+        db.set_meta("forced_config", history)
+        db.set_meta("config", cfg.to_json())
+
+
+def _train_all(cfg: CompareConfig, data: Dataset, db: ResultsDB, out: Path) -> None:
+    env = environment()
+    runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
+    wanted = {f"{p}|seed={s}" for p, s in runs}
+    for r in db.runs():  # interrupted runs this comparison no longer asks for
+        if r["status"] == "running" and r["run_id"] not in wanted:
+            db.finish_run(r["run_id"], "failed", error=NOT_REQUESTED)
+    with _Progress(len(runs), cfg.quiet) as progress:
+        for policy, seed in runs:
+            try:
+                train_run(cfg, data, policy, seed, db, out, env, progress)
+            except (KeyboardInterrupt, RunIOError, OSError, sqlite3.OperationalError):
+                raise  # the comparison stops; the folder stays resumable
+            except Exception as err:  # a run's failure is recorded; the others go on
+                run_id = f"{policy}|seed={seed}"
+                if db.run(run_id) is None:
+                    db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
+                                 config=cfg.to_json(), versions=env["versions"],
+                                 git=env["git"], hardware=env["hardware"])
+                msg = "".join(traceback.format_exception_only(type(err), err)).strip()
+                db.finish_run(run_id, "failed", error=" ".join(msg.split())[:500])
+                progress.run_done()
+
+
+def failed_runs(out: Path, cfg: CompareConfig) -> list[tuple[str, str]]:
+    """(run id, reason) of each requested run that failed, read from the run folder."""
+    db = ResultsDB(Path(out) / "results.db", create=False)
+    try:
+        wanted = {f"{p}|seed={s}" for p in cfg.policies for s in cfg.seeds}
+        return [(r["run_id"], r.get("error") or "") for r in db.runs()
+                if r["status"] == "failed" and r["run_id"] in wanted]
+    finally:
+        db.close()

@@ -5,7 +5,21 @@ from __future__ import annotations
 import importlib
 
 
-__all__ = ["import_callable"]
+__all__ = ["import_callable", "short", "describe_error"]
+
+
+def short(text: object, limit: int = 80) -> str:
+    """repr of a user's value, cut in the middle when long (error lines stay bounded)."""
+    s = repr(text) if not isinstance(text, str) else repr(text)
+    return s if len(s) <= limit else f"{s[:limit // 2]}...{s[-limit // 2:]} ({len(str(text))} chars)"
+
+
+def describe_error(err: BaseException, limit: int = 200) -> str:
+    """'TypeError: message' on one bounded line."""
+    msg = " ".join(str(err).split())
+    if len(msg) > limit:
+        msg = msg[:limit] + "..."
+    return f"{type(err).__name__}: {msg}" if msg else type(err).__name__
 
 
 def import_callable(spec: str, what: str, error: type[Exception] = ValueError):
@@ -13,9 +27,10 @@ def import_callable(spec: str, what: str, error: type[Exception] = ValueError):
     mod_name, _, fn_name = spec.partition(":")
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as err:
-        raise error(f"{what} {spec!r}: cannot import {mod_name!r} ({err})") from None
+    except Exception as err:  # ImportError, or the module raising while it is imported
+        raise error(f"{what} {short(spec)}: cannot import {short(mod_name)} "
+                    f"({describe_error(err)})") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise error(f"{what} {spec!r}: {mod_name} has no function {fn_name!r}")
+        raise error(f"{what} {short(spec)}: {short(mod_name)} has no function {short(fn_name)}")
     return fn

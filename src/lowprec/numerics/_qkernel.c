@@ -76,6 +76,7 @@ typedef struct {
     uint32_t maxpos, maxneg, special, rmask, saturate;
     int32_t fast;                 /* float format with 1..23 discarded bits: fast path usable */
     uint32_t fshift, fmask, fhalf; /* 23 - man, low-bit mask, 2**(fshift-1) - 1 */
+    uint32_t fodd;                /* 1 when man == 0: the kept significand is the implicit 1 */
 } lp_inv;
 
 LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
@@ -95,6 +96,10 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
     v.fshift = (uint32_t)(23 - (p->man < 23 ? p->man : 22));
     v.fmask = (1u << v.fshift) - 1u;
     v.fhalf = (1u << (v.fshift - 1)) - 1u;
+    /* With no mantissa bits the kept significand k is the implicit 1 (odd), as in quantize_one,
+     * so a tie always rounds up in magnitude; bit 23 of the pattern is the exponent's lsb, not
+     * k's, and must not decide the tie (a length-dependent e3m0 bug: 3.0 gave 2.0 in chunks). */
+    v.fodd = (uint32_t)(p->man == 0);
     return v;
 }
 
@@ -199,7 +204,7 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
                     const uint32_t u = in[i + l], sign = u & 0x80000000u, a = u & 0x7fffffffu;   \
                     const int32_t field = (int32_t)(a >> 23);                                     \
                     uint32_t add;                                                                 \
-                    if (MODE == R_NE) add = p.fhalf + ((a >> p.fshift) & 1u);                     \
+                    if (MODE == R_NE) add = p.fhalf + (((a >> p.fshift) | p.fodd) & 1u);               \
                     else add = lp_rand(lo0 + (uint32_t)(i + l), k0, k1) >> (32 - p.fshift);       \
                     const uint32_t rf = (a + add) & ~p.fmask;                                     \
                     const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \

@@ -10,10 +10,97 @@ and skip that step, double after ``interval`` clean steps.
 from __future__ import annotations
 
 import math
+import re
+
+__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
+           "parse_loss_scale", "loss_scale_spec", "LOSS_SCALE_GRAMMAR", "DYNAMIC_OPTIONS"]
+
+#: Options of a dynamic scale, in the canonical order of a spec.
+DYNAMIC_OPTIONS = ("init", "growth", "backoff", "interval", "min", "max")
+#: The ``ls=`` grammar, as error messages and the policy docstring give it.
+LOSS_SCALE_GRAMMAR = ("none, static:S (S > 0), dynamic, or dynamic:OPT=V;OPT=V... with OPT in "
+                      "init (> 0), growth (> 1), backoff (in (0, 1)), interval (integer >= 1), "
+                      "min, max (0 < min <= max), e.g. dynamic:init=1024;growth=4")
 
 
+def _short(spec: str, limit: int = 60) -> str:
+    """A long spec cut in the middle, so that an error message stays one bounded line."""
+    s = repr(spec)
+    return s if len(s) <= limit else f"{s[:limit // 2]}...{s[-limit // 2:]} ({len(spec)} chars)"
 
-__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale"]
+
+# a plain ASCII decimal (float() also takes "1_000" and non-ASCII digits: refused here)
+_NUMBER_RE = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?$|^[+-]?(?:inf|nan)$", re.ASCII)
+
+
+def _number(spec: str, key: str, val: str) -> float:
+    try:
+        if not _NUMBER_RE.match(val.strip()):
+            raise ValueError(val)
+        v = float(val)
+    except ValueError:
+        raise ValueError(f"loss scale {_short(spec)}: {key}={_short(val, 30)} is not a number; "
+                         f"accepted: {LOSS_SCALE_GRAMMAR}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"loss scale {_short(spec)}: {key}={_short(val, 30)} must be finite; "
+                         "accepted: "
+                         f"{LOSS_SCALE_GRAMMAR}")
+    return v
+
+
+def parse_loss_scale(spec: str) -> tuple[str, dict]:
+    """Read and validate a loss-scale spec: ``(kind, options)`` with kind none, static or dynamic.
+
+    Grammar: ``none`` | ``static:S`` | ``dynamic[:OPT=V;OPT=V...]`` (a ``,`` may stand for ``;``
+    where the spec is not inside a comma-separated policy). Every value is checked here, so a bad
+    one is refused when a policy is parsed, not in the middle of training.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"a loss scale spec must be a str, got {type(spec).__name__}")
+    s = spec.strip().lower()
+    kind, sep, args = s.partition(":")
+    if kind not in ("none", "static", "dynamic"):
+        raise ValueError(f"loss scale {_short(spec)}; accepted: {LOSS_SCALE_GRAMMAR}")
+    if kind == "none":
+        if sep:
+            raise ValueError(f"loss scale {_short(spec)}: 'none' takes no options")
+        return "none", {}
+    if kind == "static":
+        scale = _number(spec, "static", args) if args else 0.0
+        if not scale > 0:
+            raise ValueError(f"loss scale {_short(spec)}: static needs a positive finite scale, "
+                             "e.g. static:1024")
+        return "static", {"scale": scale}
+    opts: dict = {}
+    for item in filter(None, (i.strip() for i in args.replace(",", ";").split(";"))):
+        key, eq, val = item.partition("=")
+        if key not in DYNAMIC_OPTIONS or not eq:
+            raise ValueError(f"loss scale {_short(spec)}: unknown option {_short(item, 30)}; "
+                             f"accepted: {LOSS_SCALE_GRAMMAR}")
+        if key in opts:
+            raise ValueError(f"loss scale {_short(spec)}: {key} given twice")
+        v = _number(spec, key, val)
+        if key == "interval":
+            if v != int(v) or v < 1:
+                raise ValueError(f"loss scale {_short(spec)}: interval={val} must be an integer "
+                                 ">= 1")
+            v = int(v)
+        opts[key] = v
+    try:
+        DynamicLossScale(**opts)  # the ranges: init > 0, growth > 1, 0 < backoff < 1, ...
+    except ValueError as err:
+        raise ValueError(f"loss scale {_short(spec)}: {err}; accepted: {LOSS_SCALE_GRAMMAR}"
+                         ) from None
+    return "dynamic", opts
+
+
+def loss_scale_spec(kind: str, opts: dict) -> str:
+    """The canonical spec of a parsed loss scale: ``parse_loss_scale`` gives the same back."""
+    if kind == "static":
+        return f"static:{opts['scale']:g}"
+    if kind == "dynamic" and opts:
+        return "dynamic:" + ";".join(f"{k}={opts[k]:g}" for k in DYNAMIC_OPTIONS if k in opts)
+    return kind
 
 
 class LossScale:
@@ -65,14 +152,18 @@ class StaticLossScale(LossScale):
 class DynamicLossScale(LossScale):
     def __init__(self, init: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
                  interval: int = 2000, min: float = 1.0, max: float = 2.0**24) -> None:
+        for name, v in (("init", init), ("growth", growth), ("backoff", backoff), ("min", min),
+                        ("max", max)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name}={v!r} must be a finite number")
         if not init > 0:
             raise ValueError(f"init={init!r} must be positive")
         if not growth > 1:
             raise ValueError(f"growth={growth!r} must be > 1")
         if not 0 < backoff < 1:
             raise ValueError(f"backoff={backoff!r} must be in (0, 1)")
-        if int(interval) < 1:
-            raise ValueError(f"interval={interval!r} must be >= 1")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval={interval!r} must be an integer >= 1")
         if not 0 < min <= max:
             raise ValueError(f"min={min!r} and max={max!r} must satisfy 0 < min <= max")
         super().__init__(init)
@@ -99,18 +190,15 @@ class DynamicLossScale(LossScale):
 
 
 def make_loss_scale(spec: str | LossScale | None) -> LossScale:
-    """From a policy's ``ls=`` spec: none, static:S, dynamic[:init=..,growth=..,...]."""
+    """From a policy's ``ls=`` spec (see :func:`parse_loss_scale`): none, static:S,
+    dynamic[:init=V;growth=V;...]."""
     if isinstance(spec, LossScale):
         return spec
-    if spec is None or spec == "none":
+    if spec is None:
         return NoLossScale()
-    kind, _, args = spec.partition(":")
+    kind, opts = parse_loss_scale(spec)
     if kind == "static":
-        return StaticLossScale(float(args))
+        return StaticLossScale(opts["scale"])
     if kind == "dynamic":
-        kwargs = {}
-        for item in filter(None, args.split(",")):
-            key, _, val = item.partition("=")
-            kwargs[key] = int(float(val)) if key == "interval" else float(val)
-        return DynamicLossScale(**kwargs)
-    raise ValueError(f"loss scale {spec!r}; accepted: none, static:S, dynamic[:init=..]")
+        return DynamicLossScale(**opts)
+    return NoLossScale()

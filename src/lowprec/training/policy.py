@@ -13,9 +13,16 @@ Compact specs, one ``key=value`` per role, a format optionally followed by ``:ro
 
 Keys: ``p`` params (``:nearest|stochastic|kahan`` is the write-back), ``c`` compute (``:mode``
 rounds activations), ``g`` activation gradients (``:mode``), ``o`` optimizer state, ``m`` master
-weights (``none``), ``ls`` loss scale (``none``, ``dynamic``, ``dynamic:init=1024``,
-``static:512``), ``b`` backend (``auto``, ``native``, ``emulated``), ``s`` scope of the compute
+weights (``none``), ``ls`` loss scale (below), ``b`` backend (``auto``, ``native``, ``emulated``), ``s`` scope of the compute
 format (``all`` layers, or ``matmul`` layers only as torch.autocast does).
+
+Loss scale ``ls=``: ``none``; ``static:S`` with S > 0 finite; ``dynamic``; or ``dynamic:`` with
+options separated by ``;`` (or by ``,``: an option key after ``ls=`` continues it), each checked
+when the policy is parsed: ``init`` > 0 (finite), ``growth`` > 1, ``backoff`` in (0, 1),
+``interval`` an integer >= 1, ``min``/``max`` with 0 < min <= max::
+
+    p=fp16,ls=dynamic:init=1024;growth=4;interval=500
+    p=fp16,ls=dynamic:init=1024,growth=4                # the same policy
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from enum import Enum
 
 from ..numerics.formats import FP32, FloatFormat, Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec, parse_rounding
+from .loss_scale import DYNAMIC_OPTIONS, loss_scale_spec, parse_loss_scale
 
 __all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top",
            "WriteBack", "Backend", "Scope"]
@@ -86,35 +94,25 @@ class Scope(_Choice):
 
 
 UPDATE_MODES = tuple(m.value for m in WriteBack)
-_LS_RE = re.compile(r"^(none|dynamic|static)(?::(.*))?$")
 
 
 def _check_loss_scale(spec: str) -> str:
-    s = spec.strip().lower()
-    m = _LS_RE.match(s)
-    if not m:
-        raise ValueError(f"loss scale {spec!r}; accepted: none, dynamic, dynamic:init=N,growth=G,"
-                         "backoff=B,interval=I,min=A,max=B, static:S")
-    kind, args = m.group(1), m.group(2)
-    if kind == "static":
-        try:
-            if args is None or float(args) <= 0:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"loss scale {spec!r}: static needs a positive scale, e.g. static:1024"
-                             ) from None
-    elif kind == "dynamic" and args:
-        for item in args.split(","):
-            key, _, val = item.partition("=")
-            if key not in ("init", "growth", "backoff", "interval", "min", "max"):
-                raise ValueError(f"loss scale {spec!r}: unknown option {key!r}")
-            try:
-                float(val)
-            except ValueError:
-                raise ValueError(f"loss scale {spec!r}: {key}={val!r} is not a number") from None
-    elif kind == "none" and args:
-        raise ValueError(f"loss scale {spec!r}: 'none' takes no options")
-    return s
+    """The canonical form of a valid ``ls=`` value (see the module docstring); ValueError else."""
+    return loss_scale_spec(*parse_loss_scale(spec))
+
+
+def _join_loss_scale_options(items: list[str]) -> list[str]:
+    """``ls=dynamic:init=1024,growth=4`` split on commas: a piece whose key is a dynamic
+    loss-scale option (no policy key is one) continues the ``ls`` piece before it."""
+    out: list[str] = []
+    for item in items:
+        key = item.partition("=")[0].strip().lower()
+        prev = out[-1].partition("=")[0].strip().lower() if out else ""
+        if key in DYNAMIC_OPTIONS and prev in ("ls", "loss_scale") and ":" in out[-1]:
+            out[-1] += ";" + item.strip()
+        else:
+            out.append(item)
+    return out
 
 
 @dataclass(frozen=True)
@@ -223,7 +221,7 @@ def _bad_policy(spec, why: str = "") -> ValueError:
 
 def _parse_spec(spec: str) -> Policy:
     kv: dict[str, str] = {}
-    for item in split_top(spec):
+    for item in _join_loss_scale_options(split_top(spec)):
         if "=" not in item:
             raise _bad_policy(spec, f"{item!r} is not key=value")
         key, val = (s.strip() for s in item.split("=", 1))

@@ -22,6 +22,8 @@ hooks; it has no branch for any of them.
 
 from __future__ import annotations
 
+import weakref
+
 import contextlib
 import warnings
 
@@ -38,6 +40,9 @@ from .optim import FormatOptimizer, PolicyOptimizer
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
 from .regimes import GroupKey, Regime, Role, regimes_for
 from .tree import cast_floating, map_floating
+
+# models a Precision has converted (weak: a model's copy is not in it; a dead model leaves it)
+_SET_UP: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 __all__ = ["Precision"]
 
@@ -125,6 +130,10 @@ class Precision:
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
         if self.model is not None:
             raise RuntimeError("this Precision is already set up; create one per model")
+        if model in _SET_UP:
+            raise RuntimeError("this model is already set up by another Precision (their "
+                               "roundings would stack); build a fresh model per Precision")
+        _SET_UP.add(model)
         pol = self.policy
         self.device = _device_of(model)
         self.backend = self.resolve_backend(self.device)
@@ -423,6 +432,13 @@ class Precision:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"a Precision state must be a dict from state_dict(), got "
+                            f"{type(state).__name__}")
+        missing = [k for k in ("loss_scale", "steps", "skipped", "trace") if k not in state]
+        if missing:
+            raise ValueError(f"not a Precision state_dict: missing {', '.join(missing)} (keys "
+                             f"given: {', '.join(map(str, list(state)[:8]))})")
         if state.get("policy") is not None and parse_policy(state["policy"]) != self.policy:
             raise ValueError(f"state is for policy {state['policy']!r}, this Precision has "
                              f"{self.policy.spec!r}")

@@ -33,3 +33,9 @@ class PolicyOptimizer(ABC):
     @abstractmethod
     def step(self, closure=None, *, grad_scale: float | torch.Tensor | None = None):
         """One update, the gradients multiplied by ``grad_scale`` in fp32 first."""
+
+    @abstractmethod
+    def state_layout(self, p: torch.Tensor) -> dict:
+        """Name -> format of every state tensor kept for parameter ``p``, each with one value per
+        element of ``p`` (``"master"``: master weights). The optimizer only describes its state;
+        the memory ledger (:func:`lowprec.training.memory.optimizer_bytes`) counts the bytes."""

@@ -1,0 +1,210 @@
+"""The run folder contract: the lock, SIGTERM, --resume's configuration check, dropped runs,
+runs that fail inside, a full disk (a real 3 MB tmpfs where this process may mount one, and
+ENOSPC injected into the checkpoint and report writers everywhere)."""
+
+import errno
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli import main
+from lowprec.experiments import CompareConfig, run_compare
+from lowprec.experiments.results import NOT_REQUESTED, ResultsDB
+from lowprec.experiments.runfolder import RunIOError, atomic_write_bytes
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+ARGS = ["compare", "--data", "digits", "--model", "mlp", "--seeds", "1", "--epochs", "2",
+        "--train-subset", "128", "--quiet"]
+
+
+def _epochs(db_path):
+    c = sqlite3.connect(db_path)
+    try:
+        return c.execute("SELECT run_id, epoch, train_loss, test_loss, test_acc, skipped, "
+                         "loss_scale FROM epochs ORDER BY run_id, epoch").fetchall()
+    finally:
+        c.close()
+
+
+def _integrity(db_path):
+    c = sqlite3.connect(db_path)
+    try:
+        return c.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_lock_names_the_holder_and_sigterm_stops_resumably(tmp_path, capsys):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=SRC)
+    argv = ARGS + ["--policies", "32-true,fixed16-sr", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "lowprec.cli", *argv],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lock = out / ".lock"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (lock.exists() and str(proc.pid) in lock.read_text()):
+        time.sleep(0.05)
+    assert str(proc.pid) in lock.read_text()
+    for second in (argv, argv + ["--resume"]):
+        t0 = time.time()
+        assert main(second) == 2
+        assert time.time() - t0 < 10
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"process {proc.pid}" in err
+    while time.time() < deadline and proc.poll() is None:  # SIGTERM once training started
+        try:
+            c = sqlite3.connect(out / "results.db", timeout=1)
+            n = c.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+            c.close()
+        except sqlite3.Error:
+            n = 0
+        if n:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(argv + ["--resume"]) == 0  # the lock died with its process
+    db = ResultsDB(out / "results.db", create=False)
+    assert [r["status"] for r in db.runs()] == ["finished", "finished"]
+    db.close()
+
+
+@pytest.mark.timeout(120)
+def test_resume_checks_the_configuration_marks_dropped_runs_and_records_force(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = dict(data="digits", model="mlp", seeds=(0,), epochs=1, batch_size=64, train_subset=64,
+               out=str(out), quiet=True)
+    run_compare(CompareConfig(policies=("32-true",), **cfg))
+    db = ResultsDB(out / "results.db", create=False)
+    # an interrupted run the resumed comparison does not ask for any more
+    db.start_run("16-true|seed=0", policy="16-true", policy_spec="x", seed=0, config={},
+                 versions={}, git=None, hardware={})
+    db.close()
+    assert main(["compare", "--out", str(out), "--resume", "--lr", "0.3", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "lr: stored 0.02, given 0.3" in err and len(err.strip().splitlines()) == 1
+    # flags not given take the stored values: this resume only finishes the bookkeeping
+    assert main(["compare", "--out", str(out), "--resume", "--quiet"]) == 0
+    db = ResultsDB(out / "results.db", create=False)
+    dropped = db.run("16-true|seed=0")
+    assert dropped["status"] == "failed" and dropped["error"] == NOT_REQUESTED
+    db.close()
+    assert main(["compare", "--out", str(out), "--resume", "--lr", "0.3", "--force-config",
+                 "--policies", "32-true", "--quiet"]) == 0
+    db = ResultsDB(out / "results.db", create=False)
+    forced = db.meta("forced_config")
+    assert forced and forced[-1]["differences"] == ["lr: stored 0.02, given 0.3"]
+    assert db.stored_config()["lr"] == 0.3
+    db.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_fails_inside_makes_compare_exit_1_with_one_line(tmp_path, capsys):
+    mod = tmp_path / "lp_train_fail.py"
+    mod.write_text(
+        "from torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, n):\n"
+        "        super().__init__(); self.l = nn.Linear(64, n)\n"
+        "    def forward(self, x):\n"
+        "        if self.training: raise RuntimeError('dropout layer misconfigured')\n"
+        "        return self.l(x.flatten(1))\n"
+        "def build(shape, n):\n"
+        "    return M(n)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code = main(ARGS + ["--model", "lp_train_fail:build", "--policies", "32-true,16-true",
+                            "--out", str(tmp_path / "run")])
+    finally:
+        sys.path.remove(str(tmp_path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 2 and all("dropout layer misconfigured" in line for line in err)
+
+
+def test_atomic_write_removes_its_temp_and_names_the_path(tmp_path, monkeypatch):
+    target = tmp_path / "report.html"
+    target.write_bytes(b"old")
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(RunIOError, match="report.html: No space left on device"):
+        atomic_write_bytes(target, b"new" * 1000, "the report")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_and_report_write_failures_are_one_line_exit_1(tmp_path, capsys,
+                                                                   monkeypatch):
+    import torch
+
+    out = tmp_path / "run"
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):  # half a checkpoint, then the disk is full
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed "
+                           "writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", save)
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint" in err[0] and "checkpoints" in err[0], err
+    assert not list(out.rglob("*.tmp*")) and _integrity(out / "results.db") == "ok"
+    monkeypatch.setattr(torch, "save", real_save)
+    from lowprec.experiments import report
+
+    def no_space(path, data, what="a file"):
+        raise RunIOError(f"could not write {what} to {path}: No space left on device")
+
+    monkeypatch.setattr(report, "atomic_write_bytes", no_space)
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 1
+    assert main(["report", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("No space left on device" in line for line in err)
+    monkeypatch.undo()
+    assert main(["report", str(out)]) == 0
+
+
+def _mount_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_full_3mb_disk_is_one_line_and_resumes_to_identical_numbers(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk):
+        pytest.skip("cannot mount a tmpfs here (needs root); ENOSPC is injected in other tests")
+    try:
+        argv = ARGS + ["--policies", "32-true,fixed16-sr"]
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (3 * 1024 - 1100) * 1024)  # 1.1 MB left: the second run fails
+        out = disk / "run"
+        assert main(argv + ["--out", str(out)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "disk is full" in err[0] and str(out) in err[0]
+        assert _integrity(out / "results.db") == "ok"
+        assert not list(out.rglob("*.tmp*"))
+        filler.unlink()
+        assert main(argv + ["--out", str(out), "--resume"]) == 0
+        assert main(argv + ["--out", str(tmp_path / "ref")]) == 0
+        assert _epochs(out / "results.db") == _epochs(tmp_path / "ref" / "results.db")
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -1,0 +1,356 @@
+"""Every user mistake: one line on stderr, no traceback, the documented exit code, nothing stored
+changed. One table drives all seven commands, run in-process through ``lowprec.cli.main``.
+
+Cases that need files get them from small builders: user modules (``--data``/``--model``
+functions that misbehave), damaged dataset files, run folders with a damaged database or a
+stored configuration that a ``--resume`` contradicts. Where a results database exists, its
+bytes are compared before and after the command.
+"""
+
+import gzip
+import hashlib
+import pickle
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli import main
+from lowprec.experiments import CompareConfig, run_compare
+from lowprec.experiments.runfolder import FolderLock
+
+USER_MODULE = '''
+import numpy as np
+import torch
+from torch import nn
+
+def _xy(n=40, d=12, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, d)).astype(np.float32), rng.integers(0, classes, n)
+
+def good():
+    x, y = _xy(); xt, yt = _xy(seed=1); return x, y, xt, yt
+def raises():
+    raise RuntimeError("cannot reach the data server")
+def strings():
+    return "a", "b", "c", "d"
+def three():
+    return 1, 2, 3
+def float_labels():
+    x, y = _xy(); return x, y + 0.5, x, y.astype(np.float32)
+def negative_labels():
+    x, y = _xy(); y[3] = -1; return x, y, x, y
+def label_count():
+    x, y = _xy(); return x, y[:-5], x, y
+def test_size():
+    x, y = _xy(); xt, yt = _xy(d=7); return x, y, xt, yt
+def nan_data():
+    x, y = _xy(); x[2, 3] = np.nan; return x, y, x, y
+def inf_data():
+    x, y = _xy(); xt = x.copy(); xt[0, 0] = np.inf; return x, y, xt, y
+def one_class():
+    x, y = _xy(); return x, 0 * y, x, 0 * y
+
+def wrong_signature():
+    return nn.Linear(12, 3)
+def three_outputs(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 3 if num_classes != 3 else 5))
+def no_params(input_shape, num_classes):
+    return nn.Flatten()
+def not_a_module(input_shape, num_classes):
+    return "a model"
+def raises_model(input_shape, num_classes):
+    raise ValueError("no GPU")
+def bad_forward(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(99, num_classes))
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    mod = root / "mods"
+    mod.mkdir()
+    (mod / "lp_user_fns.py").write_text(textwrap.dedent(USER_MODULE))
+    (mod / "lp_user_broken.py").write_text("import numpy\nraise SystemError('broken at import')\n")
+    sys.path.insert(0, str(mod))
+    # damaged dataset files
+    idx = root / "idx_trunc"
+    idx.mkdir()
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (idx / stem).write_bytes(b"\x00\x00\x08\x03\x00\x00")  # header cut after 2 bytes
+    gz = root / "idx_gz"
+    gz.mkdir()
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (gz / (stem + ".gz")).write_bytes(b"not gzip at all" * 10)
+    gzcut = root / "idx_gzcut"
+    gzcut.mkdir()
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (gzcut / (stem + ".gz")).write_bytes(gzip.compress(b"\x00\x00\x08\x03" + b"\x00" * 400)[:30])
+    magic = root / "idx_magic"
+    magic.mkdir()
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (magic / stem).write_bytes(b"GIF89a" + b"\x00" * 100)
+    for name, content in (("cifar_garbage", b"\x80\x04garbage"),
+                          ("cifar_trunc", pickle.dumps({b"data": [1] * 100,
+                                                        b"labels": [0] * 10})[:40]),
+                          ("cifar_keys", pickle.dumps({b"pixels": 1})),
+                          ("cifar_shape", pickle.dumps({b"data": [1, 2, 3], b"labels": [0]}))):
+        d = root / name
+        d.mkdir()
+        for b in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+            (d / b).write_bytes(content)
+    # a real run folder (1 epoch, 64 digits) for --resume and report cases
+    good = root / "good"
+    run_compare(CompareConfig(data="digits", model="mlp", policies=("32-true",), seeds=(0,),
+                              epochs=1, batch_size=32, train_subset=64, out=str(good),
+                              quiet=True))
+    (root / "afile").write_text("x")
+    yield root
+    sys.path.remove(str(mod))
+
+
+def _folder(files, tmp_path, damage=None) -> Path:
+    """A copy of the good run folder, optionally damaged with SQL."""
+    import sqlite3
+
+    out = tmp_path / "run"
+    shutil.copytree(files / "good", out)
+    if damage:
+        c = sqlite3.connect(out / "results.db")
+        c.executescript(damage)
+        c.commit()
+        c.close()
+    return out
+
+
+U = "lp_user_fns:"
+TINY = ["--epochs", "1", "--quiet"]
+# (id, argv with {F} = fixtures root and {R} = a run folder copy, exit code, needs run folder,
+#  damage SQL)
+CASES = [
+    # formats
+    ("fmt-e9", ["formats", "e9m3"], 2),
+    ("fmt-e0", ["formats", "e0m3"], 2),
+    ("fmt-m99", ["formats", "e5m99"], 2),
+    ("fmt-q", ["formats", "q"], 2),
+    ("fmt-fixed-wide", ["formats", "fixed<30,9>"], 2),
+    ("fmt-block-binary", ["formats", "block<binary,32>"], 2),
+    ("fmt-long", ["formats", "x" * 100_000], 2),
+    ("fmt-modifier", ["formats", "e5m10-foo"], 2),
+    ("fmt-int0", ["formats", "int<0>"], 2),
+    ("fmt-dfxp-opt", ["formats", "dfxp<10,foo=1>"], 2),
+    ("fmt-unicode", ["formats", "ü"], 2),
+    ("fmt-fn-inf", ["formats", "e4m3fn-ovinf"], 2),
+    # quantize
+    ("q-underscore", ["quantize", "1_000", "-f", "fp16"], 2),
+    ("q-arabic-digits", ["quantize", "\u0661\u0662", "-f", "fp16"], 2),
+    ("q-fullwidth", ["quantize", "\uff11", "-f", "fp16"], 2),
+    ("q-word", ["quantize", "abc", "-f", "fp16"], 2),
+    ("q-dfxp", ["quantize", "1", "-f", "dfxp<10>"], 2),
+    ("q-format", ["quantize", "1", "-f", "nope"], 2),
+    ("q-rounding", ["quantize", "1", "-f", "fp16", "-r", "sideways"], 2),
+    ("q-seed-neg", ["quantize", "1", "-f", "fp16", "--seed", "-1"], 2),
+    ("q-seed-huge", ["quantize", "1", "-f", "fp16", "--seed", "99999999999999999999999"], 2),
+    ("q-sr0", ["quantize", "1", "-f", "fp16", "-r", "sr0"], 2),
+    ("q-no-format", ["quantize", "1"], 2),
+    ("q-hex", ["quantize", "0x10", "-f", "fp16"], 2),
+    ("q-empty", ["quantize", "", "-f", "fp16"], 2),
+    ("q-exp", ["quantize", "1e", "-f", "fp16"], 2),
+    ("q-seed-underscore", ["quantize", "1", "-f", "fp16", "--seed", "1_0"], 2),
+    ("q-no-values", ["quantize", "-f", "fp16"], 2),
+    # compare: policies and loss scales
+    ("c-ls-init-neg", ["compare", "--policies", "p=fp16,ls=dynamic:init=-5"], 2),
+    ("c-ls-init-nan", ["compare", "--policies", "p=fp16,ls=dynamic:init=nan"], 2),
+    ("c-ls-static-inf", ["compare", "--policies", "p=fp16,ls=static:inf"], 2),
+    ("c-ls-static-nan", ["compare", "--policies", "p=fp16,ls=static:nan"], 2),
+    ("c-ls-growth", ["compare", "--policies", "p=fp16,ls=dynamic:growth=0.5"], 2),
+    ("c-ls-backoff", ["compare", "--policies", "p=fp16,ls=dynamic:init=8;backoff=2"], 2),
+    ("c-ls-interval", ["compare", "--policies", "p=fp16,ls=dynamic:interval=0"], 2),
+    ("c-ls-option", ["compare", "--policies", "p=fp16,ls=dynamic:foo=1"], 2),
+    ("c-native-fp8", ["compare", "--policies", "p=e4m3fn,b=native"], 2),
+    ("c-policy-name", ["compare", "--policies", "nope"], 2),
+    ("c-policy-long", ["compare", "--policies", "p=" + "e" * 100_000], 2),
+    ("c-policy-empty", ["compare", "--policies", ""], 2),
+    ("c-policy-twice", ["compare", "--policies", "32-true,32-true"], 2),
+    # compare: numbers
+    ("c-seeds-0", ["compare", "--seeds", "0"], 2),
+    ("c-seeds-huge", ["compare", "--seeds", "100000000000000"], 2),
+    ("c-seeds-underscore", ["compare", "--seeds", "1_0"], 2),
+    ("c-epochs-0", ["compare", "--epochs", "0"], 2),
+    ("c-epochs-neg", ["compare", "--epochs", "-1"], 2),
+    ("c-batch-0", ["compare", "--batch-size", "0"], 2),
+    ("c-batch-neg", ["compare", "--batch-size", "-5"], 2),
+    ("c-lr-nan", ["compare", "--lr", "nan"], 2),
+    ("c-lr-inf", ["compare", "--lr", "inf"], 2),
+    ("c-lr-neg", ["compare", "--lr", "-1"], 2),
+    ("c-lr-0", ["compare", "--lr", "0"], 2),
+    ("c-wd-inf", ["compare", "--weight-decay", "inf"], 2),
+    ("c-wd-neg", ["compare", "--weight-decay", "-1"], 2),
+    ("c-momentum-nan", ["compare", "--momentum", "nan"], 2),
+    ("c-momentum-1", ["compare", "--momentum", "1", "--out", "{T}/m"], 2),
+    ("c-optimizer", ["compare", "--optimizer", "rmsprop", "--out", "{T}/o"], 2),
+    ("c-schedule", ["compare", "--schedule", "linear", "--out", "{T}/s"], 2),
+    ("c-preset", ["compare", "--preset", "nope"], 2),
+    ("c-subset-0", ["compare", "--train-subset", "0"], 2),
+    ("c-out-empty", ["compare", "--out", ""], 2),
+    ("c-out-long", ["compare", "--out", "{T}/" + "a" * 5000], 2),
+    ("c-out-file", ["compare", "--out", "{F}/afile", *TINY], 2),
+    # compare: data
+    ("c-data-name", ["compare", "--data", "nope", "--out", "{T}/d"], 2),
+    ("c-data-idx-missing", ["compare", "--data", "idx:/nonexistent", "--out", "{T}/d"], 2),
+    ("c-data-cifar-missing", ["compare", "--data", "cifar10:/nonexistent", "--out", "{T}/d"], 2),
+    ("c-data-idx-trunc", ["compare", "--data", "idx:{F}/idx_trunc", "--out", "{T}/d"], 2),
+    ("c-data-idx-gz", ["compare", "--data", "idx:{F}/idx_gz", "--out", "{T}/d"], 2),
+    ("c-data-idx-gzcut", ["compare", "--data", "idx:{F}/idx_gzcut", "--out", "{T}/d"], 2),
+    ("c-data-idx-magic", ["compare", "--data", "idx:{F}/idx_magic", "--out", "{T}/d"], 2),
+    ("c-data-cifar-garbage", ["compare", "--data", "cifar10:{F}/cifar_garbage", "--out",
+                              "{T}/d"], 2),
+    ("c-data-cifar-trunc", ["compare", "--data", "cifar10:{F}/cifar_trunc", "--out", "{T}/d"], 2),
+    ("c-data-cifar-keys", ["compare", "--data", "cifar10:{F}/cifar_keys", "--out", "{T}/d"], 2),
+    ("c-data-cifar-shape", ["compare", "--data", "cifar10:{F}/cifar_shape", "--out", "{T}/d"], 2),
+    ("c-data-raises", ["compare", "--data", U + "raises", "--out", "{T}/d"], 2),
+    ("c-data-strings", ["compare", "--data", U + "strings", "--out", "{T}/d"], 2),
+    ("c-data-three", ["compare", "--data", U + "three", "--out", "{T}/d"], 2),
+    ("c-data-float-labels", ["compare", "--data", U + "float_labels", "--out", "{T}/d"], 2),
+    ("c-data-neg-labels", ["compare", "--data", U + "negative_labels", "--out", "{T}/d"], 2),
+    ("c-data-label-count", ["compare", "--data", U + "label_count", "--out", "{T}/d"], 2),
+    ("c-data-test-size", ["compare", "--data", U + "test_size", "--out", "{T}/d"], 2),
+    ("c-data-nan", ["compare", "--data", U + "nan_data", "--out", "{T}/d"], 2),
+    ("c-data-inf", ["compare", "--data", U + "inf_data", "--out", "{T}/d"], 2),
+    ("c-data-one-class", ["compare", "--data", U + "one_class", "--out", "{T}/d"], 2),
+    ("c-data-no-module", ["compare", "--data", "lp_no_such_module:f", "--out", "{T}/d"], 2),
+    ("c-data-broken-module", ["compare", "--data", "lp_user_broken:f", "--out", "{T}/d"], 2),
+    ("c-data-no-function", ["compare", "--data", U + "nothing", "--out", "{T}/d"], 2),
+    # compare: models
+    ("c-model-name", ["compare", "--data", U + "good", "--model", "nope", "--out", "{T}/d"], 2),
+    ("c-model-signature", ["compare", "--data", U + "good", "--model", U + "wrong_signature",
+                           "--out", "{T}/d"], 2),
+    ("c-model-outputs", ["compare", "--data", U + "good", "--model", U + "three_outputs",
+                         "--out", "{T}/d"], 2),
+    ("c-model-no-params", ["compare", "--data", U + "good", "--model", U + "no_params",
+                           "--out", "{T}/d"], 2),
+    ("c-model-not-module", ["compare", "--data", U + "good", "--model", U + "not_a_module",
+                            "--out", "{T}/d"], 2),
+    ("c-model-raises", ["compare", "--data", U + "good", "--model", U + "raises_model",
+                        "--out", "{T}/d"], 2),
+    ("c-model-forward", ["compare", "--data", U + "good", "--model", U + "bad_forward",
+                         "--out", "{T}/d"], 2),
+    ("c-model-cnn1d-2d", ["compare", "--data", "digits", "--model", "cnn1d", "--out",
+                          "{T}/d"], 2),
+    # compare: run folders
+    ("c-exists", ["compare", "--out", "{R}", *TINY], 2, "folder"),
+    ("c-resume-epochs", ["compare", "--out", "{R}", "--resume", "--epochs", "5", "--quiet"], 2,
+     "folder"),
+    ("c-resume-lr", ["compare", "--out", "{R}", "--resume", "--lr", "0.3", "--quiet"], 2,
+     "folder"),
+    ("c-resume-adam", ["compare", "--out", "{R}", "--resume", "--optimizer", "adam", "--quiet"],
+     2, "folder"),
+    ("c-resume-model", ["compare", "--out", "{R}", "--resume", "--model", "lenet5", "--quiet"],
+     2, "folder"),
+    ("c-resume-bad-json", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "folder",
+     "UPDATE meta SET value = '{not json' WHERE key = 'config';"),
+    ("c-resume-dropped", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "folder",
+     "DROP TABLE epochs;"),
+    ("c-resume-locked", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "locked"),
+    ("c-locked", ["compare", "--out", "{R}", *TINY], 2, "locked"),
+    # train
+    ("t-seed-huge", ["train", "--seed", "99999999999999999999999"], 2),
+    ("t-seed-neg", ["train", "--seed", "-1"], 2),
+    ("t-policy", ["train", "--policy", "nope"], 2),
+    ("t-ls", ["train", "--policy", "p=fp16,ls=static:nan"], 2),
+    ("t-epochs", ["train", "--epochs", "0"], 2),
+    ("t-batch", ["train", "--batch-size", "0"], 2),
+    ("t-resume-locked", ["train", "--out", "{R}", "--resume", "--quiet"], 2, "locked"),
+    ("t-resume-other", ["train", "--out", "{R}", "--resume", "--policy", "32-true",
+                        "--epochs", "3", "--quiet"], 2, "folder"),
+    # report
+    ("r-missing", ["report", "{T}/nothing"], 2),
+    ("r-file", ["report", "{F}/afile"], 2),
+    ("r-long", ["report", "{T}/" + "a" * 5000], 2),
+    ("r-dropped", ["report", "{R}"], 2, "folder", "DROP TABLE epochs;"),
+    ("r-dropped-runs", ["report", "{R}"], 2, "folder", "DROP TABLE runs;"),
+    ("r-bad-json", ["report", "{R}"], 2, "folder",
+     "UPDATE runs SET config = '{broken';"),
+    ("r-bad-analysis", ["report", "{R}"], 2, "folder",
+     "UPDATE analysis SET payload = 'nope';"),
+    ("r-garbage-db", ["report", "{R}"], 2, "garbage"),
+    # certify
+    ("ce-batch-0", ["certify", "--batch-size", "0"], 2),
+    ("ce-batch-neg", ["certify", "--batch-size", "-5"], 2),
+    ("ce-lr-nan", ["certify", "--lr", "nan"], 2),
+    ("ce-lr-inf", ["certify", "--lr", "inf"], 2),
+    ("ce-epochs-neg", ["certify", "--epochs", "-1"], 2),
+    ("ce-format", ["certify", "--format", "nope"], 2),
+    ("ce-cnn1d", ["certify", "--data", "digits", "--model", "cnn1d", "--epochs", "0"], 2),
+    ("ce-data", ["certify", "--data", "nope"], 2),
+    ("ce-data-nan", ["certify", "--data", U + "nan_data", "--model", "mlp", "--epochs", "0"], 2),
+    ("ce-seed", ["certify", "--seed", "-1"], 2),
+    ("ce-model-outputs", ["certify", "--data", U + "good", "--model", U + "three_outputs"], 2),
+    # advise
+    ("ad-batches-0", ["advise", "--batches", "0"], 2),
+    ("ad-batches-neg", ["advise", "--batches", "-3"], 2),
+    ("ad-lr-inf", ["advise", "--lr", "inf"], 2),
+    ("ad-batch-0", ["advise", "--batch-size", "0"], 2),
+    ("ad-data-nan", ["advise", "--data", U + "nan_data", "--model", "mlp", "--epochs", "0"], 2),
+    ("ad-data-inf", ["advise", "--data", U + "inf_data", "--model", "mlp", "--epochs", "0"], 2),
+    ("ad-format", ["advise", "--format", "e9m9"], 2),
+    ("ad-epochs", ["advise", "--epochs", "1_0"], 2),
+    ("ad-no-params", ["advise", "--data", U + "good", "--model", U + "no_params"], 2),
+    # no command, unknown command, unknown flag
+    ("no-command", [], 2),
+    ("unknown-command", ["frobnicate"], 2),
+    ("unknown-flag", ["compare", "--frobnicate"], 2),
+]
+
+
+def _sha(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(case, files, tmp_path, capsys):
+    name, argv, code = case[:3]
+    kind = case[3] if len(case) > 3 else None
+    damage = case[4] if len(case) > 4 else None
+    run = None
+    if kind in ("folder", "locked", "garbage"):
+        run = _folder(files, tmp_path, damage)
+        if kind == "garbage":
+            (run / "results.db").write_bytes(b"SQLite format 3\x00" + b"\xff" * 3000)
+    argv = [a.replace("{F}", str(files)).replace("{T}", str(tmp_path)).replace(
+        "{R}", str(run)) for a in argv]
+    before = {p: _sha(p) for p in (run.rglob("results.db*") if run else [])}
+    lock = FolderLock(run) if kind == "locked" else None
+    if lock:
+        lock.acquire()
+    try:
+        got = main(argv)
+    finally:
+        if lock:
+            lock.release()
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert got == code, (got, err[-800:])
+    assert "Traceback" not in err
+    if argv:  # without a command, the help text is the answer
+        assert len(lines) == 1, err[-2000:]
+        assert len(lines[0]) <= 500
+    for p, h in before.items():
+        assert _sha(p) == h, f"{p.name} changed"
+    if kind == "locked":
+        import os
+
+        assert f"process {os.getpid()}" in err
+
+
+def test_at_least_80_cases_across_the_seven_commands():
+    commands = {c[1][0] for c in CASES if c[1]}
+    assert {"compare", "train", "report", "formats", "quantize", "certify", "advise"} <= commands
+    assert len(CASES) >= 80
