@@ -224,7 +224,9 @@ class Precision:
         else:
             return
         eps = float(given.defaults.get("eps", 1e-8))
-        if fmt == FP32 or quantize(torch.tensor([eps]), fmt).item() != 0:
+        if fmt == FP32 or isinstance(fmt, DynamicFixedFormat):  # its range is set per group
+            return
+        if quantize(torch.tensor([eps]), fmt).item() != 0:
             return
         warnings.warn(
             f"torch.optim.{type(given).__name__} keeps its state in {fmt} under policy {pol}, "
