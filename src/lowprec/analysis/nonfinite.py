@@ -23,7 +23,7 @@ from ..numerics.formats import FP32
 from ..numerics.quantize import quantize
 from ..training.emulation import op_name
 from ..training.precision import Precision
-from .common import tensor_range
+from .common import run_model, tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
 
@@ -140,7 +140,8 @@ class _Probe(TorchFunctionMode):
         return out
 
 
-def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true") -> NonFiniteReport:
+def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
+                    output_fn=None) -> NonFiniteReport:
     """Run one training step's forward and backward of a copy of ``model`` under ``policy``
     and name the first op that produced Inf/NaN in each pass."""
     prec = Precision(policy)
@@ -163,7 +164,7 @@ def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true") -> NonFi
         twin.train()
         with prec.autocast():
             with probe_model:
-                out = twin(prec.convert_input(inputs))
+                out = run_model(twin, prec.convert_input(inputs), output_fn)
             with _Probe(rec, lambda: "loss"):
                 loss = loss_fn(out, targets)
         if loss.requires_grad:
