@@ -32,16 +32,10 @@ REFUSALS: dict[tuple[str, str], tuple[type, str]] = {}
 # * nn.TransformerEncoder builds its padding mask with masked_fill_(-inf); under matmul-scope
 #   block and fp8 policies the attention's masked operand reaches the MX/fp8 rounding and the
 #   losses are NaN from the first step;
-# * dynamic fixed point on the LSTM: the engine resolves a group on an all-zero tensor (the
-#   initial state) and asks for int_bits=-127 ("int_bits=-127 is out of range [-126, 128]");
-# * first_nonfinite (op-level since the engine) reports the encoder's intentional -inf mask
-#   fill (enc / masked_fill_) as the first non-finite value even under bf16-true.
 ENGINE_GAPS = {
     **{("encoder", p): "NaN from step 1: masked_fill_(-inf) padding mask through MX/fp8 "
        "matmul rounding" for p in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
                                    "mxfp4", "mxint8", "p=fp32,c=e4m3fn,g=e5m2:sr,s=matmul")},
-    ("lstm", "dfxp-10-12"): "ValueError: int_bits=-127 is out of range [-126, 128] (zero state)",
-    ("encoder", "analyses"): "first_nonfinite reports the -inf padding-mask fill (masked_fill_)",
 }
 
 
