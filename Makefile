@@ -1,6 +1,7 @@
 # lowprec: `make demo` runs the main job on its embedded default; `make test` runs the tests.
 # Both create .venv when it is missing and install what is needed. torch is pinned here:
-# torch==2.13.0 is a CPU build on this machine's disk; a bare `torch` pulls a multi-GB CUDA build.
+# torch==2.13.0 is a CPU build on this machine's disk; a bare `torch` pulls a multi-GB CUDA build,
+# and constraints.txt holds it there while the extras (lightning, transformers) are installed.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,11 +17,11 @@ PYTEST_ARGS ?=
 # headless browser) and the Fashion-MNIST files. Installed once when apt-get can run.
 SYSTEM_STAMP := $(VENV)/.system-deps
 
-$(STAMP): pyproject.toml setup.py src/lowprec/numerics/_qkernel.c
+$(STAMP): pyproject.toml constraints.txt setup.py src/lowprec/numerics/_qkernel.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q --no-build-isolation -e ".[data,test]"
+	$(PIP) install -q -c constraints.txt "$(TORCH)"
+	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[data,test,integrations,ray]"
 	touch $(STAMP)
 
 $(SYSTEM_STAMP): | $(STAMP)

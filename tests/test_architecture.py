@@ -1,7 +1,7 @@
 """The package's shape, checked: four layers with data flowing one way, no private names taken.
 
-numerics (0) -> training (1) -> analysis (2) -> experiments (3) -> cli (4). A module may import
-from its own layer or a lower one, never a higher one; and no module imports a name that
+numerics (0) -> training and integrations (1) -> analysis (2) -> experiments (3) -> cli (4). A
+module may import from its own layer or a lower one, never a higher one; and no module imports a name that
 another module keeps private (a leading underscore). ``lowprec/__init__.py`` is the facade that
 re-exports the public API, so it may import from every layer.
 """
@@ -14,7 +14,8 @@ import pytest
 import lowprec
 
 ROOT = Path(lowprec.__file__).parent
-LAYERS = {"numerics": 0, "training": 1, "analysis": 2, "experiments": 3, "cli": 4}
+LAYERS = {"numerics": 0, "training": 1, "integrations": 1, "analysis": 2, "experiments": 3,
+          "cli": 4}
 
 
 def _modules():

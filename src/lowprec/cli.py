@@ -148,9 +148,26 @@ def cmd_quantize(args, console: Console) -> int:
     return 0
 
 
+def _print_models_summary(run_dir, console: Console) -> None:
+    from .experiments.multi import model_tables
+
+    for model, cols, cells, line in model_tables(run_dir):
+        table = Table(title=f"{model}: {line}", header_style="bold")
+        for c in cols:
+            table.add_column(c, justify="left" if c == "policy" else "right")
+        for row in cells:
+            table.add_row(*row)
+        console.print(table)
+    console.print(f"report: {run_dir / 'report.html'} and {run_dir / 'report.md'}")
+
+
 def _print_summary(run_dir, console: Console) -> None:
+    from .experiments.multi import MODELS_FILE
     from .experiments.report import summarize, summary_rows
     from .experiments.results import ResultsDB
+
+    if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
+        return _print_models_summary(run_dir, console)
 
     db = ResultsDB(run_dir / "results.db", create=False)
     try:
@@ -208,8 +225,20 @@ def _config_from(args, **overrides):
     return CompareConfig(out=args.out, resume=args.resume, quiet=args.quiet, **values)
 
 
+def _executor_from(args):
+    """The executor of --executor and its flags (None: the local one)."""
+    from .experiments.executors import make_executor
+
+    return make_executor(getattr(args, "executor", None) or "local",
+                         address=getattr(args, "ray_address", None),
+                         num_cpus=getattr(args, "ray_num_cpus", None),
+                         cpus_per_run=getattr(args, "cpus_per_run", None),
+                         gpus_per_run=getattr(args, "gpus_per_run", None),
+                         max_retries=getattr(args, "max_retries", None))
+
+
 def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
-         command: str = "compare") -> int:
+         command: str = "compare", executor=None) -> int:
     from pathlib import Path
 
     from .experiments.data import DatasetNotFound
@@ -219,7 +248,7 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     from .experiments.runner import failed_runs, run_compare
 
     try:
-        out = run_compare(cfg, force_config=force_config)
+        out = run_compare(cfg, executor, force_config=force_config)
     except (RunError, DatasetNotFound, CorruptDatabase, FolderBusy) as err:
         raise UserError(str(err)) from None
     except RunIOError as err:
@@ -230,7 +259,14 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
         print(f"interrupted: finished runs are stored in {cfg.out}; continue with --resume",
               file=sys.stderr)
         return 143 if isinstance(err, _Terminated) else 130
-    failed = failed_runs(Path(out), cfg)
+    from dataclasses import replace
+
+    from .experiments.config import split_models
+
+    models = split_models(cfg.model)
+    failed = failed_runs(Path(out), cfg) if len(models) == 1 else [
+        (f"{m}/{run_id}", reason) for m in models
+        for run_id, reason in failed_runs(Path(out) / m, replace(cfg, model=m))]
     if not quiet:
         _print_summary(Path(out), console)
     for run_id, reason in failed:
@@ -239,7 +275,9 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
 
 
 def cmd_compare(args, console: Console) -> int:
-    return _run(_user(_config_from, args), console, args.quiet, args.force_config)
+    cfg = _user(_config_from, args)
+    return _run(cfg, console, args.quiet, args.force_config,
+                executor=_user(_executor_from, args))
 
 
 def cmd_train(args, console: Console) -> int:
@@ -259,11 +297,23 @@ def cmd_report(args, console: Console) -> int:
     from .experiments.results import CorruptDatabase
     from .experiments.runfolder import RunIOError
 
+    from .experiments.multi import MODELS_FILE, write_models_report
+
     run_dir = Path(args.run_dir)
     try:
         found = (run_dir / "results.db").is_file()
+        several = not found and (run_dir / MODELS_FILE).is_file()
     except OSError as err:  # a name too long for the file system...
         raise UserError(f"{_short(args.run_dir)}: {err.strerror or err}") from None
+    if several:
+        try:  # a comparison over several models: every model's report, then the combined one
+            for sub in sorted(p.parent for p in run_dir.glob("*/results.db")):
+                write_report(sub)
+            write_models_report(run_dir)
+        except (CorruptDatabase, sqlite3.DatabaseError) as err:
+            raise UserError(str(err)) from None
+        _print_summary(run_dir, console)
+        return 0
     if not found:
         raise UserError(f"{_short(args.run_dir)} has no results.db (run lowprec compare "
                         "--out DIR first)")
@@ -372,7 +422,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     p.add_argument("--data", default=None, help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
                    "idx:DIR, cifar10:DIR, module:function (default: mnist, 5,000 real digits)")
     p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, cnn1d, "
-                   "transformer, module:function (default: lenet5)")
+                   "transformer, mobilenet, module:function (default: lenet5); compare takes "
+                   "several, comma-separated: one comparison per model in OUT/MODEL")
     if compare:
         from .experiments.config import PRESETS
 
@@ -383,6 +434,20 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
                        help="seeds per policy (default: 3)")
         p.add_argument("--preset", default=None, help="an experiment of the literature: "
                        + ", ".join(PRESETS) + " (policies, model and optimizer; flags override)")
+        g = p.add_argument_group("where the runs execute")
+        g.add_argument("--executor", default=None, help="local (default: one run after "
+                       "another in this process) or ray (each run a Ray task; pip install "
+                       "'lowprec[ray]')")
+        g.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: "
+                       "start a local instance); --out must be on storage every node mounts")
+        g.add_argument("--ray-num-cpus", type=int, default=None,
+                       help="CPUs of the local Ray instance (default: every CPU)")
+        g.add_argument("--cpus-per-run", type=float, default=None,
+                       help="CPUs Ray reserves for each run (default: 1)")
+        g.add_argument("--gpus-per-run", type=float, default=None,
+                       help="GPUs Ray reserves for each run (default: 0)")
+        g.add_argument("--max-retries", type=int, default=None,
+                       help="times Ray runs again a run whose worker died (default: 3)")
     p.add_argument("--epochs", type=_int_arg(1, 100_000), default=None, help="default: 15")
     p.add_argument("--batch-size", type=_int_arg(1, 2**31), default=None, help="default: 32")
     p.add_argument("--lr", type=_float_arg(positive=True), default=None, help="default: 0.02")

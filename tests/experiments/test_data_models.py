@@ -153,7 +153,7 @@ def test_user_dataset_and_model(tmp_path, monkeypatch):
 
 
 SHAPES = {"mlp": (1, 28, 28), "lenet5": (1, 28, 28), "resnet20": (3, 32, 32), "vgg": (3, 32, 32),
-          "cnn1d": (1, 40), "transformer": (1, 28, 28)}
+          "cnn1d": (1, 40), "transformer": (1, 28, 28), "mobilenet": (3, 32, 32)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -306,3 +306,15 @@ def test_group_keys_are_typed():
     assert str(GroupKey(Role.STATE, "0.weight", "exp_avg")) == "state.exp_avg:0.weight"
     with pytest.raises(ValueError, match="role='weights'; accepted: param, pgrad"):
         GroupKey("weights", "0")
+
+
+def test_a_group_that_only_sees_zeros_stays_at_a_valid_range():
+    """An all-zero tensor (an LSTM's initial state) shrinks its group's range every interval;
+    the range stops where the integer bits reach FixedFormat's floor (-126) instead of failing."""
+    from lowprec.numerics.formats import parse_format
+
+    ctrl, fmt = Controller(), parse_format("dfxp<10>")
+    for _ in range(300):
+        got = ctrl.format("zeros", fmt, torch.zeros(8))
+    assert ctrl.range_of("zeros") == -127 and got.int_bits == -126
+    assert float(quantize(torch.zeros(4), got).abs().max()) == 0.0

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..numerics.formats import Format, parse_format
 from ..training.policy import Backend, Policy
+from ..training.tree import batch_size_of, slice_batch
 from .scaling import find_loss_scale
 from .certify import Certificate, certify
 from .layers import LayerError, layer_errors
@@ -57,24 +58,27 @@ class Advice:
 
 def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
            batches: int = 4, batch_size: int = 64, lr: float = 0.01,
-           optimizer: str = "sgd") -> Advice:
+           optimizer: str = "sgd", output_fn=None) -> Advice:
     """``data``: a :class:`lowprec.experiments.data.Dataset`. The model is analysed as given (train it first,
-    or let ``lowprec advise --epochs N`` do it)."""
+    or let ``lowprec advise --epochs N`` do it). Its inputs may be a tensor or a dict of keyword
+    inputs; ``output_fn`` picks the output tensor (default: ``logits``, else the first tensor)."""
     fmt = parse_format(fmt)
     loss_fn = loss_fn or nn.functional.cross_entropy
-    n = min(len(data.x_train), batches * batch_size)
-    xb, yb = data.x_train[:n], data.y_train[:n]
+    n = min(batch_size_of(data.x_train), batches * batch_size)
+    xb, yb = slice_batch(data.x_train, 0, n), data.y_train[:n]
     batch = (xb, yb)
     model = model.float()
 
-    cert = certify(model, data, fmt)
-    choice = find_loss_scale(model, batch, loss_fn, fmt)
-    ranges = range_profile(model, batch, loss_fn, fmt)
-    lost = lost_updates(model, batch, loss_fn, fmt, lr=lr, optimizer=optimizer)
-    errs = layer_errors(model, xb[:batch_size], fmt)
-    nf = first_nonfinite(model, (xb[:batch_size], yb[:batch_size]), loss_fn,
+    first = slice_batch(xb, 0, batch_size)
+    cert = certify(model, data, fmt, output_fn=output_fn)
+    choice = find_loss_scale(model, batch, loss_fn, fmt, output_fn=output_fn)
+    ranges = range_profile(model, batch, loss_fn, fmt, output_fn=output_fn)
+    lost = lost_updates(model, batch, loss_fn, fmt, lr=lr, optimizer=optimizer,
+                        output_fn=output_fn)
+    errs = layer_errors(model, first, fmt)
+    nf = first_nonfinite(model, (first, yb[:batch_size]), loss_fn,
                          Policy(params=fmt, compute=fmt, grads=fmt, optimizer_state=fmt,
-                                backend=Backend.EMULATED))
+                                backend=Backend.EMULATED), output_fn=output_fn)
 
     s = cert.summary()
     reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "

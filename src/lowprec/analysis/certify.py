@@ -22,7 +22,8 @@ import torch
 
 from ..numerics.formats import Format, parse_format
 from ..numerics.quantize import quantize
-from .common import as_batches, fp32_twin, low_precision_copy
+from ..training.tree import cast_floating
+from .common import as_batches, fp32_twin, low_precision_copy, run_model
 
 __all__ = ["certify", "Certificate", "certificate_from_outputs"]
 
@@ -111,12 +112,16 @@ def certificate_from_outputs(out32: torch.Tensor, out16: torch.Tensor, *, fmt: s
 @torch.no_grad()
 def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
             outputs: str = "logits", backend: str = "emulated",
-            batch_size: int = 1000) -> Certificate:
+            batch_size: int = 1000, output_fn=None) -> Certificate:
     """Run the same weights in float32 and in ``fmt`` on every input of ``data`` and certify.
 
     ``data``: a :class:`lowprec.experiments.data.Dataset` (its test split), an (x, y) pair, a tensor of
     inputs, or an iterable of (x, y). ``outputs``: ``"logits"`` or ``"probs"`` (softmax, taken
     in each model's own precision). ``backend``: how the 16-bit twin runs (see Precision).
+    Inputs may be a tensor or a dict of keyword inputs; only floating tensors are cast (token
+    ids stay integers: fp16 holds integers exactly only up to 2048). The output is
+    ``output_fn(out)``, else a ``ModelOutput``'s ``logits``, else the first tensor; outputs with
+    more than two dimensions (a language model's (N, L, vocabulary)) are certified per position.
     """
     if outputs not in ("logits", "probs"):
         raise ValueError(f"outputs={outputs!r}; accepted: logits, probs")
@@ -126,8 +131,15 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
     m16.eval()
     o32s, o16s, labels = [], [], []
     for x, y in as_batches(data, batch_size):
-        o32 = m32(x.float()).float()
-        o16 = m16(prec.convert_input(x.float())).float()
+        x32 = cast_floating(x, torch.float32)
+        o32 = run_model(m32, x32, output_fn).float()
+        o16 = run_model(m16, prec.convert_input(x32), output_fn).float()
+        if o32.dim() > 2:
+            o32, o16 = o32.reshape(-1, o32.shape[-1]), o16.reshape(-1, o16.shape[-1])
+        if y is not None:
+            y = torch.as_tensor(y).reshape(-1)
+            if y.numel() != o32.shape[0]:
+                y = None
         if outputs == "probs":
             o32 = torch.softmax(o32, dim=1)
             o16 = quantize(torch.softmax(o16, dim=1), fmt)  # the 16-bit model's softmax

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -12,8 +13,16 @@ from ..numerics.formats import Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec
 from ..training.policy import Backend, Policy
 from ..training.precision import Precision
+from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
 
-__all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range"]
+__all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model"]
+
+
+def run_model(model: nn.Module, inputs, output_fn=None) -> torch.Tensor:
+    """``model(inputs)`` (``model(**inputs)`` for a dict of keyword inputs) and the tensor its
+    output stands for: ``output_fn(out)``, else a ``ModelOutput``'s or dict's ``logits``, else
+    the first tensor of a tuple or dict (see :func:`lowprec.training.tree.output_tensor`)."""
+    return output_tensor(call_model(model, inputs), output_fn)
 
 
 def _strip_hooks(model: nn.Module) -> nn.Module:
@@ -52,15 +61,22 @@ def low_precision_copy(model: nn.Module, fmt: str | Format,
 def as_batches(data, batch_size: int = 1000):
     """Yield (x, y-or-None) batches from a data set with a test split (``x_test``, ``y_test``,
     as :class:`lowprec.experiments.data.Dataset`), an (x, y) pair, a tensor or any iterable of
-    (x, y)."""
+    (x, y). ``x`` may be a tensor, a dict of keyword inputs or a tuple of positional inputs
+    (see :func:`lowprec.training.tree.call_model`)."""
     if hasattr(data, "x_test") and hasattr(data, "y_test"):
         data = (data.x_test, data.y_test)
     if torch.is_tensor(data):
         data = (data, None)
-    if isinstance(data, (tuple, list)) and len(data) == 2 and torch.is_tensor(data[0]):
+    if isinstance(data, Mapping):  # keyword inputs without labels
+        data = (data, None)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and (
+            torch.is_tensor(data[0]) or isinstance(data[0], Mapping)
+            or (type(data) is tuple and type(data[0]) is tuple
+                and (data[1] is None or torch.is_tensor(data[1])))):
         x, y = data
-        for i in range(0, len(x), batch_size):
-            yield x[i:i + batch_size], (None if y is None else y[i:i + batch_size])
+        for i in range(0, batch_size_of(x), batch_size):
+            yield (slice_batch(x, i, i + batch_size),
+                   None if y is None else y[i:i + batch_size])
         return
     for item in data:
         if isinstance(item, (tuple, list)):

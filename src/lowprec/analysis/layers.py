@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..numerics.formats import Format, parse_format
-from .common import fp32_twin, low_precision_copy
+from ..training.tree import cast_floating
+from .common import fp32_twin, low_precision_copy, run_model
 
 __all__ = ["layer_errors", "LayerError"]
 
@@ -47,14 +48,16 @@ def _leaf_outputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def layer_errors(model: nn.Module, x: torch.Tensor, fmt: str | Format = "fp16", *,
+def layer_errors(model: nn.Module, x, fmt: str | Format = "fp16", *,
                  backend: str = "emulated") -> list[LayerError]:
+    """``x``: a tensor or a dict of keyword inputs (integer tensors are passed as they are)."""
     fmt = parse_format(fmt)
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()
-    a = _leaf_outputs(m32, lambda: m32(x.float()))
-    b = _leaf_outputs(m16, lambda: m16(prec.convert_input(x.float())))
+    x32 = cast_floating(x, torch.float32)
+    a = _leaf_outputs(m32, lambda: run_model(m32, x32))
+    b = _leaf_outputs(m16, lambda: run_model(m16, prec.convert_input(x32)))
     kinds = {n: type(m).__name__ for n, m in m32.named_modules()}
     rows = []
     for depth, (name, y32) in enumerate(a.items()):

@@ -7,6 +7,12 @@ in a container's ``forward``, a functional call, the loss. Backward: the first o
 produced a non-finite gradient for one of its inputs (after the rounding of the policy's gradient
 format) while the gradient reaching its output was finite. Each finding carries its input and
 output ranges.
+
+An op is reported only where it *produced* the Inf/NaN: every floating input and every number
+it was given was finite. A value a model writes on purpose (an attention mask filled with -inf,
+``torch.full(..., -inf)``) and everything computed from it is not an overflow and is not
+reported; an overflow that happens downstream of such a mask, in an op whose own inputs are
+finite, still is.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from ..numerics.formats import FP32
 from ..numerics.quantize import quantize
 from ..training.emulation import op_name
 from ..training.precision import Precision
-from .common import tensor_range
+from .common import run_model, tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
 
@@ -75,6 +81,17 @@ def _finite(ts) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
+def _numbers_finite(obj) -> bool:
+    """False if a Python number among an op's arguments is Inf or NaN (``masked_fill(m, -inf)``)."""
+    if isinstance(obj, float):
+        return obj == obj and obj not in (float("inf"), float("-inf"))
+    if isinstance(obj, (list, tuple)):
+        return all(_numbers_finite(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(_numbers_finite(v) for v in obj.values())
+    return True
+
+
 def _merge(tensors) -> dict:
     if not tensors:
         return {}
@@ -101,7 +118,8 @@ class _Recorder:
             for a in ins:
                 self.consumer[id(a)] = (module, op)
             self.keep.extend(ins)
-            if not self.forward and not _finite(outs):
+            if (not self.forward and not _finite(outs) and _finite(ins)
+                    and _numbers_finite(args) and _numbers_finite(kwargs)):
                 self.forward.append(Finding(module, op, _merge(ins), _merge(outs)))
         for o in outs:
             if o.requires_grad and o.grad_fn is not None:
@@ -140,7 +158,8 @@ class _Probe(TorchFunctionMode):
         return out
 
 
-def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true") -> NonFiniteReport:
+def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
+                    output_fn=None) -> NonFiniteReport:
     """Run one training step's forward and backward of a copy of ``model`` under ``policy``
     and name the first op that produced Inf/NaN in each pass."""
     prec = Precision(policy)
@@ -163,7 +182,7 @@ def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true") -> NonFi
         twin.train()
         with prec.autocast():
             with probe_model:
-                out = twin(prec.convert_input(inputs))
+                out = run_model(twin, prec.convert_input(inputs), output_fn)
             with _Probe(rec, lambda: "loss"):
                 loss = loss_fn(out, targets)
         if loss.requires_grad:

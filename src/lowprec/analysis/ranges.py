@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .common import fresh_grads
+from .common import fresh_grads, run_model
 from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
@@ -93,7 +93,7 @@ def _stats(layer: str, role: str, t: torch.Tensor, fmt: Format) -> RoleStats:
 
 
 def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", *,
-                  optimizer=None, loss_scale: float = 1.0) -> RangeProfile:
+                  optimizer=None, loss_scale: float = 1.0, output_fn=None) -> RangeProfile:
     """Profile one float32 forward and backward pass of ``model`` on ``batch`` (inputs,
     targets); gradients are taken at ``loss_scale`` (1: what unscaled training stores)."""
     fmt = parse_format(fmt)
@@ -113,7 +113,7 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
             handles.append(m.register_forward_hook(hook))
     try:
         with fresh_grads(model):
-            loss = loss_fn(model(inputs), targets)
+            loss = loss_fn(run_model(model, inputs, output_fn), targets)
             (loss.float() * loss_scale).backward()
             stats: list[RoleStats] = []
             for name, m in model.named_modules():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics.formats import Format, parse_format
-from .common import fresh_grads
+from .common import fresh_grads, run_model
 
 __all__ = ["LossScaleChoice", "find_loss_scale", "gradient_magnitudes", "power_of_two_scale"]
 
@@ -49,7 +49,7 @@ def power_of_two_scale(gmax: float, fmt, headroom: float = 2.0**3,
     return float(min(max(2.0**k, 2.0**-24), max_scale))
 
 
-def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn) -> torch.Tensor:
+def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn, output_fn=None) -> torch.Tensor:
     """|gradient| values of one fp32 backward pass: every parameter gradient and every gradient
     flowing out of a leaf module (the activation gradients fp16 backward would store)."""
     inputs, targets = batch
@@ -69,7 +69,7 @@ def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn) -> torch.Tensor:
             handles.append(m.register_forward_hook(watch))
     try:
         with fresh_grads(model):
-            loss = loss_fn(model(inputs), targets)
+            loss = loss_fn(run_model(model, inputs, output_fn), targets)
             loss.float().backward()
             grads += [p.grad.detach().abs().flatten().float() for p in model.parameters()
                       if p.grad is not None]
@@ -80,7 +80,8 @@ def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn) -> torch.Tensor:
 
 
 def find_loss_scale(model: torch.nn.Module, batch, loss_fn, fmt: str | Format = "fp16", *,
-                    headroom: float = 2.0**3, max_scale: float = 2.0**24) -> LossScaleChoice:
+                    headroom: float = 2.0**3, max_scale: float = 2.0**24,
+                    output_fn=None) -> LossScaleChoice:
     """Pick the largest power-of-two loss scale that keeps the largest scaled gradient at least
     ``headroom`` below ``fmt.max``; report the underflow fractions at 1 and at that scale.
 
@@ -88,7 +89,7 @@ def find_loss_scale(model: torch.nn.Module, batch, loss_fn, fmt: str | Format = 
     smallest subnormal); it overflows when |g| * S exceeds ``fmt.max``.
     """
     fmt = parse_format(fmt)
-    mags = gradient_magnitudes(model, batch, loss_fn).double()
+    mags = gradient_magnitudes(model, batch, loss_fn, output_fn).double()
     nz = mags[mags > 0]
     if nz.numel() == 0:
         return LossScaleChoice(1.0, str(fmt), int(mags.numel()), 0.0, 0.0, 0.0, 0.0, 0.0, headroom)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .common import fresh_grads
+from .common import fresh_grads, run_model
 from ..numerics.formats import Format, parse_format
 from ..numerics.quantize import quantize
 
@@ -52,7 +52,8 @@ def lost_fractions(w: torch.Tensor, dw: torch.Tensor, fmt: Format,
 
 def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *,
                  lr: float = 0.01, optimizer: str = "sgd", eps: float = 1e-8,
-                 generator: torch.Generator | None = None) -> list[LostUpdates]:
+                 generator: torch.Generator | None = None, output_fn=None
+                 ) -> list[LostUpdates]:
     """Per layer, for the update of one optimizer step on ``batch`` computed in float32:
     ``sgd``: Δw = -lr g; ``adam``: its first step, Δw = -lr g / (|g| + eps)."""
     fmt = parse_format(fmt)
@@ -61,7 +62,7 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
     inputs, targets = batch
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     with fresh_grads(model):
-        loss_fn(model(inputs), targets).float().backward()
+        loss_fn(run_model(model, inputs, output_fn), targets).float().backward()
         rows = []
         for name, m in model.named_modules():
             own = [p for p in m.parameters(recurse=False) if p.grad is not None]

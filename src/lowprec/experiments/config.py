@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from ..training.policy import parse_policy, split_top
 
 __all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "OPTIMIZERS", "SCHEDULES", "RunError",
-           "lr_at", "split_policies"]
+           "lr_at", "split_policies", "split_models"]
 
 DEFAULT_POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "16-master")
 
@@ -32,6 +32,17 @@ PRESETS: dict[str, dict] = {
     # OCP MX v1.0 block formats for the weights and activations of every matmul
     "mx": {"policies": ("32-true", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
                         "mxfp4", "mxint8"), "seeds": (0, 1)},
+    # Yun et al. (2023), "In Defense of Pure 16-bit Floating-Point Neural Networks": pure fp16
+    # against fp32 and mixed precision over several architectures. As the authors' code
+    # (github.com/YUNBLAK/standalone_16bits_nn, CNN_MAIN.py): Keras SGD lr 0.01 momentum 0.9,
+    # batch 256, no learning-rate schedule (constant), no weight decay (their ResNets alone
+    # add an L2 term of 1e-4; one setting serves every model here). They train 100 epochs on
+    # CIFAR-10; here the full Fashion-MNIST, 2 epochs x 2 seeds: about an hour on 2 CPU cores
+    # (benchmarks/preset_epoch.py). One comparison per model in OUT/MODEL, a combined report.
+    "yun2023": {"data": "fashion-mnist", "model": "resnet20,vgg,transformer,mobilenet",
+                "policies": ("32-true", "16-true", "16-mixed", "bf16-true"), "seeds": (0, 1),
+                "epochs": 2, "batch_size": 256, "lr": 0.01, "momentum": 0.9,
+                "weight_decay": 0.0, "schedule": "constant"},
 }
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
@@ -134,6 +145,16 @@ class CompareConfig:
         d["policies"] = list(self.policies)
         d["seeds"] = list(self.seeds)
         return d
+
+
+def split_models(spec: str) -> tuple[str, ...]:
+    """``"resnet20,vgg"`` -> ("resnet20", "vgg"): a comparison over several architectures."""
+    models = tuple(m.strip() for m in str(spec).split(",") if m.strip())
+    if not models:
+        raise RunError(f"model={spec!r}: no model given")
+    if len(set(models)) != len(models):
+        raise RunError(f"model={spec!r} names a model twice")
+    return models
 
 
 def split_policies(spec: str) -> list[str]:

@@ -33,7 +33,8 @@ import torch
 from .util import describe_error, import_callable, short
 
 __all__ = ["Dataset", "load_dataset", "load_checked_dataset", "check_dataset", "DatasetNotFound",
-           "read_idx", "write_idx", "DATASETS", "FASHION_MNIST_DIR"]
+           "read_idx", "write_idx", "DATASETS", "FASHION_MNIST_DIR", "load_fashion_mnist",
+           "cache_dir"]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -129,6 +130,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         raw = f.read()
+    return _parse_idx(raw, path)
+
+
+def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
         raise ValueError(f"{path}: not an IDX file (bad magic {raw[:4].hex()})")
     ndim = raw[3]
@@ -180,13 +185,122 @@ def load_idx_dir(directory: str | os.PathLike, name: str = "idx") -> Dataset:
     return _finish(name, xtr, files["ytr"], xte, files["yte"])
 
 
-def load_fashion_mnist(directory: str | None = None) -> Dataset:
+def load_fashion_mnist(directory: str | None = None, *, quiet: bool = False) -> Dataset:
+    """Zalando's Fashion-MNIST (Xiao et al. 2017): the full 60,000 training and 10,000 test
+    images, standardized with the training set's mean and standard deviation.
+
+    The first load decompresses the IDX files (30 MB of gzip) with a progress bar on a
+    terminal, and keeps the raw uint8 arrays in the user's cache (``$LOWPREC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/lowprec`` or ``~/.cache/lowprec``; keyed by the files' paths, sizes and
+    times); later loads read them back in a few milliseconds. The numbers are exactly those
+    of :func:`load_idx_dir` on the same files."""
     d = Path(directory or FASHION_MNIST_DIR)
     if not d.exists():
         raise DatasetNotFound(
             f"fashion-mnist: {d} does not exist; install Debian's package "
             "(apt-get install dataset-fashion-mnist) or pass fashion-mnist:DIR with the IDX files")
-    return load_idx_dir(d, "fashion-mnist")
+    files = {}
+    for key, stem in _IDX_FILES:
+        f = _find(d, stem)
+        if f is None:
+            raise DatasetNotFound(f"fashion-mnist: {d} has no {stem}[.gz]")
+        files[key] = f
+    arrays = _cached_idx(files, quiet)
+    if len(arrays["xtr"]) != len(arrays["ytr"]) or len(arrays["xte"]) != len(arrays["yte"]):
+        raise ValueError(f"fashion-mnist: image and label counts differ in {d}")
+    return _finish_uint8("fashion-mnist", arrays["xtr"], arrays["ytr"], arrays["xte"],
+                         arrays["yte"])
+
+
+_IDX_FILES = [("xtr", "train-images-idx3-ubyte"), ("ytr", "train-labels-idx1-ubyte"),
+              ("xte", "t10k-images-idx3-ubyte"), ("yte", "t10k-labels-idx1-ubyte")]
+
+
+def cache_dir() -> Path:
+    """Where parsed data sets are kept between processes."""
+    if os.environ.get("LOWPREC_CACHE_DIR"):
+        return Path(os.environ["LOWPREC_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lowprec"
+
+
+def _cached_idx(files: dict[str, Path], quiet: bool) -> dict[str, np.ndarray]:
+    import hashlib
+
+    key = hashlib.sha1(repr(sorted((k, str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+                                   for k, f in files.items())).encode()).hexdigest()[:16]
+    cached = cache_dir() / f"idx-{key}.npz"
+    try:
+        with np.load(cached) as z:
+            return {k: z[k] for k in files}
+    except (OSError, KeyError, ValueError):
+        pass
+    arrays = _read_with_progress(files, quiet)
+    try:  # a cache that cannot be written is only slower
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, cached)
+    except OSError:
+        pass
+    return arrays
+
+
+class _Counting:
+    """A binary file that counts the bytes read from it (the compressed bytes, for the bar)."""
+
+    def __init__(self, f, advance) -> None:
+        self.f, self.advance = f, advance
+
+    def read(self, n=-1):
+        b = self.f.read(n)
+        self.advance(len(b))
+        return b
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _read_with_progress(files: dict[str, Path], quiet: bool) -> dict[str, np.ndarray]:
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                               TimeRemainingColumn)
+
+    console = Console(stderr=True)
+    total = sum(f.stat().st_size for f in files.values())
+    out = {}
+    with Progress(TextColumn("reading {task.description}"), BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=console, transient=True,
+                  disable=quiet or not console.is_terminal) as bar:
+        task = bar.add_task(files["xtr"].parent.name, total=total)
+        for k, f in files.items():
+            with open(f, "rb") as raw:
+                counted = _Counting(raw, lambda n: bar.advance(task, n))
+                stream = gzip.GzipFile(fileobj=counted) if f.suffix == ".gz" else counted
+                chunks = []
+                while chunk := stream.read(1 << 20):
+                    chunks.append(chunk)
+            out[k] = _parse_idx(b"".join(chunks), f)
+    return out
+
+
+def _finish_uint8(name, xtr, ytr, xte, yte) -> Dataset:
+    """:func:`_finish` for (N, H, W) uint8 images, in place: the same float32 operations in
+    the same order (x / 255, mean and std over the training set, (x - mean) / std), without
+    the intermediate copies of 60,000 images."""
+    def scaled(a):
+        a = np.require(a, requirements=["C", "W"])  # IDX bytes are read-only: uint8 copy
+        return torch.from_numpy(a).to(torch.float32).div_(255.0)[:, None]
+
+    xtr_t, xte_t = scaled(xtr), scaled(xte)
+    mean = xtr_t.mean(dim=tuple(range(xtr_t.dim())), keepdim=True)
+    std = xtr_t.std(dim=tuple(range(xtr_t.dim())), keepdim=True).clamp_min(1e-6)
+    for x in (xtr_t, xte_t):
+        x.sub_(mean).div_(std)
+    ytr_t = torch.from_numpy(np.array(ytr, dtype=np.int64))
+    yte_t = torch.from_numpy(np.array(yte, dtype=np.int64))
+    num_classes = int(max(ytr_t.max().item(), yte_t.max().item())) + 1
+    return Dataset(name, xtr_t, ytr_t, xte_t, yte_t, num_classes)
 
 
 def load_cifar10(directory: str | os.PathLike) -> Dataset:
@@ -280,11 +394,11 @@ def check_dataset(d: Dataset) -> Dataset:
     return d
 
 
-def load_checked_dataset(spec: str) -> Dataset:
+def load_checked_dataset(spec: str, *, quiet: bool = False) -> Dataset:
     """:func:`load_dataset` then :func:`check_dataset`; any failure to read the files or to call
     the user's function is one line: ValueError (or DatasetNotFound when files are missing)."""
     try:
-        d = load_dataset(spec)
+        d = load_dataset(spec, quiet=quiet)
     except (DatasetNotFound, ValueError):
         raise
     except MemoryError:
@@ -297,11 +411,14 @@ def load_checked_dataset(spec: str) -> Dataset:
     return check_dataset(d)
 
 
-def load_dataset(spec: str) -> Dataset:
-    """Load a dataset by name or ``kind:PATH`` / ``module:function`` (see the module docstring)."""
+def load_dataset(spec: str, *, quiet: bool = False) -> Dataset:
+    """Load a dataset by name or ``kind:PATH`` / ``module:function`` (see the module docstring).
+    ``quiet``: no progress bar (the first load of Fashion-MNIST shows one on a terminal)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"dataset {spec!r}; accepted: {_ACCEPTED}")
     s = spec.strip()
+    if s == "fashion-mnist":
+        return load_fashion_mnist(quiet=quiet)
     if s in DATASETS:
         return DATASETS[s]()
     kind, sep, rest = s.partition(":")
@@ -311,7 +428,7 @@ def load_dataset(spec: str) -> Dataset:
         if kind == "cifar10":
             return load_cifar10(rest)
         if kind == "fashion-mnist":
-            return load_fashion_mnist(rest)
+            return load_fashion_mnist(rest, quiet=quiet)
         if rest and rest.isidentifier():
             return load_user(s)
     raise ValueError(f"unknown dataset {spec!r}; accepted: {_ACCEPTED}")

@@ -1,7 +1,7 @@
 """Models: one definition serves every policy (no ``vgg_low.py`` beside ``vgg.py``).
 
 ``build_model(name, input_shape, num_classes)`` with name one of ``mlp``, ``lenet5``,
-``resnet20``, ``vgg``, ``cnn1d``, ``transformer``, or ``module:function`` for your own
+``resnet20``, ``vgg``, ``cnn1d``, ``transformer``, ``mobilenet``, or ``module:function`` for your own
 (called as ``function(input_shape, num_classes)``, returning an ``nn.Module``).
 """
 
@@ -14,8 +14,8 @@ from torch import nn
 
 from .util import describe_error, import_callable, short
 
-__all__ = ["build_model", "build_checked_model", "check_model", "MODELS", "MLP", "LeNet5", "ResNet20", "SmallVGG", "CNN1d",
-           "TransformerClassifier"]
+__all__ = ["build_model", "build_checked_model", "check_model", "MODELS", "MLP", "LeNet5",
+           "ResNet20", "SmallVGG", "CNN1d", "TransformerClassifier", "MobileNetV2Small"]
 
 
 class MLP(nn.Sequential):
@@ -159,8 +159,58 @@ class TransformerClassifier(nn.Module):
         return self.head(self.norm(z.mean(dim=1)))
 
 
+class _InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expansion, 3x3 depthwise, 1x1 linear projection (no ReLU after
+    it: a ReLU in the low-dimensional bottleneck destroys information, Sandler et al. 2018,
+    section 3.2); a residual connection when the shapes allow it."""
+
+    def __init__(self, cin, cout, stride, expand):
+        super().__init__()
+        hidden = cin * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+        layers += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+                   nn.BatchNorm2d(hidden), nn.ReLU6(),
+                   nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        return x + self.block(x) if self.residual else self.block(x)
+
+
+class MobileNetV2Small(nn.Module):
+    """A MobileNetV2 (Sandler et al. 2018) for small images: inverted residual blocks with
+    depthwise convolutions and ReLU6, scaled down for 28x28 or 32x32 inputs (stem of stride
+    1; stages (expansion, channels, blocks, stride) = (1, 16, 1, 1), (4, 24, 2, 2),
+    (4, 32, 2, 2), (4, 64, 2, 1); a 1x1 convolution to 128 channels, average pooling, linear).
+    Depthwise convolutions are the layers the paper's MobileNet results stress: few weights
+    each, so few accumulations per output."""
+
+    STAGES = ((1, 16, 1, 1), (4, 24, 2, 2), (4, 32, 2, 2), (4, 64, 2, 1))
+
+    def __init__(self, input_shape, num_classes, width=16, head=128):
+        super().__init__()
+        c = input_shape[0]
+        self.stem = nn.Sequential(nn.Conv2d(c, width, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU6())
+        blocks, cin = [], width
+        for expand, cout, n, stride in self.STAGES:
+            for i in range(n):
+                blocks.append(_InvertedResidual(cin, cout, stride if i == 0 else 1, expand))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(nn.Conv2d(cin, head, 1, bias=False), nn.BatchNorm2d(head),
+                                  nn.ReLU6(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(head, num_classes))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
 MODELS = {"mlp": MLP, "lenet5": LeNet5, "resnet20": ResNet20, "vgg": SmallVGG, "cnn1d": CNN1d,
-          "transformer": TransformerClassifier}
+          "transformer": TransformerClassifier, "mobilenet": MobileNetV2Small}
 _ACCEPTED = ", ".join(MODELS) + ", module:function"
 
 

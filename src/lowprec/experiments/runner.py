@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import __version__
 from ..analysis.certify import certify
-from .config import CompareConfig, RunError, lr_at
+from .config import CompareConfig, RunError, lr_at, split_models
 from .data import Dataset, load_checked_dataset
 from .models import build_checked_model
 from ..training.optim import SGD, Adam
@@ -40,7 +40,9 @@ from .runfolder import (FolderLock, RunIOError, atomic_torch_save, io_error,
 from .system import tune_cpu_allocator
 
 __all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
-           "certificate_formats", "config_differences", "check_policies", "failed_runs"]
+           "certificate_formats", "config_differences", "check_policies", "failed_runs",
+           "run_id_of", "checkpoint_path", "resumable", "start_run_record", "failure_message",
+           "mark_unrequested"]
 
 def environment() -> dict:
     """Library versions, git revision and hardware, recorded with every run."""
@@ -251,6 +253,49 @@ def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
             p.grad = g
 
 
+def run_id_of(policy: str, seed: int) -> str:
+    """The key of a (policy, seed) run in results.db."""
+    return f"{policy}|seed={seed}"
+
+
+def checkpoint_path(out: Path, run_id: str) -> Path:
+    """Where a run's checkpoint lives in the run folder."""
+    return out / "checkpoints" / f"{_run_key(run_id)}.pt"
+
+
+def resumable(existing: dict | None) -> bool:
+    """A stored run that continues (from its checkpoint) rather than starts afresh."""
+    return _resumable(existing)
+
+
+def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: str, seed: int,
+                     env: dict) -> None:
+    """What :func:`train_run` records when a run starts afresh (its row, backend and memory
+    ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
+    built as train_run builds it, and measured without a trace, so the run trains the same."""
+    run_id = run_id_of(policy, seed)
+    torch.manual_seed(seed)
+    model = build_checked_model(cfg.model, data)
+    opt = _make_optimizer(cfg, model)
+    prec = Precision(policy, seed=seed)
+    model, opt = prec.setup(model, opt)
+    x_train, y_train = data.x_train, data.y_train
+    if cfg.train_subset:
+        x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
+    db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
+                 config=cfg.to_json(), versions=env["versions"], git=env["git"],
+                 hardware=env["hardware"])
+    db.set_backend(run_id, prec.backend)
+    batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
+    db.record_memory(run_id, _measure_memory(prec, model, batch))
+
+
+def failure_message(err: BaseException) -> str:
+    """The one line a failed run stores."""
+    msg = "".join(traceback.format_exception_only(type(err), err)).strip()
+    return " ".join(msg.split())[:500]
+
+
 def _resumable(existing: dict | None) -> bool:
     return existing is not None and (existing["status"] == "running" or (
         existing["status"] == "failed" and existing.get("error") == NOT_REQUESTED))
@@ -263,7 +308,7 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
     the run folder's lock. A finished or diverged run is left as stored."""
     progress = progress or _Progress(1, True)
     run_id = f"{policy}|seed={seed}"
-    ckpt_path = out / "checkpoints" / f"{_run_key(run_id)}.pt"
+    ckpt_path = checkpoint_path(out, run_id)
     existing = db.run(run_id)
     if existing and existing["status"] in ("finished", "diverged"):
         progress.run_done()
@@ -374,9 +419,14 @@ def _disk_error(err: BaseException, db_path: Path) -> RunIOError:
     return io_error(db_path, "results", err)
 
 
-def run_compare(cfg: CompareConfig, *, force_config: bool = False) -> Path:
+def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
     """Train every policy x seed of ``cfg``, store the results, write the report.
     Returns the run folder.
+
+    ``executor`` decides where the runs execute: None runs them one after another in this
+    process; :class:`lowprec.experiments.executors.RayExecutor` runs each as a Ray task. Either
+    way this process is the only writer of results.db. Several models (``cfg.model``
+    comma-separated) run one comparison per model (:mod:`lowprec.experiments.multi`).
 
     The folder is locked for the whole call (:class:`FolderLock`). With ``cfg.resume`` the
     stored configuration must match ``cfg`` (RunError listing the differences) unless
@@ -384,6 +434,10 @@ def run_compare(cfg: CompareConfig, *, force_config: bool = False) -> Path:
     RunIOError when the disk fails, and KeyboardInterrupt as is (the folder stays resumable).
     """
     cfg.validate()
+    if len(split_models(cfg.model)) > 1:  # one comparison per architecture
+        from .multi import run_models
+
+        return run_models(cfg, executor, force_config=force_config)
     tune_cpu_allocator()
     out = Path(cfg.out)
     _prepare_out(out)
@@ -395,7 +449,7 @@ def run_compare(cfg: CompareConfig, *, force_config: bool = False) -> Path:
                            "another --out")
         check_policies(cfg)
         try:
-            data = load_checked_dataset(cfg.data)
+            data = load_checked_dataset(cfg.data, quiet=cfg.quiet)
             build_checked_model(cfg.model, data)
         except ValueError as err:
             raise RunError(str(err)) from None
@@ -408,7 +462,11 @@ def run_compare(cfg: CompareConfig, *, force_config: bool = False) -> Path:
             raise io_error(db_path, "the results database", err) from None
         try:
             _check_and_record_config(db, cfg, force_config)
-            _train_all(cfg, data, db, out)
+            if executor is None:
+                _train_all(cfg, data, db, out)
+            else:
+                mark_unrequested(db, cfg)
+                executor.execute(cfg, data, db, out, environment())
             from .report import write_report
 
             write_report(out, db)
@@ -435,13 +493,18 @@ def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> 
         db.set_meta("config", cfg.to_json())
 
 
+def mark_unrequested(db: ResultsDB, cfg: CompareConfig) -> None:
+    """Interrupted runs this comparison no longer asks for are failed, NOT_REQUESTED."""
+    wanted = {f"{p}|seed={s}" for p in cfg.policies for s in cfg.seeds}
+    for r in db.runs():
+        if r["status"] == "running" and r["run_id"] not in wanted:
+            db.finish_run(r["run_id"], "failed", error=NOT_REQUESTED)
+
+
 def _train_all(cfg: CompareConfig, data: Dataset, db: ResultsDB, out: Path) -> None:
     env = environment()
     runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
-    wanted = {f"{p}|seed={s}" for p, s in runs}
-    for r in db.runs():  # interrupted runs this comparison no longer asks for
-        if r["status"] == "running" and r["run_id"] not in wanted:
-            db.finish_run(r["run_id"], "failed", error=NOT_REQUESTED)
+    mark_unrequested(db, cfg)
     with _Progress(len(runs), cfg.quiet) as progress:
         for policy, seed in runs:
             try:

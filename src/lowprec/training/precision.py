@@ -26,12 +26,13 @@ from __future__ import annotations
 import weakref
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
 
 from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
-from ..numerics.quantize import quantize_
+from ..numerics.quantize import quantize, quantize_
 from ..numerics.storage import storage_dtype
 from .emulation import Emulation
 from .loss_scale import LossScale, make_loss_scale
@@ -39,6 +40,7 @@ from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
 from .regimes import GroupKey, Regime, Role, regimes_for
+from .tree import cast_floating, map_floating
 
 # models a Precision has converted (weak: a model's copy is not in it; a dead model leaves it)
 _SET_UP: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -91,6 +93,10 @@ class Precision:
         self.nonfinite = 0
         self.trace: list[dict] = []
         self._handles: list = []
+        self._added: list = []  # parameters the regimes added to the model
+        self._optimizers: dict[int, object] = {}  # id -> optimizer setup configured or returned
+        self._given: dict[int, object] = {}  # id of an optimizer setup wrapped -> the wrapper
+        self._unscaled: dict[int, bool] = {}  # id of an optimizer unscale_() ran on -> found_inf
 
     # -- regimes -----------------------------------------------------------------------------
     def _resolve(self, fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
@@ -157,24 +163,78 @@ class Precision:
                     model.to(memory_format=fmt)
 
                 def cast(a):
-                    if not (torch.is_tensor(a) and a.is_floating_point()):
-                        return a
                     a = a.to(dtype)
                     return a.contiguous(memory_format=fmt) if fmt is not None and a.dim() == 4 \
                         else a
 
+                # floating tensors anywhere in the positional and keyword inputs; integer ones
+                # (token ids, masks) stay as they are
                 self._handles.append(model.register_forward_pre_hook(
-                    lambda m, args: tuple(cast(a) for a in args)))
+                    lambda m, args, kwargs: (map_floating(args, cast), map_floating(kwargs, cast)),
+                    with_kwargs=True))
         else:
             self.emulation = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
                                        overrides=self.overrides, **self._engine_options())
             self._store_emulated(model)
+        self._added = added
         if optimizer is not None:
-            for regime in self.regimes:
-                regime.configure_optimizer(optimizer, added)
-            optimizer = self._setup_optimizer(optimizer)
+            optimizer = self.setup_optimizer(optimizer)
         self.optimizer = optimizer
         return model, optimizer
+
+    def setup_optimizer(self, optimizer):
+        """Configure or wrap one more optimizer of the model ``setup`` converted (a second
+        optimizer, one created after ``setup``); returns the object to step."""
+        if self.model is None:
+            raise RuntimeError("setup_optimizer() needs setup(model) first")
+        if id(optimizer) in self._optimizers:  # already configured, or a wrapper it returned
+            return optimizer
+        if id(optimizer) in self._given:
+            return self._given[id(optimizer)]
+        known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        added = [p for p in self._added if id(p) not in known]  # built on model.parameters()
+        for regime in self.regimes:
+            regime.configure_optimizer(optimizer, added)
+        out = self._setup_optimizer(optimizer)
+        self._optimizers[id(out)] = out
+        if out is not optimizer:
+            self._given[id(optimizer)] = out
+        self._warn_adam_eps(optimizer, out)
+        return out
+
+    def _needs_wrap(self) -> bool:
+        pol = self.policy
+        lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
+        # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
+        # stepping 16-bit tensors itself would already have rounded to nearest
+        return (pol.master is not None or pol.update is not WriteBack.NEAREST
+                or (self.backend is Backend.EMULATED and lowp_storage))
+
+    def _warn_adam_eps(self, given, out) -> None:
+        """torch's Adam computes sqrt(v) + eps in the dtype of its state: with fp16 state,
+        eps = 1e-8 rounds to 0 (fp16's smallest subnormal is 6e-8) and so do squared gradients
+        below 6e-8, so the update divides by zero (NaN within a few steps, as ``model.half()``
+        with torch.optim.Adam does). lowprec's Adam keeps the maths in fp32 and stores sqrt(v)."""
+        if not isinstance(given, (torch.optim.Adam, torch.optim.AdamW)):
+            return
+        pol = self.policy
+        if isinstance(out, FormatOptimizer):
+            fmt = FP32 if out.masters is not None else pol.optimizer_state
+        elif self.backend is Backend.NATIVE and pol.scope is Scope.ALL:
+            fmt = pol.params
+        else:
+            return
+        eps = float(given.defaults.get("eps", 1e-8))
+        if fmt == FP32 or isinstance(fmt, DynamicFixedFormat):  # its range is set per group
+            return
+        if quantize(torch.tensor([eps]), fmt).item() != 0:
+            return
+        warnings.warn(
+            f"torch.optim.{type(given).__name__} keeps its state in {fmt} under policy {pol}, "
+            f"where eps={eps:g} rounds to 0 and small squared gradients flush to zero: its "
+            "update divides by zero and turns NaN. Use lowprec.optim.Adam / lowprec.optim.AdamW "
+            "(fp32 maths, sqrt of the second moment stored), or o=fp32 in the policy.",
+            UserWarning, stacklevel=4)  # the caller of setup()
 
     @torch.no_grad()
     def _store_emulated(self, model: nn.Module) -> None:
@@ -210,12 +270,7 @@ class Precision:
         if isinstance(optimizer, PolicyOptimizer):
             optimizer.configure_storage(**kwargs)
             return optimizer
-        lowp_storage = pol.params != FP32 or pol.optimizer_state != FP32
-        # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
-        # stepping 16-bit tensors itself would already have rounded to nearest
-        needs_wrap = (pol.master is not None or pol.update is not WriteBack.NEAREST
-                      or (emulated and lowp_storage))
-        if needs_wrap:
+        if self._needs_wrap():
             wrapped = FormatOptimizer(optimizer, **{k: v for k, v in kwargs.items()
                                                     if k not in options})
             wrapped.configure_storage(**kwargs)
@@ -226,9 +281,7 @@ class Precision:
         """Cast floating tensors to the model's storage dtype (pure native policies)."""
         if (self.backend is Backend.NATIVE and self.policy.scope is Scope.ALL
                 and self.policy.params != FP32):
-            dtype = storage_dtype(self.policy.params)
-            if torch.is_tensor(x) and x.is_floating_point():
-                return x.to(dtype)
+            return cast_floating(x, storage_dtype(self.policy.params))
         return x
 
     # -- the loop ----------------------------------------------------------------------------
@@ -279,19 +332,12 @@ class Precision:
                 gs, f, torch.full((1,), inv_scale, device=dev))
             found += f.to(found.device)
 
-    @torch.no_grad()
-    def step(self, optimizer=None) -> bool:
-        """Unscale, check every gradient for Inf/NaN in one fused pass (all-reduced across
-        ranks), skip or step, update the loss scale and the trace. Returns True if it stepped."""
-        optimizer = optimizer if optimizer is not None else self.optimizer
-        if optimizer is None:
-            raise ValueError("step() needs an optimizer (pass it, or give one to setup())")
-        params = self._params_with_grads(optimizer)
+    def _found_inf(self, params, scale_by: float) -> bool:
+        """Round the gradients as parameter-format storage holds them (emulated 16-bit
+        parameters), check them all for Inf/NaN in one fused pass (all-reduced across ranks),
+        multiplying them by ``scale_by`` on the way."""
         grads = [p.grad for p in params]
-        scale = self.loss_scale.scale
-        takes_scale = isinstance(optimizer, PolicyOptimizer)
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, device=device)
+        found = torch.zeros(1, device=grads[0].device)
         em = self.emulation
         pfmts = [em.param_format(self._names.get(id(p), "")) if em is not None
                  else self.policy.params for p in params]
@@ -305,10 +351,51 @@ class Precision:
                 if fmt != FP32:
                     key = GroupKey(Role.PARAM_GRAD, self._names.get(id(p), str(id(p))))
                     quantize_(p.grad, self._resolve(fmt, key, p.grad))
-        self._check(grads, found, 1.0 if takes_scale else 1.0 / scale)
+        self._check(grads, found, scale_by)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        found_inf = bool(found.item() > 0)
+        return bool(found.item() > 0)
+
+    def _grads_of(self, optimizer, what: str):
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if optimizer is None:
+            raise ValueError(f"{what}() needs an optimizer (pass it, or give one to setup())")
+        self._check_optimizer(optimizer)
+        return optimizer, self._params_with_grads(optimizer)
+
+    @torch.no_grad()
+    def unscale_(self, optimizer=None) -> bool:
+        """Divide ``optimizer``'s gradients by the loss scale in place and check them for
+        Inf/NaN, as ``torch.amp.GradScaler.unscale_`` does, so that they can be clipped before
+        ``step``; once per step (a second call raises, like torch's). The division is done in the
+        gradients' dtype: fp32 carriers (emulation) keep every value, native fp16 gradients
+        flush values below 2**-24 (without ``unscale_``, ``step`` unscales inside lowprec's
+        optimizers in fp32). Returns whether an Inf/NaN was found."""
+        optimizer, params = self._grads_of(optimizer, "unscale_")
+        if id(optimizer) in self._unscaled:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last step()")
+        found_inf = bool(params) and self._found_inf(params, 1.0 / self.loss_scale.scale)
+        self._unscaled[id(optimizer)] = found_inf
+        return found_inf
+
+    @torch.no_grad()
+    def step(self, optimizer=None, *, update: bool = True) -> bool:
+        """Unscale, check every gradient for Inf/NaN in one fused pass (all-reduced across
+        ranks), skip or step, update the loss scale (unless ``update=False``: the GradScaler
+        facade updates once after all optimizers) and the trace. Returns True if it stepped."""
+        optimizer, params = self._grads_of(optimizer, "step")
+        unscaled = self._unscaled.pop(id(optimizer), None)
+        if not params:
+            warnings.warn("step() found no gradients: call prec.backward(loss) first; nothing "
+                          "was stepped and the step was not counted", UserWarning, stacklevel=3)
+            return False
+        scale = self.loss_scale.scale
+        takes_scale = isinstance(optimizer, PolicyOptimizer) and unscaled is None
+        if unscaled is None:
+            found_inf = self._found_inf(params, 1.0 if takes_scale else 1.0 / scale)
+        else:
+            found_inf = unscaled
         skip = found_inf and self.loss_scale.skips_nonfinite
         if not skip:
             if takes_scale and scale != 1.0:
@@ -322,8 +409,24 @@ class Precision:
         self.steps += 1
         self.skipped += int(skip)
         self.nonfinite += int(found_inf)
-        self.loss_scale.update(found_inf)
+        if update:
+            self.loss_scale.update(found_inf)
         return not skip
+
+    def _check_optimizer(self, optimizer) -> None:
+        """An optimizer ``setup`` never saw would step 16-bit weights off the format's grid
+        (or skip master weights) silently: refuse it where setup would have changed it."""
+        if optimizer is self.optimizer or id(optimizer) in self._optimizers:
+            return
+        if id(optimizer) in self._given:
+            raise ValueError(
+                f"step() got the {type(optimizer).__name__} given to setup(), which wrapped it: "
+                "step the optimizer that setup() returned")
+        if isinstance(optimizer, PolicyOptimizer) or self._needs_wrap():
+            raise ValueError(
+                f"step() got a {type(optimizer).__name__} that setup() never saw; under policy "
+                f"{self.policy} it must be configured: opt = prec.setup_optimizer(opt) (or pass "
+                "it to setup)")
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ...numerics.formats import FP32, Format
@@ -14,16 +12,7 @@ from .writeback import Storage, kahan_write, round_to
 __all__ = ["FormatOptimizer"]
 
 
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's defaults its constructor accepts: torch's AdamW keeps
-    ``decoupled_weight_decay`` in its defaults (inherited from Adam) but does not take it."""
-    params = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in params}
-
-
-class FormatOptimizer(PolicyOptimizer):
+class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
     """Any torch optimizer under a policy's storage rules.
 
     With master weights (Apex O2), the wrapped optimizer steps fp32 copies of the parameters
@@ -34,37 +23,61 @@ class FormatOptimizer(PolicyOptimizer):
     copied from the parameters before each step (no precision is kept across steps, unlike
     master weights), so the update is computed in fp32 and the write-back mode sees it whole;
     a torch optimizer stepping bf16 tensors itself would have rounded it to nearest already.
+
+    The user's optimizer object is kept, never rebuilt: master weights (or shadows) are swapped
+    into its own parameter groups in place, so every group key survives (AdamW's
+    ``decoupled_weight_decay``, ``foreach``, ``fused``...). The wrapper is a
+    ``torch.optim.Optimizer`` whose ``param_groups``, ``defaults`` and ``state`` *are* the
+    wrapped optimizer's: a ``torch.optim.lr_scheduler`` built on either object, before or after
+    ``Precision.setup``, sets the learning rate the step actually uses.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, param_format=None, state_format=None,
                  master_format=None, update="nearest", generator=None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FormatOptimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
         self.storage = Storage(param_format, state_format, master_format, update, generator)
+        self.optimizer = optimizer
         self.model_params = [p for g in optimizer.param_groups for p in g["params"]]
         self.shadow = master_format is None and self.storage.update != "nearest" and any(
             p.dtype != torch.float32 for p in self.model_params)
+        self.masters = None
         if master_format is not None or self.shadow:
-            mdt = torch.float32 if self.shadow else storage_dtype(self.storage.master_format)
-            self.masters = [p.detach().to(mdt).clone().requires_grad_(True)
-                            for p in self.model_params]
-            it = iter(self.masters)
-            groups = []
+            self.masters = []
             for g in optimizer.param_groups:
-                ng = {k: v for k, v in g.items() if k != "params"}
-                ng["params"] = [next(it) for _ in g["params"]]
-                groups.append(ng)
-            self.optimizer = type(optimizer)(groups, **_constructor_defaults(optimizer))
-        else:
-            self.masters = None
-            self.optimizer = optimizer
+                g["params"] = self._masters_for(g["params"])
+        # torch's Optimizer.__init__ on the wrapped groups: add_param_group keeps the same dicts
+        # (it only fills missing defaults into them), so both objects see one set of groups
+        self._sharing = False
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._sharing = True
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
         self.compensation: dict[int, torch.Tensor] = {}
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def _masters_for(self, params) -> list[torch.Tensor]:
+        """fp32 (or master-format) copies of ``params``; any state the optimizer already holds
+        for a parameter moves to its copy."""
+        mdt = torch.float32 if self.shadow else storage_dtype(self.storage.master_format)
+        out = []
+        for p in params:
+            m = p.detach().to(mdt).clone().requires_grad_(True)
+            if p in self.optimizer.state:
+                self.optimizer.state[m] = self.optimizer.state.pop(p)
+            out.append(m)
+        self.masters.extend(out)
+        return out
 
-    @property
-    def state(self):
-        return self.optimizer.state
+    def add_param_group(self, param_group: dict) -> None:
+        if not self._sharing:  # torch's __init__ registering the groups already shared
+            return
+        params = param_group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        self.model_params.extend(params)
+        group = dict(param_group)
+        group["params"] = self._masters_for(params) if self.masters is not None else params
+        self.optimizer.add_param_group(group)
 
     def configure_storage(self, **kwargs) -> None:
         self.storage.configure(**kwargs)

@@ -25,7 +25,8 @@ from torch import nn
 from ...numerics.formats import BinaryFormat
 from .base import Regime, register_regime
 
-__all__ = ["BinaryRegime", "BinaryLinear", "BinaryConv2d", "BinaryActivation", "binarize", "binarize_weights",
+__all__ = ["BinaryRegime", "BinaryLinear", "BinaryConv2d", "BinaryActivation", "FeatureBatchNorm",
+           "binarize", "binarize_weights",
            "sign_ste", "clip_latent_weights", "binary_layers", "glorot_lr_scales",
            "apply_lr_scales"]
 
@@ -73,14 +74,34 @@ class _BinaryMixin:
         return binarize_weights(self.weight, self.stochastic and self.training, self.generator)
 
 
+    def _after(self, y):
+        # the BatchNorm binarize() attaches as a child (``bn``), so that the layer keeps its
+        # own attributes (``weight``, which e.g. Hugging Face's ViT reads for its input dtype)
+        bn = self._modules.get("bn")
+        return bn(y) if bn is not None else y
+
+
 class BinaryLinear(_BinaryMixin, nn.Linear):
     def forward(self, x):
-        return nn.functional.linear(x, self.binary_weight(), self.bias)
+        return self._after(nn.functional.linear(x, self.binary_weight(), self.bias))
 
 
 class BinaryConv2d(_BinaryMixin, nn.Conv2d):
     def forward(self, x):
-        return self._conv_forward(x, self.binary_weight(), self.bias)
+        return self._after(self._conv_forward(x, self.binary_weight(), self.bias))
+
+
+class FeatureBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over the last (feature) axis of an input of any rank: (N, C) as BatchNorm1d,
+    and (N, L, C) token sequences as one batch of N * L feature vectors (the statistics of
+    every position of every sequence), which is how BinaryNet's batch normalization after a
+    fully connected layer reads for a transformer's per-token linear layers."""
+
+    def forward(self, x):
+        if x.dim() == 2:
+            return super().forward(x)
+        shape = x.shape
+        return super().forward(x.reshape(-1, shape[-1])).reshape(shape)
 
 
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.LeakyReLU, nn.GELU, nn.SiLU,
@@ -114,13 +135,12 @@ def binarize(model: nn.Module, *, stochastic: bool = False,
                 b = _binary_copy(child, stochastic, generator)
                 nxt = parent._modules.get(names[i + 1]) if i + 1 < len(names) else None
                 if batchnorm and not isinstance(nxt, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                    bn = (nn.BatchNorm1d if isinstance(child, nn.Linear) else nn.BatchNorm2d)(
+                    bn = (FeatureBatchNorm if isinstance(child, nn.Linear) else nn.BatchNorm2d)(
                         child.out_features if isinstance(child, nn.Linear) else
                         child.out_channels).to(child.weight.device)
                     added.extend(bn.parameters())
-                    parent._modules[name] = nn.Sequential(b, bn)
-                else:
-                    parent._modules[name] = b
+                    b.bn = bn
+                parent._modules[name] = b
             elif isinstance(child, _ACTIVATIONS):
                 parent._modules[name] = BinaryActivation()
             elif isinstance(child, (BinaryLinear, BinaryConv2d, BinaryActivation)):

@@ -34,8 +34,10 @@ class Controller:
 
     @staticmethod
     def _clamp(r: int, fmt: DynamicFixedFormat) -> int:
-        # frac bits = bits - r - 1 must stay in [0, 149]: the grid must be a float32 value
-        return max(min(r, fmt.bits - 1), fmt.bits - 150)
+        # frac bits = bits - r - 1 must stay in [0, 149] (the grid must be a float32 value) and
+        # the integer bits r + 1 at or above -126 (FixedFormat's range): a group that only ever
+        # sees zeros (an all-zero initial LSTM state) shrinks to that floor and stays there
+        return max(min(r, fmt.bits - 1), fmt.bits - 150, -127)
 
     def range_of(self, key: Hashable) -> int | None:
         g = self.groups.get(key)

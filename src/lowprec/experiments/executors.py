@@ -1,0 +1,398 @@
+"""Where the runs of a comparison execute: on a Ray cluster, each (policy, seed) run a Ray task.
+
+``run_compare(cfg)`` runs every run in its own process, one after another (the local executor,
+the default). ``run_compare(cfg, RayExecutor(...))`` submits every run as a task of Ray
+(Moritz et al. 2018, the engine under Ray Tune), with the resources asked for (CPUs, GPUs)
+and ``max_retries``: Ray schedules them over the cluster, and runs again a task whose worker
+died. lowprec writes no scheduler of its own.
+
+The division of labour:
+
+* the **driver** (the ``lowprec compare`` process) opens every run's row in results.db, ships
+  the dataset once through Ray's object store, and is the only writer of results.db: SQLite has
+  one writer, and a network file system is no place for SQLite's locks;
+* a **task** checks that it sees the run folder (a token file the driver wrote), trains the run
+  with :func:`lowprec.experiments.runner.train_run` and sends every write it would have made
+  (epochs, memory ledger, analyses, status) and its progress to the driver through a Ray queue;
+* **checkpoints** are written by the task into the run folder (``checkpoints/``, atomic
+  rename), after every epoch: a retried task, or a later ``--resume``, continues from them and
+  gives the same numbers as an uninterrupted run. The run folder must therefore be on storage
+  that every node of the cluster mounts at the same path (NFS, a cluster file system);
+  a task that cannot read the token fails the comparison with a one-line error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .config import RunError
+from .runner import (checkpoint_path, failure_message, resumable, run_id_of, start_run_record,
+                     train_run)
+
+__all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ray",
+           "EXECUTORS", "TOKEN_FILE", "FAULT_ENV", "Progress"]
+
+EXECUTORS = ("local", "ray")
+TOKEN_FILE = ".lowprec-shared-token"
+#: test hook: "RUN_ID@EPOCH" makes the task of that run kill its own process once, after the
+#: checkpoint of EPOCH (0-based) is written, as a node failure would (read by the driver)
+FAULT_ENV = "LOWPREC_RAY_TEST_KILL"
+
+
+class SharedStorageError(RuntimeError):
+    """A Ray task cannot see the run folder the driver writes to."""
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RunError("--executor ray needs Ray: pip install 'lowprec[ray]' (or pip install "
+                       "ray)") from None
+    return ray
+
+
+@contextmanager
+def _worker_pythonpath():
+    """Workers of a local instance are spawned with this process's environment: make the
+    copy of lowprec this process imported importable there too (a source checkout run with
+    PYTHONPATH=src, or an installed package)."""
+    import lowprec
+
+    root = str(Path(lowprec.__file__).resolve().parent.parent)
+    old = os.environ.get("PYTHONPATH")
+    parts = [root] + ([old] if old else [])
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """Start a Ray instance on this machine (``num_cpus`` defaults to every CPU), without the
+    dashboard, its workers able to import this lowprec."""
+    import logging
+
+    ray = _import_ray()
+    with _worker_pythonpath():
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                 logging_level=logging.WARNING, configure_logging=True)
+
+
+class RayExecutor:
+    """Each run a Ray task: ``num_cpus=cpus_per_run``, ``num_gpus=gpus_per_run``,
+    ``max_retries`` (a task whose worker dies is run again, from its checkpoint).
+
+    ``address`` connects to an existing cluster (``ray start --head`` printed it; "auto" finds
+    one on this node); without it a local instance is started with ``num_cpus`` CPUs (default:
+    every CPU of this machine) and stopped at the end. A Ray instance already initialized in
+    this process is used as it is."""
+
+    def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
+                 cpus_per_run: float = 1, gpus_per_run: float = 0, max_retries: int = 3):
+        for name, value, ok in [
+                ("cpus_per_run", cpus_per_run, _number(cpus_per_run) and cpus_per_run > 0),
+                ("gpus_per_run", gpus_per_run, _number(gpus_per_run) and gpus_per_run >= 0),
+                ("max_retries", max_retries, isinstance(max_retries, int) and max_retries >= 0),
+                ("num_cpus", num_cpus, num_cpus is None or (isinstance(num_cpus, int)
+                                                            and num_cpus > 0))]:
+            if not ok:
+                raise ValueError(f"{name}={value!r} is not valid (must be a positive number"
+                                 f"{'' if name == 'cpus_per_run' else ' or 0'})")
+        if address is not None and num_cpus is not None:
+            raise ValueError("num_cpus is for a local Ray instance; a cluster at --ray-address "
+                             "has its own CPUs")
+        self.address, self.num_cpus = address, num_cpus
+        self.cpus_per_run, self.gpus_per_run, self.max_retries = (cpus_per_run, gpus_per_run,
+                                                                  max_retries)
+
+    def __repr__(self) -> str:
+        where = self.address or f"local, {self.num_cpus or os.cpu_count()} CPUs"
+        return (f"RayExecutor({where}; {self.cpus_per_run} CPU, {self.gpus_per_run} GPU per "
+                f"run, {self.max_retries} retries)")
+
+    @contextmanager
+    def connected(self):
+        """Connected to Ray (started if need be) for the whole block: several comparisons
+        share one instance (a comparison over several models)."""
+        ray = _import_ray()
+        if ray.is_initialized():
+            yield
+            return
+        self._connect(ray)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+    def _connect(self, ray) -> None:
+        if self.address is None:
+            start_local_ray(self.num_cpus)
+            return
+        import logging
+
+        try:
+            ray.init(address=self.address, logging_level=logging.WARNING)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise RunError(f"cannot connect to the Ray cluster at {self.address!r}: "
+                           f"{str(err).splitlines()[0] if str(err) else err}") from None
+
+    def execute(self, cfg, data, db, out: Path, env: dict) -> None:
+        """Run every (policy, seed) of ``cfg`` not yet finished as a task; write what the tasks
+        send into ``db``; record a task that failed for good as failed. A run that starts
+        afresh gets its row (and memory ledger) from this driver first, so that a task, and a
+        task retried, only ever continues it: from its checkpoint when there is one."""
+        runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
+        out = Path(out).resolve()
+        with Progress(len(runs), cfg.quiet) as progress:
+            todo = []
+            for policy, seed in runs:
+                run_id = run_id_of(policy, seed)
+                existing = db.run(run_id)
+                if existing and existing["status"] in ("finished", "diverged"):
+                    progress.run_done()
+                    continue
+                if not (resumable(existing) and db.memory(run_id) is not None):
+                    checkpoint_path(out, run_id).unlink(missing_ok=True)  # not this row's
+                    start_run_record(db, cfg, data, policy, seed, env)
+                todo.append((policy, seed))
+            if not todo:
+                return
+            ray = _import_ray()
+            started = not ray.is_initialized()
+            if started:
+                self._connect(ray)
+            try:
+                self._execute(ray, cfg, data, todo, db, out, progress)
+            finally:
+                if started:
+                    ray.shutdown()
+
+    def _execute(self, ray, cfg, data, todo, db, out: Path, progress) -> None:
+        from ray.util.queue import Queue
+
+        token = secrets.token_hex(16)
+        token_path = out / TOKEN_FILE
+        token_path.write_text(token)
+        fault = os.environ.get(FAULT_ENV) or None
+        queue = Queue(actor_options={"num_cpus": 0})
+        task = ray.remote(_run_task).options(num_cpus=self.cpus_per_run,
+                                             num_gpus=self.gpus_per_run,
+                                             max_retries=self.max_retries)
+        threads = max(1, int(self.cpus_per_run))
+        data_ref = ray.put(data)  # once in the object store, not once per task
+        pending = {task.remote(cfg, data_ref, policy, seed, str(out), token, queue, threads,
+                               fault): (policy, seed) for policy, seed in todo}
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+                _drain(queue, db, progress)
+                for ref in ready:
+                    policy, seed = pending.pop(ref)
+                    try:
+                        ray.get(ref)
+                    except SharedStorageError as err:
+                        raise RunError(str(getattr(err, "cause", None) or err).splitlines()[-1]
+                                       ) from None
+                    except Exception as err:  # failed for good (retries spent, or a bug)
+                        _drain(queue, db, progress)
+                        db.finish_run(run_id_of(policy, seed), "failed", error=failure_message(
+                            getattr(err, "cause", None) or err))
+                        progress.run_done(f"{policy} seed {seed}")
+            _drain(queue, db, progress)
+        finally:
+            for ref in pending:  # interrupted or failed: stop what still runs
+                ray.cancel(ref, force=True)
+            if pending:
+                _drain(queue, db, progress)
+            queue.shutdown(force=True)
+            token_path.unlink(missing_ok=True)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _drain(queue, db, progress) -> None:
+    """Apply what the tasks sent, in the order each sent it."""
+    while True:
+        n = queue.qsize()
+        if not n:
+            return
+        for kind, method, args, kwargs in queue.get_nowait_batch(n):
+            target = db if kind == "db" else progress
+            getattr(target, method)(*args, **kwargs)
+
+
+# -- the task (runs in a Ray worker process) -------------------------------------------------
+
+def _run_task(cfg, data, policy: str, seed: int, out: str, token: str, queue, threads: int,
+              fault: str | None) -> str:
+    import torch
+
+    from .system import tune_cpu_allocator
+
+    out_path = Path(out)
+    _check_shared(out_path, token)
+    torch.set_num_threads(threads)
+    tune_cpu_allocator()
+    sink = _QueueSink(queue, out_path, fault)
+    try:
+        return train_run(cfg, data, policy, seed, sink, out_path, {}, sink)
+    finally:
+        sink.flush()
+
+
+def _check_shared(out: Path, token: str) -> None:
+    try:
+        seen = (out / TOKEN_FILE).read_text()
+    except OSError:
+        seen = None
+    if seen != token:
+        raise SharedStorageError(
+            f"the run folder {out} is not shared with the Ray worker on {socket.gethostname()} "
+            f"(it cannot read {TOKEN_FILE} there): put --out on storage every node mounts at "
+            "the same path")
+
+
+class _QueueSink:
+    """In a task: results.db for :func:`train_run` (its writes shipped to the driver; its two
+    reads answered as for a run the driver opened: running, ledger recorded) and its progress
+    bar (step counts batched: a few messages a second)."""
+
+    _DB = ("set_backend", "record_memory", "truncate", "record_epoch", "record_analysis",
+           "finish_run")
+
+    def __init__(self, queue, out: Path, fault: str | None) -> None:
+        self.queue, self.out = queue, out
+        self.name = None
+        self.pending = 0
+        self.last = time.monotonic()
+        self.fault_run, _, epoch = (fault or "").rpartition("@")
+        self.fault_epoch = int(epoch) if fault else None
+        self.armed = False
+
+    # -- the two reads of train_run
+    def run(self, run_id: str) -> dict:
+        return {"run_id": run_id, "status": "running", "error": None}
+
+    def memory(self, run_id: str) -> dict:
+        return {"run_id": run_id}
+
+    def _send(self, kind: str, method: str, *args, **kwargs) -> None:
+        self.flush()
+        self.queue.put((kind, method, args, kwargs))
+
+    def flush(self) -> None:
+        if self.pending and self.name is not None:
+            self.queue.put(("progress", "step", (self.name, self.pending), {}))
+        self.pending = 0
+        self.last = time.monotonic()
+
+    def __getattr__(self, method):
+        if method in self._DB:
+            return lambda *args, **kwargs: self._after(method, args, kwargs)
+        raise AttributeError(method)
+
+    def _after(self, method, args, kwargs) -> None:
+        self._send("db", method, *args, **kwargs)
+        if (method == "record_epoch" and args[0] == self.fault_run
+                and args[1] == self.fault_epoch):
+            self.armed = True  # the checkpoint of this epoch is written before the next step
+
+    # -- the progress bar of train_run
+    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
+        self.flush()
+        self.name = name
+        self._send("progress", "start_run", name, total_steps, done_steps)
+
+    def step(self, n: int = 1) -> None:
+        if self.armed:
+            self._die_once()
+        self.pending += n
+        if time.monotonic() - self.last > 0.25:
+            self.flush()
+
+    def run_done(self) -> None:
+        self._send("progress", "run_done", self.name)
+
+    def _die_once(self) -> None:
+        self.armed = False
+        marker = checkpoint_path(self.out, self.fault_run).with_suffix(".killed")
+        if marker.exists():
+            return
+        marker.write_text(self.name or "")
+        self.flush()
+        os._exit(1)  # no cleanup, no exception: as a killed worker process
+
+
+class Progress:
+    """The driver's rich progress bars: one overall, one per run in flight; nothing when
+    quiet."""
+
+    def __init__(self, total_runs: int, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bars: dict[str, int] = {}
+        if quiet:
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.p = _Rich(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self.overall = self.p.add_task("all runs", total=total_runs)
+
+    def __enter__(self):
+        if not self.quiet:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.quiet:
+            self.p.__exit__(*exc)
+
+    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
+        if self.quiet:
+            return
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.bars[name] = self.p.add_task(name, total=total_steps, completed=done_steps)
+
+    def step(self, name: str, n: int = 1) -> None:
+        if not self.quiet and name in self.bars:
+            self.p.advance(self.bars[name], n)
+
+    def run_done(self, name: str | None = None) -> None:
+        if self.quiet:
+            return
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.p.advance(self.overall, 1)
+
+
+def make_executor(name: str = "local", *, address: str | None = None,
+                  num_cpus: int | None = None, cpus_per_run: float | None = None,
+                  gpus_per_run: float | None = None, max_retries: int | None = None):
+    """The executor the CLI's flags describe: None for the local one."""
+    if name not in EXECUTORS:
+        raise ValueError(f"executor={name!r}; accepted: {', '.join(EXECUTORS)}")
+    ray_only = {"--ray-address": address, "--ray-num-cpus": num_cpus,
+                "--cpus-per-run": cpus_per_run, "--gpus-per-run": gpus_per_run,
+                "--max-retries": max_retries}
+    if name == "local":
+        given = [flag for flag, v in ray_only.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --executor ray")
+        return None
+    kw = {k: v for k, v in (("cpus_per_run", cpus_per_run), ("gpus_per_run", gpus_per_run),
+                            ("max_retries", max_retries)) if v is not None}
+    return RayExecutor(address, num_cpus=num_cpus, **kw)

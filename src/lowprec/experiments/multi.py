@@ -1,0 +1,149 @@
+"""A comparison over several architectures: one ordinary comparison per model, in a sub-folder
+of the run folder (``OUT/resnet20/results.db`` ...), and a combined report with one table per
+architecture (``OUT/report.md``, ``OUT/report.html``).
+
+Each sub-folder is a complete run folder (``lowprec report OUT/vgg`` rebuilds its report,
+``--resume`` continues it); ``OUT/models.json`` lists the models in order.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import statistics
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+from .config import CompareConfig, RunError, split_models
+from .render import html_table, md_table
+from .report import BASELINE, summarize
+from .results import ResultsDB
+
+__all__ = ["run_models", "write_models_report", "model_tables", "MODELS_FILE"]
+
+MODELS_FILE = "models.json"
+
+
+def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
+    """Run the comparison of ``cfg`` once per model of ``cfg.model`` (comma-separated), each
+    into ``OUT/MODEL``, then write the combined report. Returns OUT."""
+    from .runner import run_compare
+
+    models = split_models(cfg.model)
+    out = Path(cfg.out)
+    listing = out / MODELS_FILE
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if listing.exists() and not cfg.resume:
+            raise RunError(f"{out} already holds a comparison: continue it with --resume, or "
+                           "choose another --out")
+        listing.write_text(json.dumps({"models": list(models)}))
+    except OSError as err:
+        raise RunError(f"output folder {out} is not writable ({err.strerror or err})") from None
+    session = getattr(executor, "connected", None)  # one Ray instance for every model
+    with session() if session else nullcontext():
+        for model in models:
+            run_compare(replace(cfg, model=model, out=str(out / model)), executor,
+                        force_config=force_config)
+    write_models_report(out)
+    return out
+
+
+def _certified(db: ResultsDB) -> dict[str, tuple[str, float]]:
+    """Per policy: the certified fraction of its first certificate format (fp16 for a 32-bit
+    run: may this model run in 16 bits?), mean over the seeds."""
+    from ..training.policy import parse_policy
+    from .runner import certificate_formats
+
+    fracs: dict[str, list[float]] = {}
+    fmt_of: dict[str, str] = {}
+    for r in db.runs():
+        fmts = certificate_formats(parse_policy(r["policy"]))
+        if not fmts:
+            continue
+        payload = db.analysis(r["run_id"], f"certificate:{fmts[0]}")
+        if payload:
+            fmt_of[r["policy"]] = fmts[0]
+            fracs.setdefault(r["policy"], []).append(payload["summary"]["certified"])
+    return {p: (fmt_of[p], statistics.fmean(v)) for p, v in fracs.items()}
+
+
+def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]], str]]:
+    """(model, columns, rows, config line) per model of a multi-model run folder."""
+    out = Path(out)
+    models = json.loads((out / MODELS_FILE).read_text())["models"]
+    cols = ["policy", "test acc % (mean ± std)", f"Δ vs {BASELINE} (pts)",
+            "certified % (format)", f"time vs {BASELINE}", f"memory vs {BASELINE}", "s/epoch",
+            "diverged", "failed"]
+    tables = []
+    for model in models:
+        path = out / model / "results.db"
+        if not path.exists():
+            tables.append((model, cols, [], "not run yet"))
+            continue
+        db = ResultsDB(path, create=False)
+        try:
+            rows, cert = summarize(db), _certified(db)
+            runs = db.runs()
+            c = runs[0]["config"] if runs else {}
+        finally:
+            db.close()
+        cells = []
+        for r in rows:
+            fmt, frac = cert.get(r["policy"], ("", None))
+            cells.append([
+                r["policy"],
+                "-" if r["acc_mean"] is None else
+                f"{100 * r['acc_mean']:.2f} ± {100 * r['acc_std']:.2f}",
+                "-" if r["acc_delta"] is None else f"{100 * r['acc_delta']:+.2f}",
+                "-" if frac is None else f"{100 * frac:.2f} ({fmt})",
+                "-" if r["time_rel"] is None else f"{r['time_rel']:.2f}x",
+                "-" if r["memory_rel"] is None else f"{r['memory_rel']:.2f}x",
+                "-" if r["sec_per_epoch"] is None else f"{r['sec_per_epoch']:.1f}",
+                f"{r['diverged']}/{r['runs']}", f"{r['failed']}/{r['runs']}"])
+        line = (f"{c.get('data')}, {c.get('epochs')} epochs, batch {c.get('batch_size')}, "
+                f"{c.get('optimizer')} lr {c.get('lr')} momentum {c.get('momentum')} weight "
+                f"decay {c.get('weight_decay')}, {c.get('schedule')} schedule, seeds "
+                f"{c.get('seeds')}") if c else ""
+        tables.append((model, cols, cells, line))
+    return tables
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_models_report(out: str | Path) -> tuple[Path, Path]:
+    """OUT/report.md and OUT/report.html: one table per architecture, linking each model's own
+    report."""
+    out = Path(out)
+    tables = model_tables(out)
+    title = "lowprec comparison across architectures"
+    md = [f"# {title}", ""]
+    body = [f"<h1>{title}</h1>"]
+    for model, cols, cells, line in tables:
+        md += [f"## {model}", "", line, "", md_table(cols, cells), "",
+               f"Full report: [{model}/report.md]({model}/report.md)", ""]
+        body += [f"<h2>{html.escape(model)}</h2>", f"<p class='config'>{html.escape(line)}</p>",
+                 html_table(cols, cells, "summary"),
+                 f"<p><a href='{html.escape(model)}/report.html'>full report of "
+                 f"{html.escape(model)}</a></p>"]
+    md_path, html_path = out / "report.md", out / "report.html"
+    _atomic_write(md_path, "\n".join(md))
+    _atomic_write(html_path, f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 14px; }}
+th, td {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
+th {{ background: #f0f0f0; }} td:first-child, th:first-child {{ text-align: left; }}
+.config {{ color: #555; }}
+</style></head><body>
+{''.join(body)}
+</body></html>
+""")
+    return md_path, html_path

@@ -1,0 +1,17 @@
+"""lowprec in the training loops people already have.
+
+* :class:`GradScaler`: the ``torch.amp.GradScaler`` interface (``scale``, ``unscale_``,
+  ``step``, ``update``, ``state_dict``) over a lowprec policy; unlike torch's, it unscales fp16
+  gradients, so pure fp16 training with fp16 parameters runs with the code written for torch.amp.
+* :mod:`lowprec.integrations.lightning`: ``LowprecPrecision(policy)``, a Lightning precision
+  plugin for ``Trainer(plugins=[...])`` and Fabric.
+* :mod:`lowprec.integrations.huggingface`: ``LowprecTrainer(policy=..., ...)``, the Hugging Face
+  ``Trainer`` under a policy.
+
+The Lightning and Hugging Face modules import their frameworks; this package does not, so
+``import lowprec`` never needs them (``pip install lowprec[integrations]``).
+"""
+
+from .gradscaler import GradScaler
+
+__all__ = ["GradScaler"]

@@ -1,0 +1,159 @@
+"""Lightning precision plugins running a lowprec policy.
+
+    import lightning as L
+    from lowprec.integrations.lightning import LowprecPrecision
+
+    trainer = L.Trainer(plugins=[LowprecPrecision("p=bf16:kahan")], max_epochs=2)
+    trainer.fit(model, loader)
+
+``LowprecPrecision`` implements ``lightning.pytorch.plugins.precision.Precision``: the module is
+converted in place (:meth:`lowprec.Precision.setup`), each optimizer that ``configure_optimizers``
+returns is configured or wrapped (master weights, stochastic or Kahan write-back; schedulers keep
+working, the wrapper shares their parameter groups), ``training_step`` runs inside the policy's
+autocast, the loss is multiplied by the loss scale before ``backward``, the closure runs before
+the step, gradients are unscaled before ``on_before_optimizer_step`` and clipping (as Lightning's
+``MixedPrecision`` does), a step with Inf/NaN gradients is skipped and the scale backs off; the
+Precision's state (loss scale, step counts, generator) is saved in checkpoints.
+``LowprecFabricPrecision`` is the same for ``lightning.fabric.Fabric(plugins=[...])``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+
+from ..training.optim import FormatOptimizer
+from ..training.policy import Policy
+from ..training.precision import Precision
+from ..training.tree import cast_floating
+
+__all__ = ["LowprecPrecision", "LowprecFabricPrecision"]
+
+# Lightning's names for the model summary's size estimate; other policies count as 32 bits
+_LIGHTNING_NAMES = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
+
+
+class _Common:
+    """What both plugins share: a Precision, module conversion, contexts and state."""
+
+    def _init(self, policy, loss_scale, seed) -> None:
+        self.lowprec = policy if isinstance(policy, Precision) else Precision(
+            policy, loss_scale=loss_scale, seed=seed)
+        name = str(self.lowprec.policy)
+        self.precision = name if name in _LIGHTNING_NAMES else "32-true"
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.lowprec.model is None:
+            self.lowprec.setup(module)
+        elif self.lowprec.model is not module:
+            raise RuntimeError("this LowprecPrecision is already set up on another model; "
+                               "create one per Trainer")
+        return module
+
+    @contextmanager
+    def forward_context(self):
+        with self.lowprec.autocast():
+            yield
+
+    def convert_input(self, data):
+        return self.lowprec.convert_input(data)
+
+    def convert_output(self, data):
+        # outputs handed back to the user as fp32, as Lightning's true-half plugins do
+        return cast_floating(data, torch.get_default_dtype())
+
+    def _scale(self, tensor: torch.Tensor) -> torch.Tensor:
+        s = self.lowprec.loss_scale.scale
+        return tensor if s == 1.0 else tensor.float() * s
+
+    def main_params(self, optimizer):
+        # the model's parameters, whose gradients are the ones to clip (not fp32 masters)
+        if isinstance(optimizer, FormatOptimizer):
+            return list(optimizer.model_params)
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    def unscale_gradients(self, optimizer) -> None:
+        self.lowprec.unscale_(optimizer)
+
+    def state_dict(self) -> dict:
+        return self.lowprec.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.lowprec.load_state_dict(state_dict)
+
+
+class LowprecPrecision(_Common, TrainerPrecision):
+    """A lowprec policy as a ``lightning.pytorch`` precision plugin (see the module docstring).
+    ``policy``: a name, a spec, a :class:`Policy` or a :class:`lowprec.Precision`."""
+
+    def __init__(self, policy: str | Policy | Precision = "32-true", *, loss_scale=None,
+                 seed: int | None = None) -> None:
+        self._init(policy, loss_scale, seed)
+
+    def connect(self, model, optimizers, lr_schedulers):
+        if self.lowprec.model is None:
+            self.lowprec.setup(model)
+        optimizers = [self.lowprec.setup_optimizer(o) for o in optimizers]
+        return model, optimizers, lr_schedulers
+
+    def pre_backward(self, tensor, module):
+        return super().pre_backward(self._scale(tensor), module)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError("LBFGS re-evaluates its closure inside step(): it cannot take a "
+                            "skipped or loss-scaled step; use another optimizer")
+        closure_result = closure()
+        # automatic optimization with a training_step that returned None: no backward ran
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return None
+        self.lowprec.unscale_(optimizer)  # hooks and clipping see unscaled gradients
+        self._after_closure(model, optimizer)
+        self.lowprec.step(optimizer)
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val,
+                                       error_if_nonfinite=False)
+
+
+class LowprecFabricPrecision(_Common, FabricPrecision):
+    """A lowprec policy for ``lightning.fabric.Fabric(plugins=[...])``. Fabric gives a precision
+    plugin no hook on optimizers: an optimizer the policy must wrap (master weights, stochastic
+    or Kahan write-back) is wrapped at its first step, and its model gradients are cleared after
+    each step (the user's ``zero_grad`` then reaches only the master copies)."""
+
+    def __init__(self, policy: str | Policy | Precision = "32-true", *, loss_scale=None,
+                 seed: int | None = None) -> None:
+        self._init(policy, loss_scale, seed)
+        self._ready: dict[int, object] = {}
+
+    def pre_backward(self, tensor, module):
+        return self._scale(tensor)
+
+    def backward(self, tensor, model, *args, **kwargs) -> None:
+        tensor.backward(*args, **kwargs)
+
+    def _configured(self, optimizer):
+        out = self._ready.get(id(optimizer))
+        if out is None:
+            out = self._ready[id(optimizer)] = self.lowprec.setup_optimizer(optimizer)
+        return out
+
+    def unscale_gradients(self, optimizer) -> None:
+        self.lowprec.unscale_(self._configured(optimizer))
+
+    def main_params(self, optimizer):
+        # the wrapper holds the model's parameters; the user's object steps the masters
+        return super().main_params(self._configured(optimizer))
+
+    def optimizer_step(self, optimizer, **kwargs):
+        opt = self._configured(optimizer)
+        stepped = self.lowprec.step(opt)
+        if isinstance(opt, FormatOptimizer) and opt.masters is not None:
+            for p in opt.model_params:
+                p.grad = None
+        return stepped

@@ -1,0 +1,145 @@
+"""`lowprec compare --executor ray`: every run a Ray task on a local instance with 2 CPUs; the
+numbers equal the local executor's, a killed worker is retried from its checkpoint."""
+
+import sqlite3
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'lowprec[ray]' "
+                                        "(make test installs it)")
+
+from lowprec.cli import main  # noqa: E402
+from lowprec.experiments import CompareConfig, run_compare  # noqa: E402
+from lowprec.experiments import executors  # noqa: E402
+from lowprec.experiments.executors import FAULT_ENV, RayExecutor, start_local_ray  # noqa: E402
+from lowprec.experiments.results import ResultsDB  # noqa: E402
+
+POLICIES = ("32-true", "bf16-true")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One Ray instance for the module (starting one costs seconds)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    start_local_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def tiny(out, **kw):
+    base = dict(data="digits", model="mlp", policies=POLICIES, seeds=(0, 1), epochs=2,
+                batch_size=64, out=str(out), quiet=True)
+    base.update(kw)
+    return CompareConfig(**base)
+
+
+def stored(path):
+    """Everything a run stores that must not depend on where it ran (not wall-clock times)."""
+    c = sqlite3.connect(path / "results.db")
+    out = {
+        "runs": c.execute("SELECT run_id, policy, policy_spec, seed, backend, status, "
+                          "diverged_step, error FROM runs ORDER BY run_id").fetchall(),
+        "epochs": c.execute("SELECT run_id, epoch, train_loss, test_loss, test_acc, skipped, "
+                            "nonfinite, loss_scale FROM epochs ORDER BY run_id, epoch"
+                            ).fetchall(),
+        "memory": c.execute("SELECT * FROM memory ORDER BY run_id").fetchall(),
+        "trace": c.execute("SELECT * FROM scale_trace ORDER BY run_id, step").fetchall(),
+        "analysis": c.execute("SELECT * FROM analysis ORDER BY run_id, kind").fetchall(),
+    }
+    c.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The local executor, with the one thread a 1-CPU Ray task gets (a reduction split over
+    threads may round differently)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = run_compare(tiny(tmp_path_factory.mktemp("local") / "r"))
+    finally:
+        torch.set_num_threads(threads)
+    return stored(out)
+
+
+def test_ray_stores_the_same_numbers_as_the_local_executor(local_ray, reference, tmp_path):
+    out = run_compare(tiny(tmp_path / "r"), RayExecutor(cpus_per_run=1, max_retries=1))
+    got = stored(out)
+    assert [r[5] for r in got["runs"]] == ["finished"] * 4
+    assert len(got["epochs"]) == 8 and len(got["analysis"]) > 8
+    assert got == reference
+    assert not list((out / "checkpoints").glob("*.pt"))  # finished runs leave no checkpoint
+    assert not (out / executors.TOKEN_FILE).exists()
+    assert "| bf16-true |" in (out / "report.md").read_text()
+
+
+def test_a_killed_worker_is_retried_and_resumes_from_its_checkpoint(local_ray, reference,
+                                                                    tmp_path, monkeypatch):
+    killed = f"{POLICIES[1]}|seed=1"
+    monkeypatch.setenv(FAULT_ENV, f"{killed}@0")  # after epoch 0's checkpoint
+    truncations = []
+    original = ResultsDB.truncate
+
+    def spy(self, run_id, *, last_epoch, last_step):  # the driver applies what tasks send
+        truncations.append((run_id, last_epoch))
+        return original(self, run_id, last_epoch=last_epoch, last_step=last_step)
+
+    monkeypatch.setattr(ResultsDB, "truncate", spy)
+    out = run_compare(tiny(tmp_path / "r"), RayExecutor(cpus_per_run=1, max_retries=2))
+    marker = next((out / "checkpoints").glob("*.killed"))  # the worker did die
+    assert marker.read_text() == killed.replace("|seed=", " seed ")
+    # first attempt from scratch, the retry from the checkpoint of epoch 0
+    assert [e for r, e in truncations if r == killed] == [-1, 0]
+    assert stored(out) == reference
+
+
+def test_retries_spent_is_a_failed_run_and_the_others_finish(local_ray, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "32-true|seed=0@0")
+    out = run_compare(tiny(tmp_path / "r", seeds=(0,), epochs=2),
+                      RayExecutor(cpus_per_run=1, max_retries=0))
+    db = ResultsDB(out / "results.db", create=False)
+    status = {r["run_id"]: (r["status"], r["error"]) for r in db.runs()}
+    db.close()
+    assert status["32-true|seed=0"][0] == "failed" and status["32-true|seed=0"][1]
+    assert status["bf16-true|seed=0"] == ("finished", None)
+
+
+def test_a_run_folder_the_workers_cannot_see_is_one_line_error(local_ray, tmp_path,
+                                                               monkeypatch, capsys):
+    # the driver writes its token where the workers do not look: as a folder not shared
+    monkeypatch.setattr(executors, "TOKEN_FILE", ".token-only-the-driver-sees")
+    out = tmp_path / "r"
+    code = main(["compare", "--executor", "ray", "--data", "digits", "--model", "mlp",
+                 "--policies", "32-true", "--seeds", "1", "--epochs", "1", "--out", str(out),
+                 "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert str(out) in err and "not shared with the Ray worker" in err
+
+
+def test_cli_compare_on_ray_prints_the_summary(local_ray, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["compare", "--executor", "ray", "--cpus-per-run", "1", "--data", "digits",
+                 "--model", "mlp", "--policies", "32-true", "--seeds", "1", "--epochs", "1",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "32-true" in text and "test acc" in text and "report" in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--ray-address", "auto"], "--ray-address need --executor ray"),
+    (["--executor", "spark"], "executor='spark'; accepted: local, ray"),
+    (["--executor", "ray", "--cpus-per-run", "0"], "cpus_per_run=0.0 is not valid"),
+    (["--executor", "ray", "--gpus-per-run", "-1"], "gpus_per_run=-1.0 is not valid"),
+    (["--executor", "ray", "--ray-address", "auto", "--ray-num-cpus", "2"],
+     "num_cpus is for a local Ray instance"),
+])
+def test_bad_executor_flags_are_one_line(args, needle, tmp_path, capsys):
+    code = main(["compare", "--data", "digits", "--out", str(tmp_path / "r"), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "r").exists()  # nothing started

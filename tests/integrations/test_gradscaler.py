@@ -1,0 +1,186 @@
+"""lowprec's GradScaler against PyTorch's own scaling test case (torch/testing/_internal/
+common_cuda.py ``_create_scaling_case`` and test/test_cuda.py ``_run_scaling_case``): two
+Linear(8, 8), SGD with lr 1, scale 128 grown by 2 every step, an Inf injected into the
+gradients at iteration 2; the run with scaling must end with the control run's parameters,
+gradients and optimizer state, and the scale 128 * 2**3 * 0.5."""
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.integrations import GradScaler
+
+
+def scaling_case(dtype=torch.float32, optimizer_kwargs=None):
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 8, dtype=dtype), torch.randn(8, 8, dtype=dtype)) for _ in range(4)]
+    control = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(dtype)
+    scaling = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(dtype)
+    with torch.no_grad():
+        for c, s in zip(control.parameters(), scaling.parameters()):
+            s.copy_(c)
+    kwargs = {"lr": 1.0, **(optimizer_kwargs or {})}
+    return (control, scaling, torch.optim.SGD(control.parameters(), **kwargs),
+            torch.optim.SGD(scaling.parameters(), **kwargs), data, torch.nn.MSELoss(), 2)
+
+
+def run_plain(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        if try_scaling_api:
+            scaler.scale(loss).backward()
+            if i == skip_iter and scaler.is_enabled():
+                with torch.no_grad():
+                    model[1].weight.grad.fill_(float("inf"))
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            if not scaler.is_enabled() or i != skip_iter:
+                optimizer.step()
+
+
+def run_clipping(data, model, optimizer, scaler, loss_fn, skip_iter, try_scaling_api):
+    """test_grad_scaling_clipping_separate_unscale: clip the unscaled gradients."""
+    max_norm = 0.2
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        if try_scaling_api:
+            scaler.scale(loss).backward()
+            if i == skip_iter and scaler.is_enabled():
+                with torch.no_grad():
+                    model[1].weight.grad.fill_(float("inf"))
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if not scaler.is_enabled() or i != skip_iter:
+                optimizer.step()
+
+
+def run_scaling_case(run, make_scaler, dtype, unskipped=3, skipped=1, optimizer_kwargs=None):
+    # torch's tolerances for fp32; fp16 parameters: a few fp16 ulps (eps 2**-10)
+    tol = {"atol": 1e-7, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 1e-3}
+    for enabled in (True, False):
+        control, scaling, opt_c, opt_s, data, loss_fn, skip_iter = scaling_case(
+            dtype, optimizer_kwargs)
+        scaler = make_scaler(enabled)
+        run(data, control, opt_c, scaler, loss_fn, skip_iter, False)
+        run(data, scaling, opt_s, scaler, loss_fn, skip_iter, True)
+        if enabled:
+            assert scaler.get_scale() == 128.0 * 2.0**unskipped * 0.5**skipped
+        else:
+            assert scaler.get_scale() == 1.0
+        for c, s in zip(control.parameters(), scaling.parameters()):
+            assert s.dtype == dtype
+            torch.testing.assert_close(s.grad, c.grad, **tol)
+            for k in opt_c.state[c]:
+                torch.testing.assert_close(opt_s.state[s][k], opt_c.state[c][k], **tol)
+            torch.testing.assert_close(s, c, **tol)
+
+
+def ours(policy="32-true"):
+    return lambda enabled: GradScaler(policy, init_scale=128.0, growth_factor=2.0,
+                                      growth_interval=1, enabled=enabled)
+
+
+@pytest.mark.parametrize("run", [run_plain, run_clipping], ids=["step", "unscale-clip-step"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16-params"])
+def test_pytorch_scaling_case(run, dtype):
+    run_scaling_case(run, ours(), dtype, optimizer_kwargs={"momentum": 0.9})
+
+
+def test_the_reference_itself_matches_torch_gradscaler_on_fp32():
+    """The same case through torch.amp.GradScaler on the CPU: the harness is torch's."""
+    torch_scaler = lambda enabled: torch.amp.GradScaler(  # noqa: E731
+        "cpu", init_scale=128.0, growth_factor=2.0, growth_interval=1, enabled=enabled)
+    run_scaling_case(run_plain, torch_scaler, torch.float32)
+
+
+def test_torch_refuses_fp16_gradients_and_lowprec_does_not():
+    control, scaling, _, opt_s, data, loss_fn, _ = scaling_case(torch.float16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    scaler.scale(loss_fn(scaling(data[0][0]), data[0][1])).backward()
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        scaler.unscale_(opt_s)
+    mine = GradScaler(init_scale=128.0)
+    mine.unscale_(opt_s)  # the gradients above, still scaled by 128
+    mine.step(opt_s)
+    mine.update()
+
+
+def test_same_trajectory_as_torch_gradscaler_with_clipping():
+    """Bit for bit against torch.amp.GradScaler on fp32 parameters: scale, gradients, weights."""
+    _, a, _, opt_a, data, loss_fn, _ = scaling_case()
+    _, b, _, opt_b, _, _, _ = scaling_case()
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    mine = GradScaler(init_scale=2.0**16, growth_interval=2)
+    for i, (x, y) in enumerate(data * 2):
+        for model, opt, sc in ((a, opt_a, ref), (b, opt_b, mine)):
+            opt.zero_grad()
+            sc.scale(loss_fn(model(x), y) * (1e6 if i == 3 else 1)).backward()
+            sc.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, error_if_nonfinite=False)
+            sc.step(opt)
+            sc.update()
+        assert mine.get_scale() == ref.get_scale()
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
+def test_call_order_errors_as_torch():
+    _, model, _, opt, data, loss_fn, _ = scaling_case()
+    scaler = GradScaler(init_scale=8.0)
+    scaler.scale(loss_fn(model(data[0][0]), data[0][1])).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called since the last update"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="Closure"):
+        scaler.step(opt, closure=lambda: None)
+    scaler.update()
+
+
+def test_state_dict_round_trips_with_torch_gradscaler():
+    ref = torch.amp.GradScaler("cpu", init_scale=512.0, growth_factor=4.0, backoff_factor=0.25,
+                               growth_interval=7)
+    mine = GradScaler()
+    mine.load_state_dict(ref.state_dict())
+    assert (mine.get_scale(), mine.get_growth_factor(), mine.get_backoff_factor(),
+            mine.get_growth_interval()) == (512.0, 4.0, 0.25, 7)
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(mine.state_dict())
+    assert back.get_scale() == 512.0 and back.get_growth_interval() == 7
+    assert GradScaler(enabled=False).state_dict() == {}
+
+
+@pytest.mark.parametrize("policy", ["16-true", "16-master", "p=bf16:kahan"])
+def test_scaler_over_lowprec_policies_trains_fp16_params(policy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    scaler = GradScaler(policy, init_scale=2.0**12)
+    prec = scaler.precision
+    model, opt = scaler.setup(model, lowprec.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        with prec.autocast():
+            loss = torch.nn.functional.cross_entropy(model(prec.convert_input(x)).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and all(map(lambda v: v == v, losses))
+    assert prec.steps == 20
