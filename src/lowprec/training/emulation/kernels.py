@@ -14,6 +14,7 @@ import torch
 from ...numerics.formats import BlockFormat, DynamicFixedFormat
 from ...numerics.quantize import quantize
 from ...numerics.rounding import Rounding
+from ...numerics.storage import NATIVE_DTYPES
 
 __all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "lstm",
            "uses_batch_stats", "plain_attention", "plain_lstm", "label_kernel_nodes"]
@@ -215,6 +216,13 @@ def plain_layer_norm(engine, rule, args, kwargs) -> bool:
             not isinstance(rule.grads, (BlockFormat, DynamicFixedFormat)))
 
 
+# Rows per thread up to which layer norm's backward replays the kernel's sequential 16-bit
+# dgamma/dbeta accumulation (a Python loop, ~0.1 ms per row); beyond, the weight and bias
+# gradients are fp32 sums rounded once: more accurate than the kernel, a departure kept for
+# speed (the benchmark transformer's 1024 rows per thread: 1.75x fp32 instead of ~3x).
+_MAX_SEQUENTIAL_ROWS = 256
+
+
 class _LayerNorm(torch.autograd.Function):
     """Forward: fp32 layer norm (the caller rounds it once: the 16-bit kernel computes in fp32
     and rounds once, bit-exact). Backward as ``LayerNormBackwardKernelImplInternal`` in
@@ -255,17 +263,21 @@ class _LayerNorm(torch.autograd.Function):
             # at::parallel_for(0, M, 1): thread t takes rows [t*chunk, (t+1)*chunk)
             threads = max(1, min(torch.get_num_threads(), m))
             chunk = -(-m // threads)
+            if chunk > _MAX_SEQUENTIAL_ROWS:  # speed: fp32 sums, rounded once
+                tot = stat(torch.cat([((a * X + (-a * mu)) * dY).sum(0), dY.sum(0)]))
+                dw = tot[:n].reshape(weight.shape)
+                dbias = tot[n:].reshape(weight.shape) if has_bias else None
+                return dx, dw, dbias, None, None, None, None, None
             pad = threads * chunk - m
             xh = (a * X + (-a * mu)) * dY  # dy * (a*x + b'), fp32, per row
-            rows_w = torch.nn.functional.pad(xh, (0, 0, 0, pad)).reshape(threads, chunk, n)
-            rows_b = torch.nn.functional.pad(dY, (0, 0, 0, pad)).reshape(threads, chunk, n)
-            bw = torch.zeros(threads, n)
-            bb = torch.zeros(threads, n)
-            for r in range(chunk):
-                bw = act(bw + rows_w[:, r])
-                bb = act(bb + rows_b[:, r])
-            dw = stat(bw.sum(0)).reshape(weight.shape)
-            dbias = stat(bb.sum(0)).reshape(weight.shape) if has_bias else None
+            rows = torch.nn.functional.pad(torch.cat([xh, dY], 1), (0, 0, 0, pad))
+            rows = rows.reshape(threads, chunk, 2 * n).transpose(0, 1).contiguous()
+            buf = torch.zeros(threads, 2 * n)  # [dgamma | dbeta] buffers, one row per thread
+            for r in range(chunk):  # sequential: each add rounded to the 16-bit buffer
+                buf = act(buf + rows[r])
+            tot = stat(buf.sum(0))
+            dw = tot[:n].reshape(weight.shape)
+            dbias = tot[n:].reshape(weight.shape) if has_bias else None
         return dx, dw, dbias, None, None, None, None, None
 
 
@@ -273,8 +285,13 @@ def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-
                cudnn_enable=True):
     """Layer norm with the CPU 16-bit kernel's backward (:class:`_LayerNorm`)."""
 
-    def act(t):
-        return quantize(t, rule.compute)
+    dtype = NATIVE_DTYPES.get(rule.compute)
+    if dtype is not None:  # torch's cast rounds to nearest even, as quantize does: faster
+        def act(t):
+            return t.to(dtype).float()
+    else:
+        def act(t):
+            return quantize(t, rule.compute)
 
     def stat(t):  # the kernel's mean/rstd and dgamma/dbeta: the weight's dtype
         return quantize(t, rule.params) if rule.params == rule.compute else t
