@@ -217,6 +217,19 @@ def test_dynamic_fixed_point_shares_one_exponent():
                                                       -512, 511) * s, rtol=0, atol=0)
 
 
+def test_dynamic_fixed_point_range_counts_the_negative_end_and_is_idempotent():
+    """A most negative value of exactly -2**k fits in two's complement at the smaller range
+    (int4 holds -8): dfx<4> of [-8, 3.3] keeps the grid of 1, and rounding again changes nothing,
+    in every mode (it once moved the scale up, and stochastic rounding then moved small values)."""
+    x = torch.tensor([-8.0, 3.3, 0.5])
+    assert quantize(x, "dfx<4>").tolist() == [-8.0, 3.0, 0.0]
+    g = torch.Generator().manual_seed(0)
+    for mode in ("nearest", "stochastic", "up", "down", "toward_zero"):
+        for scale in (1.0, 1e-11, 3e5):
+            q = quantize(x * scale, "dfx<2>", mode, generator=g)
+            assert_same_values(quantize(q, "dfx<2>", mode, generator=g), q, f"{mode} {scale}")
+
+
 def test_block_axis_and_scalar():
     x = torch.randn(64, 3)
     along0 = quantize(x, parse_format("block<e2m1fn,32,axis=0>"))

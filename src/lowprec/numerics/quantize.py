@@ -97,6 +97,19 @@ def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int) -> torch.Te
     if rem:  # the last, shorter block of each row
         parts.append(a[:, nfull * block:].amax(dim=-1, keepdim=True))
     amax = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    el = fmt.element
+    if (fmt.block_size is None and isinstance(el, FixedFormat) and el.signed
+            and not el.symmetric):
+        # dynamic fixed point: the range is the smallest holding every value in two's
+        # complement, [-2**r, 2**r) (Courbariaux et al. 2014), so a most negative value of
+        # exactly -2**k fits at the scale below the one its magnitude alone would give: look at
+        # it just below its magnitude. Without this, -2**k rounded in one call raises the next
+        # call's scale and quantize is not idempotent. (MX keeps OCP's max|V| rule.)
+        neg = (-x_rows).amax(dim=-1, keepdim=True)
+        pos = x_rows.amax(dim=-1, keepdim=True)
+        tight = torch.maximum(pos, torch.nextafter(neg, torch.zeros_like(neg)))
+        amax = torch.where(torch.isfinite(amax), torch.maximum(tight, torch.zeros_like(tight)),
+                           amax)
     # frexp: amax = m * 2**e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly
     _, e = torch.frexp(amax)
     s = (e.to(torch.int32) - 1 - fmt.element.emax).clamp(fmt.scale_min_exp, fmt.scale_max_exp)
