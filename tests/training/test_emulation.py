@@ -293,3 +293,23 @@ def test_the_step_writes_each_parameter_back_in_its_own_storage_format(make_opt)
             assert torch.equal(p.detach(), exact.bfloat16().float()), name
         else:
             assert torch.equal(p.detach(), exact.half().float()), name
+
+
+def test_an_attention_mask_is_added_in_the_accumulator_under_mx_and_fp8():
+    """-inf in an attention mask must not reach a block or Inf-less rounding: an MX block holding
+    -inf would turn NaN whole, and e4m3fn has no -inf. Native fp32 attention is the reference
+    for which entries are masked; the outputs stay finite and close to it."""
+    import torch.nn.functional as F
+
+    from lowprec.training.emulation import emulated
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 32) for _ in range(3))
+    mask = torch.zeros(8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1),
+                                         float("-inf"))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for policy in ("mxfp8_e4m3", "mxint8", "p=fp32,c=e4m3fn,g=e5m2,s=matmul"):
+        with emulated(policy):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert torch.isfinite(out).all(), policy
+        assert (out - ref).abs().max() < 0.5, policy

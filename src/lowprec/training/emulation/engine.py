@@ -41,8 +41,8 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from . import kernels
-from .oplists import (BUFFER_OPS, FP32_OPS, GRID_OPS, LOWP_OPS, NORM_OPS, PASS_OPS,
-                      is_inplace, reduction_axes)
+from .oplists import (ACCUMULATOR_INPUTS, BUFFER_OPS, FP32_OPS, GRID_OPS, LOWP_OPS, NORM_OPS,
+                      PASS_OPS, is_inplace, reduction_axes)
 
 __all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK"]
 
@@ -519,17 +519,25 @@ class Emulation:
         fmt = rule.compute
         okey = key  # one dynamic fixed-point group per module and role
         if name in LOWP_OPS:
+            # the additive operand (bias, attention mask) stays fp32 for block and Inf-less
+            # formats: the hardware adds it to the fp32 accumulator (see ACCUMULATOR_INPUTS)
+            keep_pos, keep_kw = ACCUMULATOR_INPUTS.get(name, (-1, ""))
+            if not (rule.block or not getattr(fmt, "has_inf", False)):
+                keep_pos, keep_kw = -1, ""
             if rule.block:
                 axes = reduction_axes(name, len(args), bool(kwargs.get("transposed", False)))
-                args = tuple(_map(lambda t, ax=ax: self.round(t, rule, f"{okey}.{i}", axis=ax)
+                args = tuple(a if i == keep_pos else
+                             _map(lambda t, ax=ax: self.round(t, rule, f"{okey}.{i}", axis=ax)
                                   if _floating(t) else t, a)
                              for i, (a, ax) in enumerate(zip(args, axes)))
-                kwargs = _map(lambda t: self.round(t, rule, okey, axis=-1)
-                              if _floating(t) else t, kwargs) if kwargs else kwargs
+                kwargs = {k: v if k == keep_kw else _map(
+                    lambda t: self.round(t, rule, okey, axis=-1) if _floating(t) else t, v)
+                    for k, v in kwargs.items()} if kwargs else kwargs
                 return func(*args, **kwargs)  # MX accumulates in fp32 and outputs fp32
-            args = _map(lambda t: self._in(t, rule, okey + ".in"), args)
-            kwargs = (_map(lambda t: self._in(t, rule, okey + ".in"), kwargs) if kwargs
-                      else kwargs)
+            args = tuple(a if i == keep_pos else _map(lambda t: self._in(t, rule, okey + ".in"), a)
+                         for i, a in enumerate(args))
+            kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
+                       for k, v in kwargs.items()} if kwargs else kwargs)
             out = func(*args, **kwargs)
             inputs = _tensors(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)

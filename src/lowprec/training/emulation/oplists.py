@@ -29,6 +29,18 @@ LOWP_OPS = frozenset({
     "__matmul__", "__rmatmul__",
 })
 
+# The additive operand of a matmul-like op (bias, attention mask): (position, keyword). Matmul
+# hardware adds it to the fp32 accumulator, so block (MX) and fp8 formats do not round it: an MX
+# block holding a -inf mask entry would make its whole block NaN, and e4m3fn has no -inf at all.
+ACCUMULATOR_INPUTS: dict[str, tuple[int, str]] = {
+    **{n: (0, "input") for n in ("addmm", "addmv", "addr", "addbmm", "baddbmm")},
+    **{n: (2, "bias") for n in ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                                "conv_transpose2d", "conv_transpose3d", "convolution",
+                                "_convolution")},
+    "bilinear": (3, "bias"),
+    "scaled_dot_product_attention": (3, "attn_mask"),
+}
+
 # torch.autocast's fp32 list: computed in fp32 from whatever comes in; the output is fp32.
 FP32_OPS = frozenset({
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
