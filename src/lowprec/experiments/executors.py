@@ -31,11 +31,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config import RunError
-from .runner import (checkpoint_path, failure_message, resumable, run_id_of, start_run_record,
-                     train_run)
+from .runner import (Progress, checkpoint_path, failure_message, resumable, run_id_of,
+                     start_run_record, train_run)
 
 __all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ray",
-           "EXECUTORS", "TOKEN_FILE", "FAULT_ENV", "Progress"]
+           "EXECUTORS", "TOKEN_FILE", "FAULT_ENV"]
 
 EXECUTORS = ("local", "ray")
 TOKEN_FILE = ".lowprec-shared-token"
@@ -294,7 +294,7 @@ class _QueueSink:
 
     def flush(self) -> None:
         if self.pending and self.name is not None:
-            self.queue.put(("progress", "step", (self.name, self.pending), {}))
+            self.queue.put(("progress", "step", (self.pending, self.name), {}))
         self.pending = 0
         self.last = time.monotonic()
 
@@ -333,50 +333,6 @@ class _QueueSink:
         marker.write_text(self.name or "")
         self.flush()
         os._exit(1)  # no cleanup, no exception: as a killed worker process
-
-
-class Progress:
-    """The driver's rich progress bars: one overall, one per run in flight; nothing when
-    quiet."""
-
-    def __init__(self, total_runs: int, quiet: bool) -> None:
-        self.quiet = quiet
-        self.bars: dict[str, int] = {}
-        if quiet:
-            return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
-
-        self.p = _Rich(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-        self.overall = self.p.add_task("all runs", total=total_runs)
-
-    def __enter__(self):
-        if not self.quiet:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if not self.quiet:
-            self.p.__exit__(*exc)
-
-    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
-        if self.quiet:
-            return
-        if name in self.bars:
-            self.p.remove_task(self.bars.pop(name))
-        self.bars[name] = self.p.add_task(name, total=total_steps, completed=done_steps)
-
-    def step(self, name: str, n: int = 1) -> None:
-        if not self.quiet and name in self.bars:
-            self.p.advance(self.bars[name], n)
-
-    def run_done(self, name: str | None = None) -> None:
-        if self.quiet:
-            return
-        if name in self.bars:
-            self.p.remove_task(self.bars.pop(name))
-        self.p.advance(self.overall, 1)
 
 
 def make_executor(name: str = "local", *, address: str | None = None,

@@ -41,7 +41,8 @@ from .system import tune_cpu_allocator
 
 __all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
            "certificate_formats", "config_differences", "check_policies", "failed_runs",
-           "run_id_of", "checkpoint_path", "resumable", "start_run_record", "failure_message",
+           "Progress", "run_id_of", "checkpoint_path", "resumable", "start_run_record",
+           "failure_message",
            "mark_unrequested"]
 
 def environment() -> dict:
@@ -194,20 +195,23 @@ def evaluate(model: nn.Module, prec: Precision, x: torch.Tensor, y: torch.Tensor
     return total_loss / len(x), correct / len(x)
 
 
-class _Progress:
-    """rich progress bars: one overall, one for the run in progress; nothing when quiet."""
+class Progress:
+    """rich progress bars: one overall, one per run in flight (the local runner has one at a
+    time; the Ray driver one per task); nothing when quiet. ``step`` and ``run_done`` without a
+    name act on the run started last."""
 
     def __init__(self, total_runs: int, quiet: bool) -> None:
         self.quiet = quiet
+        self.bars: dict[str, int] = {}
+        self.last: str | None = None
         if quiet:
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
 
-        self.p = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self.p = _Rich(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
         self.overall = self.p.add_task("all runs", total=total_runs)
-        self.run = None
 
     def __enter__(self):
         if not self.quiet:
@@ -219,19 +223,25 @@ class _Progress:
             self.p.__exit__(*exc)
 
     def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
+        self.last = name
         if self.quiet:
             return
-        if self.run is not None:
-            self.p.remove_task(self.run)
-        self.run = self.p.add_task(name, total=total_steps, completed=done_steps)
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.bars[name] = self.p.add_task(name, total=total_steps, completed=done_steps)
 
-    def step(self, n: int = 1) -> None:
-        if not self.quiet and self.run is not None:
-            self.p.advance(self.run, n)
+    def step(self, n: int = 1, name: str | None = None) -> None:
+        name = self.last if name is None else name
+        if not self.quiet and name in self.bars:
+            self.p.advance(self.bars[name], n)
 
-    def run_done(self) -> None:
-        if not self.quiet:
-            self.p.advance(self.overall, 1)
+    def run_done(self, name: str | None = None) -> None:
+        name = self.last if name is None else name
+        if self.quiet:
+            return
+        if name in self.bars:
+            self.p.remove_task(self.bars.pop(name))
+        self.p.advance(self.overall, 1)
 
 
 def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
@@ -265,15 +275,12 @@ def checkpoint_path(out: Path, run_id: str) -> Path:
 
 def resumable(existing: dict | None) -> bool:
     """A stored run that continues (from its checkpoint) rather than starts afresh."""
-    return _resumable(existing)
+    return existing is not None and (existing["status"] == "running" or (
+        existing["status"] == "failed" and existing.get("error") == NOT_REQUESTED))
 
 
-def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: str, seed: int,
-                     env: dict) -> None:
-    """What :func:`train_run` records when a run starts afresh (its row, backend and memory
-    ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
-    built as train_run builds it, and measured without a trace, so the run trains the same."""
-    run_id = run_id_of(policy, seed)
+def _set_up(cfg: CompareConfig, data: Dataset, policy: str, seed: int):
+    """The model, optimizer, Precision and training split of a run, as every run builds them."""
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
     opt = _make_optimizer(cfg, model)
@@ -282,6 +289,13 @@ def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: s
     x_train, y_train = data.x_train, data.y_train
     if cfg.train_subset:
         x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
+    return model, opt, prec, x_train, y_train
+
+
+def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env: dict,
+                  prec: Precision, model: nn.Module, x_train, y_train) -> None:
+    """A fresh run's row, backend and memory ledger (measured without a trace)."""
+    run_id = run_id_of(policy, seed)
     db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
                  hardware=env["hardware"])
@@ -290,42 +304,39 @@ def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: s
     db.record_memory(run_id, _measure_memory(prec, model, batch))
 
 
+def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: str, seed: int,
+                     env: dict) -> None:
+    """What :func:`train_run` records when a run starts afresh (its row, backend and memory
+    ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
+    built as train_run builds it, and measured without a trace, so the run trains the same."""
+    model, _, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
+    _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
+
+
 def failure_message(err: BaseException) -> str:
     """The one line a failed run stores."""
     msg = "".join(traceback.format_exception_only(type(err), err)).strip()
     return " ".join(msg.split())[:500]
 
 
-def _resumable(existing: dict | None) -> bool:
-    return existing is not None and (existing["status"] == "running" or (
-        existing["status"] == "failed" and existing.get("error") == NOT_REQUESTED))
-
-
 def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
-              out: Path, env: dict, progress: "_Progress | None" = None) -> str:
+              out: Path, env: dict, progress: "Progress | None" = None) -> str:
     """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
     in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
     the run folder's lock. A finished or diverged run is left as stored."""
-    progress = progress or _Progress(1, True)
-    run_id = f"{policy}|seed={seed}"
+    progress = progress or Progress(1, True)
+    run_id = run_id_of(policy, seed)
     ckpt_path = checkpoint_path(out, run_id)
     existing = db.run(run_id)
     if existing and existing["status"] in ("finished", "diverged"):
         progress.run_done()
         return existing["status"]
 
-    torch.manual_seed(seed)
-    model = build_checked_model(cfg.model, data)
-    opt = _make_optimizer(cfg, model)
-    prec = Precision(policy, seed=seed)
-    model, opt = prec.setup(model, opt)
-    x_train, y_train = data.x_train, data.y_train
-    if cfg.train_subset:
-        x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
+    model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
     n = len(x_train)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
     start_epoch = 0
-    if _resumable(existing) and ckpt_path.exists():
+    if resumable(existing) and ckpt_path.exists():
         try:
             ckpt = torch.load(ckpt_path, weights_only=False)
         except Exception as err:  # a damaged checkpoint: redo the run rather than mix states
@@ -341,17 +352,12 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
             torch.set_rng_state(ckpt["rng"])
         start_epoch = ckpt["epoch"] + 1
         db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
-    elif _resumable(existing) and db.memory(run_id) is not None:
+    elif resumable(existing) and db.memory(run_id) is not None:
         # interrupted before its first checkpoint: the same run, redone from its first epoch
         # (its row, start time and ledger are kept; what it recorded after them is dropped)
         db.truncate(run_id, last_epoch=-1, last_step=-1)
     else:
-        db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
-                     config=cfg.to_json(), versions=env["versions"], git=env["git"],
-                     hardware=env["hardware"])
-        db.set_backend(run_id, prec.backend)
-        batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
-        db.record_memory(run_id, _measure_memory(prec, model, batch))
+        _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
     progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
                        start_epoch * steps_per_epoch)
 
@@ -495,7 +501,7 @@ def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> 
 
 def mark_unrequested(db: ResultsDB, cfg: CompareConfig) -> None:
     """Interrupted runs this comparison no longer asks for are failed, NOT_REQUESTED."""
-    wanted = {f"{p}|seed={s}" for p in cfg.policies for s in cfg.seeds}
+    wanted = {run_id_of(p, s) for p in cfg.policies for s in cfg.seeds}
     for r in db.runs():
         if r["status"] == "running" and r["run_id"] not in wanted:
             db.finish_run(r["run_id"], "failed", error=NOT_REQUESTED)
@@ -505,20 +511,19 @@ def _train_all(cfg: CompareConfig, data: Dataset, db: ResultsDB, out: Path) -> N
     env = environment()
     runs = [(p, s) for p in cfg.policies for s in cfg.seeds]
     mark_unrequested(db, cfg)
-    with _Progress(len(runs), cfg.quiet) as progress:
+    with Progress(len(runs), cfg.quiet) as progress:
         for policy, seed in runs:
             try:
                 train_run(cfg, data, policy, seed, db, out, env, progress)
             except (KeyboardInterrupt, RunIOError, OSError, sqlite3.OperationalError):
                 raise  # the comparison stops; the folder stays resumable
             except Exception as err:  # a run's failure is recorded; the others go on
-                run_id = f"{policy}|seed={seed}"
+                run_id = run_id_of(policy, seed)
                 if db.run(run_id) is None:
                     db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
                                  config=cfg.to_json(), versions=env["versions"],
                                  git=env["git"], hardware=env["hardware"])
-                msg = "".join(traceback.format_exception_only(type(err), err)).strip()
-                db.finish_run(run_id, "failed", error=" ".join(msg.split())[:500])
+                db.finish_run(run_id, "failed", error=failure_message(err))
                 progress.run_done()
 
 
@@ -526,7 +531,7 @@ def failed_runs(out: Path, cfg: CompareConfig) -> list[tuple[str, str]]:
     """(run id, reason) of each requested run that failed, read from the run folder."""
     db = ResultsDB(Path(out) / "results.db", create=False)
     try:
-        wanted = {f"{p}|seed={s}" for p in cfg.policies for s in cfg.seeds}
+        wanted = {run_id_of(p, s) for p in cfg.policies for s in cfg.seeds}
         return [(r["run_id"], r.get("error") or "") for r in db.runs()
                 if r["status"] == "failed" and r["run_id"] in wanted]
     finally:
