@@ -29,6 +29,7 @@ from ..numerics.formats import FP32
 from ..numerics.quantize import quantize
 from ..training.emulation import op_name
 from ..training.precision import Precision
+from ..training.tree import tensors_in
 from .common import run_model, tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
@@ -64,17 +65,8 @@ class NonFiniteReport:
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _floats(obj, out: list) -> list:
-    if torch.is_tensor(obj):
-        if obj.dtype in _FLOATS:
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _floats(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _floats(v, out)
-    return out
+def _floats(obj) -> list:
+    return [t for t in tensors_in(obj, []) if t.dtype in _FLOATS]
 
 
 def _finite(ts) -> bool:
@@ -111,8 +103,8 @@ class _Recorder:
 
     def observe(self, op: str, module: str, args, kwargs, out) -> None:
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            ins = _floats(args, _floats(kwargs, []))
-            outs = _floats(out, [])
+            ins = _floats(kwargs) + _floats(args)
+            outs = _floats(out)
             if not outs:
                 return
             for a in ins:

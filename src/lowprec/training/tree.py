@@ -13,8 +13,21 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["map_floating", "cast_floating", "output_tensor", "call_model", "batch_size_of",
+__all__ = ["tensors_in", "map_floating", "cast_floating", "output_tensor", "call_model", "batch_size_of",
            "slice_batch"]
+
+
+def tensors_in(obj, out: list) -> list:
+    """Append every tensor of ``obj`` (nested tuples, lists, dicts) to ``out``; returns it."""
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            tensors_in(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            tensors_in(v, out)
+    return out
 
 
 def map_floating(obj, fn):

@@ -40,6 +40,7 @@ from ...numerics.rounding import Rounding
 from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
+from ..tree import tensors_in
 from . import kernels
 from .oplists import (ACCUMULATOR_INPUTS, BUFFER_OPS, FP32_OPS, GRID_OPS, LOWP_OPS, NORM_OPS,
                       PASS_OPS, is_inplace, reduction_axes)
@@ -137,18 +138,6 @@ def _mark(t: torch.Tensor, fmt: Format) -> None:
 
 def _floating(t) -> bool:
     return torch.is_tensor(t) and t.dtype in _ROUNDABLE
-
-
-def _tensors(obj, out: list) -> list:
-    if torch.is_tensor(obj):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors(v, out)
-    return out
 
 
 def _map(fn, obj):
@@ -497,7 +486,7 @@ class Emulation:
             if _floating(t) and not (grid and _marked(t, fmt)):
                 self.round_(t, rule, key)
             return out
-        inputs = _tensors(args, _tensors(kwargs, []))
+        inputs = tensors_in(args, tensors_in(kwargs, []))
         on_grid = grid and all(_marked(a, fmt) for a in inputs if _floating(a))
         okey = key  # one dynamic fixed-point group per module and role
 
@@ -539,7 +528,7 @@ class Emulation:
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
             out = func(*args, **kwargs)
-            inputs = _tensors(args, [])
+            inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
         if name in FP32_OPS or rule.block:
@@ -547,9 +536,9 @@ class Emulation:
         inplace = is_inplace(name)
         if name in NORM_OPS:
             lowp = bool(args) and _floating(args[0]) and _marked(args[0], fmt)
-            inputs = _tensors(args, [])
+            inputs = tensors_in(args, [])
         else:
-            inputs = _tensors(args, _tensors(kwargs, []))
+            inputs = tensors_in(args, tensors_in(kwargs, []))
             fl = [a for a in inputs if _floating(a) and (a.dim() > 0 or len(inputs) == 1)]
             lowp = bool(fl) and all(_marked(a, fmt) for a in fl)
         out = func(*args, **kwargs)
