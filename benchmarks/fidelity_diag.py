@@ -1,6 +1,7 @@
 """Find the first module/op whose output differs between native fp16 and emulated 16-true.
 
 Usage: PYTHONPATH=src:tests python benchmarks/fidelity_diag.py [transformer|resnet] [seed]
+       [--match-cpu-kernels]
 Runs the model natively (``model.half()``) and under emulated ``16-true`` with the same
 fp16-rounded weights and input, records every leaf module's output in both (forward hooks),
 and prints, per module in execution order, the number of elements that differ and the largest
@@ -29,7 +30,7 @@ def record(model):
     return outs, ins
 
 
-def main(which="transformer", seed=0):
+def main(which="transformer", seed=0, match=False):
     torch.manual_seed(int(seed))
     model = Transformer() if which == "transformer" else resnet(16)
     x = _x(4, 16, ints=50) if which == "transformer" else _x(8, 3, 16, 16)
@@ -39,7 +40,7 @@ def main(which="transformer", seed=0):
     nat = copy.deepcopy(model).half().train()
     no, ni = record(nat)
     nat(x.half() if x.is_floating_point() else x)
-    emu, _ = Precision("16-true").setup(copy.deepcopy(model))
+    emu, _ = Precision("16-true", match_cpu_kernels=match).setup(copy.deepcopy(model))
     emu.train()
     eo, _ = record(emu)
     emu(x)
@@ -60,4 +61,8 @@ def main(which="transformer", seed=0):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    unknown = set(flags) - {"--match-cpu-kernels"}
+    if unknown:
+        sys.exit(f"fidelity_diag: unknown option {sorted(unknown)[0]}; accepted: --match-cpu-kernels")
+    main(*[a for a in sys.argv[1:] if not a.startswith("--")], match="--match-cpu-kernels" in flags)

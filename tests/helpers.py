@@ -1,5 +1,7 @@
 """Assertions and the training loop the tests share (imported as ``helpers``)."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -72,3 +74,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@functools.lru_cache(maxsize=None)
+def native_conv_is_reference(dtype=torch.float16) -> bool:
+    """Whether torch runs its reference kernel (slow_conv2d) for a 16-bit CPU convolution here:
+    on CPUs with AVX512-FP16, oneDNN's convolution runs instead and sums in its own order."""
+    from torch.profiler import profile
+
+    x, w = torch.ones(1, 2, 4, 4, dtype=dtype), torch.ones(2, 2, 3, 3, dtype=dtype)
+    with profile() as prof:
+        torch.nn.functional.conv2d(x, w)
+    return any("slow_conv2d" in e.name for e in prof.events())
+
+
+needs_reference_conv = pytest.mark.skipif(
+    not native_conv_is_reference(), reason="this CPU's fp16 convolution is oneDNN's "
+    "(AVX512-FP16), not torch's reference kernel: no native order to compare with")

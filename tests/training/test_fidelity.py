@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import needs_reference_conv
 from lowprec import Precision
 from lowprec.training.emulation import emulated
 
@@ -222,14 +223,14 @@ class LSTMNet(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
-def _run(model, x, mode):
+def _run(model, x, mode, match_cpu_kernels=False):
     m = copy.deepcopy(model)
     if mode == "native":
         m, x = m.half(), (x.half() if x.is_floating_point() else x)
     elif mode == "float64":
         m, x = m.double(), (x.double() if x.is_floating_point() else x)
     elif mode == "emulated":
-        m, _ = Precision("16-true").setup(m)
+        m, _ = Precision("16-true", match_cpu_kernels=match_cpu_kernels).setup(m)
     m.train()
     out = m(x)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
@@ -240,13 +241,13 @@ def _run(model, x, mode):
     return out.detach().double(), torch.cat([g.double().flatten() for g in grads])
 
 
-def fidelity(model, x) -> dict:
+def fidelity(model, x, match_cpu_kernels=False) -> dict:
     """(emulated - native) / (fp32 - native) distances and emulated/native errors vs float64,
     for the outputs and the parameter gradients; the same fp16-rounded weights everywhere."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.half().float())
-    r = {k: _run(model, x, k) for k in ("native", "emulated", "fp32", "float64")}
+    r = {k: _run(model, x, k, match_cpu_kernels) for k in ("native", "emulated", "fp32", "float64")}
     d = lambda a, b: float((a - b).norm())  # noqa: E731
     res = {}
     for i, part in enumerate(("forward", "grads")):
@@ -262,22 +263,40 @@ def _x(*shape, ints=None):
     return torch.randn(*shape, generator=g).half().float()
 
 
-def test_resnet_matches_native_fp16():
-    """Every op but the convolutions matches native fp16 bit for bit given native's own inputs
-    (benchmarks/fidelity_diag.py resnet): batch norm follows the 16-bit kernel (statistics stored
-    in fp16), pooling and linear round once. oneDNN's fp16 convolution sums in another order and
-    differs by one unit in 0.01-0.1% of its outputs with identical inputs (fp32-then-round and
-    even float64-then-round differ from it), and batch norm spreads those units: the ratio depends
-    on the batch. Over 5 batches, forward 0.74 0.68 0.65 0.08 0.57 (median 0.65) and gradients
-    0.52 0.22 0.06 0.08 0.07 (median 0.08): the issue's 0.25 for the gradients holds on the
-    median, its 0.1 for the 80 logits does not."""
+def _resnet_batches(match_cpu_kernels):
     res = []
     for batch in range(1, 6):
         torch.manual_seed(0)
         x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
-        res.append(fidelity(resnet(16), x.half().float()))
+        res.append(fidelity(resnet(16), x.half().float(), match_cpu_kernels))
         for part in res[-1].values():
             assert 0.8 <= part[1] <= 1.25, res[-1]
+    return res
+
+
+@needs_reference_conv
+def test_resnet_is_bit_exact_with_native_fp16_when_matching_cpu_kernels():
+    """With ``match_cpu_kernels=True`` the convolutions sum as torch's reference CPU fp16 kernel
+    does (lowprec.numerics.summation), and every other op already matches native fp16 bit for
+    bit given native's inputs: the forward is bit-exact on all five batches (ratio 0.0).
+    Gradients: 0.047 0.067 0.053 0.073 0.053 (native's backward convolutions accumulate their
+    own way; the issue asks 0.25)."""
+    res = _resnet_batches(True)
+    assert all(r["forward"][0] == 0.0 for r in res), res
+    assert max(r["grads"][0] for r in res) <= 0.1, res
+
+
+def test_resnet_matches_native_fp16():
+    """The default engine (oneDNN's fp32 convolution, rounded once): every op but the
+    convolutions matches native fp16 bit for bit given native's own inputs
+    (benchmarks/fidelity_diag.py resnet). Native fp16 convolution on a CPU without AVX512-FP16
+    is torch's reference kernel, which sums in four interleaved fp32 partial sums
+    (lowprec.numerics.summation): one unit apart from fp32-then-round on 0.01-0.1% of its
+    outputs, and batch norm spreads those units, so the ratio depends on the batch. Over 5
+    batches, forward 0.74 0.68 0.65 0.08 0.57 (median 0.65) and gradients 0.52 0.22 0.06 0.08
+    0.07 (median 0.08). On CPUs whose fp16 convolution is oneDNN's, which rounds fp32 sums
+    once, the issue measured 0.00 forward for a plain rounding engine."""
+    res = _resnet_batches(False)
     med = {k: sorted(r[k][0] for r in res)[2] for k in ("forward", "grads")}
     assert med["forward"] <= 0.7 and med["grads"] <= 0.12, med
 

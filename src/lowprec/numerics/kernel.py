@@ -79,7 +79,7 @@ def _lib():
         lib = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    if lib.lp_abi_version() != 4:
+    if lib.lp_abi_version() != 5:
         return None
     p = ctypes.c_void_p
     lib.lp_quantize_f32.argtypes = [p, p, ctypes.c_int64, ctypes.POINTER(LPParams), ctypes.c_int]
@@ -95,6 +95,8 @@ def _lib():
     lib.lp_count_abs_ge.argtypes = [p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
                                     ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
     lib.lp_count_abs_ge.restype = None
+    lib.lp_dot4.argtypes = [p, p, p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    lib.lp_dot4.restype = None
     return lib
 
 
@@ -131,3 +133,12 @@ def count_abs_ge(x: torch.Tensor, t1: float, t2: float) -> tuple[int, int]:
     out = (ctypes.c_int64 * 2)()
     _lib().lp_count_abs_ge(x.data_ptr(), x.numel(), t1, t2, out, torch.get_num_threads())
     return int(out[0]), int(out[1])
+
+
+def dot4(cols: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int) -> None:
+    """Reference-order dot products (lp_dot4 in _qkernel.c) of contiguous float32 CPU tensors:
+    ``cols`` N x (groups*K) x L, ``w`` (groups*Cog) x K, into ``out`` N x (groups*Cog) x L."""
+    n, gk, length = cols.shape
+    k = gk // groups
+    _lib().lp_dot4(cols.data_ptr(), w.data_ptr(), out.data_ptr(), n, groups, k, length,
+                   w.shape[0] // groups, torch.get_num_threads())

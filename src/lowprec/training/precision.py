@@ -15,6 +15,9 @@ policy's grids at every op (:mod:`lowprec.training.emulation`); it accepts any f
 ``auto`` picks native where the
 hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
 AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
+``match_cpu_kernels=True`` makes emulated convolutions sum in the order of that reference kernel
+(:mod:`lowprec.numerics.summation`): bit-exact with ``model.half()`` on CPUs where it runs, at
+about 5x the fp32 convolution's cost.
 
 Regimes that need more than formats (BinaryNet, dynamic fixed point) plug in through
 :class:`lowprec.training.regimes.Regime`: Precision builds those the policy needs and calls their
@@ -70,8 +73,11 @@ class Precision:
 
     def __init__(self, policy: str | Policy = "32-true", *, loss_scale: str | LossScale | None = None,
                  generator: torch.Generator | None = None, seed: int | None = None,
-                 overrides: dict | None = None) -> None:
+                 overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
         self.policy = parse_policy(policy)
+        # emulated backend: convolutions summed in the order of torch's reference CPU 16-bit
+        # kernel (lowprec.numerics.summation), bit-exact with model.half() where that kernel runs
+        self.match_cpu_kernels = bool(match_cpu_kernels)
         # glob on module names -> policy or format; ops inside a matching module follow it
         # (emulated backend only)
         self.overrides = dict(overrides or {})
@@ -106,7 +112,7 @@ class Precision:
         return fmt
 
     def _engine_options(self) -> dict:
-        options: dict = {}
+        options: dict = {"match_cpu_kernels": self.match_cpu_kernels}
         for regime in self.regimes:
             options.update(regime.engine_options())
         return options

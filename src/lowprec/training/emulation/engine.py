@@ -17,6 +17,10 @@ own ``forward``, in a container's ``forward`` or in a plain function. For each c
   output; its fp32 ops stay fp32; other ops produce the compute format when all their floating
   inputs are in it (autocast's dtype propagation), fp32 otherwise.
 
+With ``match_cpu_kernels=True``, convolutions sum in the order of torch's reference CPU 16-bit
+kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, which makes an
+emulated run bit-exact with ``model.half()`` on CPUs where that kernel runs (no AVX512-FP16).
+
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
 twice. Module hooks track which module is running, for per-module overrides and for naming ops.
 """
@@ -36,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format, parse_format
 from ...numerics.quantize import quantize, quantize_
+from ...numerics import summation
 from ...numerics.rounding import Rounding
 from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
@@ -274,8 +279,9 @@ class Emulation:
 
     def __init__(self, model: nn.Module | None, policy: Policy, generator: torch.Generator | None
                  = None, *, active: bool = True, controller: Controller | None = None,
-                 overrides: dict | None = None) -> None:
+                 overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
         self.policy = policy
+        self.match_cpu_kernels = match_cpu_kernels
         self.generator = generator
         self.active = active
         self.controller = controller
@@ -478,7 +484,7 @@ class Emulation:
             out = kernels.label_kernel_nodes(kernels.attention(self, rule, key, *args, **kwargs),
                                              args, name)
         else:
-            out = func(*args, **kwargs)
+            out = self._conv(func, name)(*args, **kwargs)
         if name in BUFFER_OPS:
             self._round_buffers(args, rule)
         if inplace:
@@ -527,7 +533,7 @@ class Emulation:
                          for i, a in enumerate(args))
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
-            out = func(*args, **kwargs)
+            out = self._conv(func, name)(*args, **kwargs)
             inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
@@ -561,6 +567,10 @@ class Emulation:
 
         return _map(rout, out)
 
+    def _conv(self, func, name: str):
+        # match_cpu_kernels: convolutions summed as torch's reference CPU 16-bit kernel sums
+        return summation.conv2d if name == "conv2d" and self.match_cpu_kernels else func
+
     def _round_buffers(self, args, rule: Rule) -> None:
         # running statistics as the parameter format stores them (pure policies: fp16 buffers)
         if rule.params == FP32 or isinstance(rule.params, (BlockFormat, DynamicFixedFormat)):
@@ -573,7 +583,7 @@ class Emulation:
 
 @contextlib.contextmanager
 def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
-             controller: Controller | None = None):
+             controller: Controller | None = None, match_cpu_kernels: bool = False):
     """Round every op run in this block onto ``policy``'s grids (no model needed):
 
     >>> with emulated("16-true"):
@@ -583,6 +593,7 @@ def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
     if controller is None and any(isinstance(f, DynamicFixedFormat)
                                   for f in (pol.compute, pol.grads)):
         controller = Controller()
-    em = Emulation(None, pol, generator, controller=controller)
+    em = Emulation(None, pol, generator, controller=controller,
+                   match_cpu_kernels=match_cpu_kernels)
     with em.enabled():
         yield em
