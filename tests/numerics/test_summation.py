@@ -136,3 +136,35 @@ def test_the_engine_uses_it_when_asked():
         default = F.conv2d(*_f32(x, w, b), *conf)
     assert torch.equal(ours, native)
     assert torch.equal(default, F.conv2d(*_f32(x, w, b), *conf).half().float())
+
+
+@needs_reference
+def test_precision_trains_with_it_and_stays_bit_exact_with_native():
+    """Through Precision with an optimizer: after two SGD steps, the model's forward equals
+    native fp16's (``model.half()`` with the same weights and statistics) bit for bit."""
+    from torch import nn
+
+    from lowprec import Precision
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                             nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, stride=2, groups=2),
+                             nn.ReLU())
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, 12, 12, generator=g).half().float()
+    prec = Precision("16-true", match_cpu_kernels=True)
+    model = make()
+    start = [p.detach().clone() for p in model.parameters()]
+    model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for _ in range(2):
+        opt.zero_grad()
+        prec.backward(model(x).square().mean())
+        prec.step(opt)
+    assert all(not torch.equal(a, p) for a, p in zip(start, model.parameters()))
+    native = make()
+    native.load_state_dict(model.state_dict())
+    native.half()
+    with torch.no_grad():
+        assert torch.equal(model(x), native(x.half()).float())

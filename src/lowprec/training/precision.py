@@ -112,7 +112,7 @@ class Precision:
         return fmt
 
     def _engine_options(self) -> dict:
-        options: dict = {"match_cpu_kernels": self.match_cpu_kernels}
+        options: dict = {}
         for regime in self.regimes:
             options.update(regime.engine_options())
         return options
@@ -180,7 +180,9 @@ class Precision:
                     with_kwargs=True))
         else:
             self.emulation = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
-                                       overrides=self.overrides, **self._engine_options())
+                                       overrides=self.overrides,
+                                       match_cpu_kernels=self.match_cpu_kernels,
+                                       **self._engine_options())
             self._store_emulated(model)
         self._added = added
         if optimizer is not None:
