@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...numerics.formats import BlockFormat, DynamicFixedFormat
+from ...numerics.formats import BF16, BlockFormat, DynamicFixedFormat
 from ...numerics.quantize import quantize
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
@@ -68,28 +68,113 @@ def plain_attention(args, kwargs) -> bool:
 
 
 
+class _BatchNorm(torch.autograd.Function):
+    """Forward: y = x * a + b' in fp32 (the caller rounds it once). Backward as
+    ``batch_norm_cpu_backward_contiguous_internal`` in
+    aten/src/ATen/native/cpu/batch_norm_kernel.cpp runs for 16-bit tensors in training: with the
+    statistics the forward saved (16-bit), per channel sum = sum(dy), dotp = sum((x - mean) dy)
+    in fp32, k = dotp * invstd * invstd / N, and dx = (dy - sum / N - (x - mean) * k) * invstd
+    * w computed in fp32 and rounded once; dweight = dotp * invstd and dbias = sum, in the
+    weight's format. The statistics are constants of the backward, as in the fused kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, grad, stat):
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        a = invstd if weight is None else invstd * weight
+        b = -mean * a if bias is None else bias - mean * a
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.spec = (grad, stat, bias is not None)
+        return x * a.view(shape) + b.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        grad, stat, has_bias = ctx.spec
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        n = x.numel() // x.shape[1]
+        xm = x - mean.view(shape)
+        total, dotp = dy.sum(dims), (xm * dy).sum(dims)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            k = dotp * invstd * invstd / n
+            dx = (dy - (total / n).view(shape) - xm * k.view(shape)) * invstd.view(shape)
+            if weight is not None:
+                dx = dx * weight.view(shape)
+            dx = grad(dx)
+        dw = stat(dotp * invstd) if weight is not None and ctx.needs_input_grad[1] else None
+        db = stat(total) if has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None, None
+
+
+def _update_running(running_mean, running_var, mean, var, momentum, n) -> None:
+    if running_mean is None or running_var is None:
+        return
+    with torch.no_grad():
+        running_mean.copy_(momentum * mean + (1 - momentum) * running_mean)
+        running_var.copy_(momentum * (var * n / max(n - 1, 1)) + (1 - momentum) * running_var)
+
+
 def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_var,
-                training, momentum, eps, cudnn_enabled=True):
-    """Batch normalisation with batch statistics as torch's 16-bit CPU kernel computes it:
-    mean and 1/sqrt(var + eps) in fp32 and stored in the 16-bit format (they are the
-    kernel's ``save_mean``/``save_invstd`` outputs), then y = x * a + b' with
-    a = invstd * weight, b' = bias - mean * a in fp32 (``batch_norm_cpu_collect_stats`` and
-    ``batch_norm_cpu_transform_input`` in aten/src/ATen/native/cpu/batch_norm_kernel.cpp);
-    the caller rounds y once. Running statistics are updated from the fp32 statistics."""
+               training, momentum, eps, cudnn_enabled=True):
+    """Batch normalisation with batch statistics as torch's 16-bit CPU kernel computes it
+    (``batch_norm_cpu_update_stats_template``, ``batch_norm_cpu_collect_stats`` and
+    ``batch_norm_cpu_transform_input`` in aten/src/ATen/native/cpu/batch_norm_kernel.cpp and
+    Normalization.cpp), then y = x * a + b' with a = invstd * weight, b' = bias - mean * a in
+    fp32; the caller rounds y once. Backward: :class:`_BatchNorm`.
+
+    Pure bf16 (the kernel's ``param_t`` is BFloat16): its statistics are 16-bit values and so
+    is their arithmetic: the mean
+    (fp32 sum / N) and the sum of squared deviations (from the fp32 mean) are stored in 16 bits,
+    var = var_sum / N in 16-bit arithmetic, invstd = 1 / sqrt(var + eps) in double, stored in
+    16 bits; the running statistics are updated with a 16-bit momentum, each product and sum
+    rounded as c10::BFloat16 arithmetic rounds it. Float16 (measured against torch 2.13's
+    kernel: it keeps fp32 statistics) and other element formats: fp32 statistics, the mean and 1/std
+    rounded once to the compute format, the running statistics updated in fp32 and stored in
+    the parameter format. Dynamic fixed point, block formats and stochastic rounding: the same
+    fp32 statistics, differentiated op by op (no 16-bit kernel stands for them)."""
     dims = [0] + list(range(2, x.dim()))
     n = x.numel() // x.shape[1]
     shape = [1, -1] + [1] * (x.dim() - 2)
-    var, mean = torch.var_mean(x, dims, correction=0)
-    if running_mean is not None and running_var is not None:
-        with torch.no_grad():
-            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-            running_var.mul_(1 - momentum).add_(var.detach() * (n / max(n - 1, 1)),
-                                                alpha=momentum)
-    mean_q = engine.round(mean, rule, key + ".stats", grads=False)
-    inv_q = engine.round(torch.rsqrt(var + eps), rule, key + ".stats", grads=False)
-    a = inv_q if weight is None else inv_q * weight
-    b = -mean_q * a if bias is None else bias - mean_q * a
-    return x * a.view(shape) + b.view(shape)
+    if not plain_formats(rule):  # dynamic fixed point, blocks, stochastic rounding: fp32 ops
+        var, mean = torch.var_mean(x, dims, correction=0)
+        _update_running(running_mean, running_var, mean.detach(), var.detach(), momentum, n)
+        mean_q = engine.round(mean, rule, key + ".stats", grads=False)
+        inv_q = engine.round(torch.rsqrt(var + eps), rule, key + ".stats", grads=False)
+        a = inv_q if weight is None else inv_q * weight
+        b = -mean_q * a if bias is None else bias - mean_q * a
+        return x * a.view(shape) + b.view(shape)
+    with torch.no_grad():
+        if rule.params == rule.compute == BF16:
+            def q(t):
+                return quantize(t, rule.params)
+
+            def c(v):  # a C++ scalar converted to the 16-bit type
+                return q(torch.tensor(float(v)))
+
+            mean = x.mean(dims)
+            var_sum = q((x - mean.view(shape)).square().sum(dims))
+            mean_q = q(mean)
+            inv_q = q((1 / torch.sqrt(q(var_sum / c(n)).double() + eps)).float())
+            if running_mean is not None and running_var is not None:
+                m = c(momentum)
+                keep = q(1 - m)
+                running_mean.copy_(q(q(m * mean_q) + q(keep * running_mean)))
+                unbiased = q(var_sum / c(max(n - 1, 1)))
+                running_var.copy_(q(m * unbiased + q(keep * running_var)))
+        else:
+            var, mean = torch.var_mean(x, dims, correction=0)
+            _update_running(running_mean, running_var, mean, var, momentum, n)
+            mean_q = engine.round(mean, rule, key + ".stats", grads=False)
+            inv_q = engine.round(torch.rsqrt(var + eps), rule, key + ".stats", grads=False)
+
+    def grad(t):
+        return quantize(t, rule.grads)
+
+    def stat(t):  # the kernel's dweight/dbias: the weight's dtype
+        return quantize(t, rule.params) if rule.params == rule.compute else t
+
+    return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, grad, stat)
 
 
 # fexp_u20 (ATen's vec512_float.h / vec256_float.h, after Malossi et al., "Fast Exponential
@@ -209,11 +294,17 @@ def plain_layer_norm(engine, rule, args, kwargs) -> bool:
     kernel's 16-bit path stands for (IEEE-style, round to nearest)."""
     if kwargs or len(args) < 2 or not torch.is_tensor(args[0]) or not torch.is_grad_enabled():
         return False
+    return plain_formats(rule)
+
+
+def plain_formats(rule) -> bool:
+    """IEEE-style element formats rounded to nearest: what a 16-bit CPU kernel stands for."""
     nearest = all(getattr(r, "mode", r) == Rounding.NEAREST_EVEN
                   for r in (rule.rounding, rule.grad_rounding))
     return (nearest and
             not isinstance(rule.compute, (BlockFormat, DynamicFixedFormat)) and
-            not isinstance(rule.grads, (BlockFormat, DynamicFixedFormat)))
+            not isinstance(rule.grads, (BlockFormat, DynamicFixedFormat)) and
+            not isinstance(rule.params, (BlockFormat, DynamicFixedFormat)))
 
 
 # Rows per thread up to which layer norm's backward replays the kernel's sequential 16-bit
