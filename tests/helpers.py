@@ -86,8 +86,3 @@ def native_conv_is_reference(dtype=torch.float16) -> bool:
     with profile() as prof:
         torch.nn.functional.conv2d(x, w)
     return any("slow_conv2d" in e.name for e in prof.events())
-
-
-needs_reference_conv = pytest.mark.skipif(
-    not native_conv_is_reference(), reason="this CPU's fp16 convolution is oneDNN's "
-    "(AVX512-FP16), not torch's reference kernel: no native order to compare with")

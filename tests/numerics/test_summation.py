@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import needs_reference_conv as needs_reference
 from lowprec.numerics import kernel, summation
 from lowprec.training.emulation import emulated
 
@@ -44,10 +43,9 @@ def path(request, monkeypatch):
     return request.param
 
 
-@needs_reference
 @pytest.mark.filterwarnings("ignore:Using padding='same'")
 @pytest.mark.parametrize("name", list(CASES))
-def test_bit_exact_with_the_native_16_bit_convolution(name, path):
+def test_bit_exact_with_the_native_16_bit_convolution(reference_conv, name, path):
     """fp16 (CPUs with AVX512-BF16 run oneDNN's bf16 convolution, not this kernel)."""
     x, w, b, conf = _case(name)
     native = F.conv2d(x, w, b, *conf).float()
@@ -55,8 +53,7 @@ def test_bit_exact_with_the_native_16_bit_convolution(name, path):
     assert torch.equal(ours.half().float(), native)
 
 
-@needs_reference
-def test_fp32_then_round_is_not_the_native_order():
+def test_fp32_then_round_is_not_the_native_order(reference_conv):
     """The fact the module exists for: oneDNN's fp32 convolution rounded once differs from
     the native 16-bit convolution on some outputs (measured 3-14 per case of ~10^4)."""
     diffs = 0
@@ -124,10 +121,32 @@ def test_bad_groups_and_padding_are_named():
         summation.dot4(torch.zeros(1, 6, 3), torch.zeros(2, 3), groups=4)
     with pytest.raises(ValueError, match="'full'.*'same', 'valid'"):
         summation.conv2d(torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 3, 3), padding="full")
+    with pytest.raises(ValueError, match="'same' needs stride 1, got stride \\(2, 2\\)"):
+        summation.conv2d(torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 3, 3), stride=2,
+                         padding="same")
+    if kernel.available():
+        with pytest.raises(ValueError, match="cols must be a contiguous float32 CPU tensor"):
+            kernel.dot4(torch.zeros(1, 3, 4).transpose(1, 2), torch.zeros(2, 4),
+                        torch.zeros(1, 2, 3), 1)
 
 
-@needs_reference
-def test_the_engine_uses_it_when_asked():
+def test_keyword_arguments_as_f_conv2d():
+    x, w, b, (stride, padding, dilation, groups) = _case("stride2_bias")
+    x, w, b = _f32(x, w, b)
+    assert torch.equal(summation.conv2d(input=x, weight=w, bias=b, stride=stride, padding=padding),
+                       summation.conv2d(x, w, b, stride, padding))
+
+
+def test_native_backend_warns_that_it_does_not_apply():
+    from torch import nn
+
+    from lowprec import Precision
+
+    with pytest.warns(UserWarning, match="match_cpu_kernels=True has no effect"):
+        Precision("bf16-true", match_cpu_kernels=True).setup(nn.Conv2d(1, 1, 3))
+
+
+def test_the_engine_uses_it_when_asked(reference_conv):
     x, w, b, conf = _case("stride2_bias")
     native = F.conv2d(x, w, b, *conf).float()
     with emulated("16-true", match_cpu_kernels=True):
@@ -138,8 +157,7 @@ def test_the_engine_uses_it_when_asked():
     assert torch.equal(default, F.conv2d(*_f32(x, w, b), *conf).half().float())
 
 
-@needs_reference
-def test_precision_trains_with_it_and_stays_bit_exact_with_native():
+def test_precision_trains_with_it_and_stays_bit_exact_with_native(reference_conv):
     """Through Precision with an optimizer: after two SGD steps, the model's forward equals
     native fp16's (``model.half()`` with the same weights and statistics) bit for bit."""
     from torch import nn

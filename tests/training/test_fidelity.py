@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import needs_reference_conv
 from lowprec import Precision
+from lowprec.training.policy import Backend, parse_policy
 from lowprec.training.emulation import emulated
 
 DTYPES = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
@@ -274,8 +275,7 @@ def _resnet_batches(match_cpu_kernels):
     return res
 
 
-@needs_reference_conv
-def test_resnet_is_bit_exact_with_native_fp16_when_matching_cpu_kernels():
+def test_resnet_is_bit_exact_with_native_fp16_when_matching_cpu_kernels(reference_conv):
     """With ``match_cpu_kernels=True`` the convolutions sum as torch's reference CPU fp16 kernel
     does (lowprec.numerics.summation), and every other op already matches native fp16 bit for
     bit given native's inputs: the forward is bit-exact on all five batches (ratio 0.0).
@@ -370,11 +370,20 @@ def test_no_op_output_off_the_fp16_grid_forward_and_backward(make, x):
     assert len(seen) > 10 and off == [], off  # noqa: the forward's list was empty too
 
 
-@pytest.mark.parametrize("shape", [(8, 6, 7, 7), (16, 5, 4, 4), (4, 3, 33, 1)],
-                         ids=["7x7", "4x4", "33x1"])
+BN_CASES = {  # module, input shape
+    "2d_7x7": (lambda: nn.BatchNorm2d(6), (8, 6, 7, 7)),
+    "2d_4x4": (lambda: nn.BatchNorm2d(5), (16, 5, 4, 4)),
+    "2d_33x1": (lambda: nn.BatchNorm2d(3), (4, 3, 33, 1)),
+    "1d_no_affine": (lambda: nn.BatchNorm1d(7, affine=False), (32, 7)),
+    "3d": (lambda: nn.BatchNorm3d(4), (4, 4, 3, 5, 5)),
+    "2d_no_running_stats": (lambda: nn.BatchNorm2d(6, track_running_stats=False), (8, 6, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("case", list(BN_CASES))
 @pytest.mark.parametrize("policy", list(DTYPES))
-def test_batch_norm_training_steps_match_the_native_16_bit_kernel(policy, shape):
-    """nn.BatchNorm2d over three training steps, then in eval mode, against ``.half()`` /
+def test_batch_norm_training_steps_match_the_native_16_bit_kernel(policy, case):
+    """Batch norm over three training steps, then in eval mode, against ``.half()`` /
     ``.bfloat16()``: output, input gradient, weight and bias gradients and running statistics.
     The backward follows the kernel's fused formula (before, the engine differentiated its own
     fp32 ops and rounded each intermediate gradient: 12-21% of dx off, up to 36 ulp). bf16's
@@ -382,13 +391,17 @@ def test_batch_norm_training_steps_match_the_native_16_bit_kernel(policy, shape)
     kernel keeps fp32 statistics; dx and dweight within one unit (its fp32 sums of dy and
     (x - mean) dy run in another order), measured 0-2 elements of ~2000."""
     dtype = DTYPES[policy]
+    make, shape = BN_CASES[case]
     torch.manual_seed(0)
-    bn = nn.BatchNorm2d(shape[1])
-    with torch.no_grad():
-        bn.weight.copy_(1 + 0.1 * torch.randn(shape[1]))
-        bn.bias.copy_(0.1 * torch.randn(shape[1]))
+    bn = make()
+    if bn.affine:
+        with torch.no_grad():
+            bn.weight.copy_(1 + 0.1 * torch.randn(shape[1]))
+            bn.bias.copy_(0.1 * torch.randn(shape[1]))
     nat = copy.deepcopy(bn).to(dtype)
-    emu, _ = Precision(policy).setup(copy.deepcopy(bn))
+    prec = Precision(dataclasses.replace(parse_policy(policy), backend=Backend.EMULATED))
+    emu, _ = prec.setup(copy.deepcopy(bn))
+    assert prec.emulation is not None  # bf16 on CPU would otherwise run natively
     sums = 0 if dtype == torch.bfloat16 else 1
     for step in range(3):
         g = torch.Generator().manual_seed(step)
@@ -400,10 +413,12 @@ def test_batch_norm_training_steps_match_the_native_16_bit_kernel(policy, shape)
         ye.backward(dy.float())
         assert torch.equal(ye, yn.float())
         assert ulp_distance(xe.grad, xn.grad.float(), dtype) <= sums
-        assert ulp_distance(emu.weight.grad, nat.weight.grad.float(), dtype) <= sums
-        assert torch.equal(emu.bias.grad.to(dtype), nat.bias.grad)
-        assert torch.equal(emu.running_mean, nat.running_mean.float())
-        assert torch.equal(emu.running_var, nat.running_var.float())
+        if bn.affine:
+            assert ulp_distance(emu.weight.grad, nat.weight.grad.float(), dtype) <= sums
+            assert torch.equal(emu.bias.grad.to(dtype), nat.bias.grad)
+        if bn.track_running_stats:
+            assert torch.equal(emu.running_mean, nat.running_mean.float())
+            assert torch.equal(emu.running_var, nat.running_var.float())
         nat.zero_grad()
         emu.zero_grad()
     nat.eval()

@@ -138,6 +138,10 @@ def count_abs_ge(x: torch.Tensor, t1: float, t2: float) -> tuple[int, int]:
 def dot4(cols: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int) -> None:
     """Reference-order dot products (lp_dot4 in _qkernel.c) of contiguous float32 CPU tensors:
     ``cols`` N x (groups*K) x L, ``w`` (groups*Cog) x K, into ``out`` N x (groups*Cog) x L."""
+    for name, t in (("cols", cols), ("w", w), ("out", out)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"dot4: {name} must be a contiguous float32 CPU tensor, got "
+                             f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
     n, gk, length = cols.shape
     k = gk // groups
     _lib().lp_dot4(cols.data_ptr(), w.data_ptr(), out.data_ptr(), n, groups, k, length,

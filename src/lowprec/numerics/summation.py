@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
 from . import kernel
@@ -60,6 +61,8 @@ def _forward(x, weight, bias, stride, padding, dilation, groups):
     if isinstance(padding, str):
         if padding not in ("same", "valid"):
             raise ValueError(f"conv2d: padding {padding!r} is not one of 'same', 'valid'")
+        if padding == "same" and any(s != 1 for s in stride):
+            raise ValueError(f"conv2d: padding 'same' needs stride 1, got stride {stride}")
         if padding == "same":
             x = _same(x, weight, dilation)
         padding = (0, 0)
@@ -84,6 +87,7 @@ class _Conv2d(torch.autograd.Function):
             return _forward(x, weight, bias, stride, padding, dilation, groups)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         has_bias, stride, padding, dilation, groups = ctx.args
@@ -91,7 +95,7 @@ class _Conv2d(torch.autograd.Function):
             if isinstance(padding, str):  # F.conv2d's own gradients for "same" and "valid"
                 with torch.enable_grad():
                     xp, wp = x.detach().requires_grad_(), weight.detach().requires_grad_()
-                    bp = torch.zeros(weight.shape[0], requires_grad=True) if has_bias else None
+                    bp = weight.new_zeros(weight.shape[0]).requires_grad_() if has_bias else None
                     y = F.conv2d(xp, wp, bp, stride, padding, dilation, groups)
                     grads = torch.autograd.grad(y, [t for t in (xp, wp, bp) if t is not None], g)
                 return (*grads[:2], grads[2] if has_bias else None, None, None, None, None)
@@ -102,10 +106,12 @@ class _Conv2d(torch.autograd.Function):
         return gx, gw, gb if has_bias else None, None, None, None, None
 
 
-def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1,
-           padding=0, dilation=1, groups: int = 1) -> torch.Tensor:
-    """``F.conv2d`` on float32 carriers of 16-bit values, summed as torch's reference CPU
-    16-bit kernel sums (see the module docstring); other dtypes go to ``F.conv2d``."""
+def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           stride=1, padding=0, dilation=1, groups: int = 1) -> torch.Tensor:
+    """``F.conv2d`` (same arguments) on float32 carriers of 16-bit values, summed as torch's
+    reference CPU 16-bit kernel sums (see the module docstring); other dtypes go to
+    ``F.conv2d``."""
+    x = input
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() not in (3, 4):
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if x.dim() == 3:

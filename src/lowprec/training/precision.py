@@ -15,9 +15,9 @@ policy's grids at every op (:mod:`lowprec.training.emulation`); it accepts any f
 ``auto`` picks native where the
 hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
 AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
-``match_cpu_kernels=True`` makes emulated convolutions sum in the order of that reference kernel
-(:mod:`lowprec.numerics.summation`): bit-exact with ``model.half()`` on CPUs where it runs, at
-about 5x the fp32 convolution's cost.
+``match_cpu_kernels=True`` makes emulated 2-D convolutions sum in the order of that reference
+kernel (:mod:`lowprec.numerics.summation`): their forward is then bit-exact with ``model.half()``
+on CPUs where it runs (benchmarks/summation.py gives the cost).
 
 Regimes that need more than formats (BinaryNet, dynamic fixed point) plug in through
 :class:`lowprec.training.regimes.Regime`: Precision builds those the policy needs and calls their
@@ -75,8 +75,8 @@ class Precision:
                  generator: torch.Generator | None = None, seed: int | None = None,
                  overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
         self.policy = parse_policy(policy)
-        # emulated backend: convolutions summed in the order of torch's reference CPU 16-bit
-        # kernel (lowprec.numerics.summation), bit-exact with model.half() where that kernel runs
+        # emulated backend: conv2d summed in the order of torch's reference CPU 16-bit kernel
+        # (lowprec.numerics.summation); its forward is bit-exact where that kernel runs
         self.match_cpu_kernels = bool(match_cpu_kernels)
         # glob on module names -> policy or format; ops inside a matching module follow it
         # (emulated backend only)
@@ -157,6 +157,10 @@ class Precision:
             # the prepared model computes in the policy's compute format itself: no hooks
             self.emulation = None
         elif self.backend is Backend.NATIVE:
+            if self.match_cpu_kernels:
+                warnings.warn(f"match_cpu_kernels=True has no effect: policy {pol} runs on the "
+                              f"native backend (torch's own kernels); it applies to emulated "
+                              f"policies (b=emulated)", stacklevel=2)
             if pol.scope is Scope.ALL and pol.params != FP32:
                 dtype = storage_dtype(pol.params)
                 model.to(dtype)

@@ -10,6 +10,7 @@ rounds the 16-bit intermediates.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...numerics.formats import BF16, BlockFormat, DynamicFixedFormat
 from ...numerics.quantize import quantize
@@ -69,7 +70,8 @@ def plain_attention(args, kwargs) -> bool:
 
 
 class _BatchNorm(torch.autograd.Function):
-    """Forward: y = x * a + b' in fp32 (the caller rounds it once). Backward as
+    """Forward: y = x * a + b' in fp32, one fused multiply-add (the caller rounds it once).
+    Backward as
     ``batch_norm_cpu_backward_contiguous_internal`` in
     aten/src/ATen/native/cpu/batch_norm_kernel.cpp runs for 16-bit tensors in training: with the
     statistics the forward saved (16-bit), per channel sum = sum(dy), dotp = sum((x - mean) dy)
@@ -84,9 +86,12 @@ class _BatchNorm(torch.autograd.Function):
         b = -mean * a if bias is None else bias - mean * a
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.spec = (grad, stat, bias is not None)
-        return x * a.view(shape) + b.view(shape)
+        # the kernel's x * a + b' is contracted to a fused multiply-add (one rounding), as
+        # addcmul computes it; two roundings put 1 of 300 fp16 outputs one unit off
+        return torch.addcmul(b.view(shape), x, a.view(shape))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         grad, stat, has_bias = ctx.spec
