@@ -46,6 +46,7 @@ test: $(STAMP) $(SYSTEM_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/summation.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/lowprec/*.so src/lowprec/numerics/*.so
