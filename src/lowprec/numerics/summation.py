@@ -48,25 +48,26 @@ def dot4(cols: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.Tensor:
     return (((parts[0] + parts[1]) + parts[2]) + parts[3]).view(n, co, length)
 
 
-def _same(x, weight, dilation):
-    # torch pads "same" explicitly (the extra unit on the right/bottom) and convolves unpadded
-    pads = []
-    for d, k in zip(reversed(dilation), reversed(weight.shape[2:])):
-        total = d * (k - 1)
-        pads += [total // 2, total - total // 2]
-    return F.pad(x, pads)
+def _resolve_padding(x, weight, padding, stride, dilation):
+    """(input, numeric padding) as torch's convolution resolves ``padding``: "valid" is 0;
+    "same" pads dilation * (k - 1) // 2 on both sides through the convolution, and an odd unit
+    left over on the right/bottom explicitly (``_convolution_mode`` does the same)."""
+    if not isinstance(padding, str):
+        return x, _pair(padding)
+    if padding not in ("same", "valid"):
+        raise ValueError(f"conv2d: padding {padding!r} is not one of 'same', 'valid'")
+    if padding == "valid":
+        return x, (0, 0)
+    if any(s != 1 for s in stride):
+        raise ValueError(f"conv2d: padding 'same' needs stride 1, got stride {stride}")
+    totals = [d * (k - 1) for d, k in zip(dilation, weight.shape[2:])]
+    odd = [t % 2 for t in totals]
+    if any(odd):
+        x = F.pad(x, [0, odd[1], 0, odd[0]])
+    return x, tuple(t // 2 for t in totals)
 
 
 def _forward(x, weight, bias, stride, padding, dilation, groups):
-    if isinstance(padding, str):
-        if padding not in ("same", "valid"):
-            raise ValueError(f"conv2d: padding {padding!r} is not one of 'same', 'valid'")
-        if padding == "same" and any(s != 1 for s in stride):
-            raise ValueError(f"conv2d: padding 'same' needs stride 1, got stride {stride}")
-        if padding == "same":
-            x = _same(x, weight, dilation)
-        padding = (0, 0)
-    padding = _pair(padding)
     n, _, h, w_ = x.shape
     co, _, kh, kw = weight.shape
     cols = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)
@@ -92,16 +93,9 @@ class _Conv2d(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         has_bias, stride, padding, dilation, groups = ctx.args
         with torch._C.DisableTorchFunction():
-            if isinstance(padding, str):  # F.conv2d's own gradients for "same" and "valid"
-                with torch.enable_grad():
-                    xp, wp = x.detach().requires_grad_(), weight.detach().requires_grad_()
-                    bp = weight.new_zeros(weight.shape[0]).requires_grad_() if has_bias else None
-                    y = F.conv2d(xp, wp, bp, stride, padding, dilation, groups)
-                    grads = torch.autograd.grad(y, [t for t in (xp, wp, bp) if t is not None], g)
-                return (*grads[:2], grads[2] if has_bias else None, None, None, None, None)
             gx, gw, gb = torch.ops.aten.convolution_backward(
                 g, x, weight, [weight.shape[0]] if has_bias else None, list(stride),
-                list(_pair(padding)), list(dilation), False, [0, 0], groups,
+                list(padding), list(dilation), False, [0, 0], groups,
                 [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias])
         return gx, gw, gb if has_bias else None, None, None, None, None
 
@@ -116,4 +110,6 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if x.dim() == 3:
         return conv2d(x[None], weight, bias, stride, padding, dilation, groups)[0]
-    return _Conv2d.apply(x, weight, bias, _pair(stride), padding, _pair(dilation), groups)
+    stride, dilation = _pair(stride), _pair(dilation)
+    x, padding = _resolve_padding(x, weight, padding, stride, dilation)
+    return _Conv2d.apply(x, weight, bias, stride, padding, dilation, groups)
