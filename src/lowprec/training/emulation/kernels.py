@@ -71,8 +71,7 @@ def plain_attention(args, kwargs) -> bool:
 
 class _BatchNorm(torch.autograd.Function):
     """Forward: y = x * a + b' in fp32, one fused multiply-add (the caller rounds it once).
-    Backward as
-    ``batch_norm_cpu_backward_contiguous_internal`` in
+    Backward as ``batch_norm_cpu_backward_contiguous_internal`` in
     aten/src/ATen/native/cpu/batch_norm_kernel.cpp runs for 16-bit tensors in training: with the
     statistics the forward saved (16-bit), per channel sum = sum(dy), dotp = sum((x - mean) dy)
     in fp32, k = dotp * invstd * invstd / N, and dx = (dy - sum / N - (x - mean) * k) * invstd
@@ -112,6 +111,19 @@ class _BatchNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+def _kernel_roundings(rule):
+    """(stat, grad) of a 16-bit CPU kernel the engine replays: ``stat`` rounds what the kernel
+    keeps in the weight's dtype (statistics, weight and bias gradients: 16 bits when the
+    parameters are in the compute format), ``grad`` the input gradient it writes."""
+    def stat(t):
+        return quantize(t, rule.params) if rule.params == rule.compute else t
+
+    def grad(t):
+        return quantize(t, rule.grads)
+
+    return stat, grad
+
+
 def _update_running(running_mean, running_var, mean, var, momentum, n) -> None:
     if running_mean is None or running_var is None:
         return
@@ -129,15 +141,15 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
     fp32; the caller rounds y once. Backward: :class:`_BatchNorm`.
 
     Pure bf16 (the kernel's ``param_t`` is BFloat16): its statistics are 16-bit values and so
-    is their arithmetic: the mean
-    (fp32 sum / N) and the sum of squared deviations (from the fp32 mean) are stored in 16 bits,
-    var = var_sum / N in 16-bit arithmetic, invstd = 1 / sqrt(var + eps) in double, stored in
-    16 bits; the running statistics are updated with a 16-bit momentum, each product and sum
-    rounded as c10::BFloat16 arithmetic rounds it. Float16 (measured against torch 2.13's
-    kernel: it keeps fp32 statistics) and other element formats: fp32 statistics, the mean and 1/std
-    rounded once to the compute format, the running statistics updated in fp32 and stored in
-    the parameter format. Dynamic fixed point, block formats and stochastic rounding: the same
-    fp32 statistics, differentiated op by op (no 16-bit kernel stands for them)."""
+    is their arithmetic: the mean (fp32 sum / N) and the sum of squared deviations (from the
+    fp32 mean) are stored in 16 bits, var = var_sum / N in 16-bit arithmetic, invstd =
+    1 / sqrt(var + eps) in double, stored in 16 bits; the running statistics are updated with a
+    16-bit momentum, each product and sum rounded as c10::BFloat16 arithmetic rounds it.
+    Float16 (measured against torch 2.13's kernel: it keeps fp32 statistics) and other element
+    formats: fp32 statistics, the mean and 1/std rounded once to the compute format, the running
+    statistics updated in fp32 and stored in the parameter format. Dynamic fixed point, block
+    formats and stochastic rounding: the same fp32 statistics, differentiated op by op (no
+    16-bit kernel stands for them)."""
     dims = [0] + list(range(2, x.dim()))
     n = x.numel() // x.shape[1]
     shape = [1, -1] + [1] * (x.dim() - 2)
@@ -173,12 +185,7 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
             mean_q = engine.round(mean, rule, key + ".stats", grads=False)
             inv_q = engine.round(torch.rsqrt(var + eps), rule, key + ".stats", grads=False)
 
-    def grad(t):
-        return quantize(t, rule.grads)
-
-    def stat(t):  # the kernel's dweight/dbias: the weight's dtype
-        return quantize(t, rule.params) if rule.params == rule.compute else t
-
+    stat, grad = _kernel_roundings(rule)
     return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, grad, stat)
 
 
@@ -389,10 +396,5 @@ def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-
         def act(t):
             return quantize(t, rule.compute)
 
-    def stat(t):  # the kernel's mean/rstd and dgamma/dbeta: the weight's dtype
-        return quantize(t, rule.params) if rule.params == rule.compute else t
-
-    def grad(t):
-        return quantize(t, rule.grads)
-
+    stat, grad = _kernel_roundings(rule)
     return _LayerNorm.apply(x, weight, bias, tuple(shape), eps, act, stat, grad)
