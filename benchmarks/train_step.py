@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,6 +23,10 @@ from torch import nn
 import lowprec
 from lowprec import POLICIES, Precision
 from lowprec.training.optim import SGD
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# the pre-norm block of the fidelity tests (functional attention, residual adds)
+from training.test_fidelity import Block  # noqa: E402
 
 
 def lenet():
@@ -33,23 +39,6 @@ def lenet():
 def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512),
                          nn.ReLU(), nn.Linear(512, 10))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2)
-                   for t in self.qkv(self.n1(x)).split(D, -1))
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.f2(nn.functional.gelu(self.f1(self.n2(x))))
 
 
 class Transformer(nn.Module):
