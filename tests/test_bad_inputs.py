@@ -260,6 +260,48 @@ CASES = [
      "DROP TABLE epochs;"),
     ("c-resume-locked", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "locked"),
     ("c-locked", ["compare", "--out", "{R}", *TINY], 2, "locked"),
+    # run folders and databases that --resume and report must refuse (not extend or trust)
+    ("c-resume-policies", ["compare", "--out", "{R}", "--resume", "--policies",
+                           "32-true,16-true", "--quiet"], 2, "folder"),
+    ("c-resume-seeds", ["compare", "--out", "{R}", "--resume", "--seeds", "2", "--quiet"], 2,
+     "folder"),
+    ("c-resume-preset", ["compare", "--out", "{R}", "--resume", "--preset", "gupta", "--quiet"],
+     2, "folder"),
+    ("c-resume-schema-99", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "folder",
+     "UPDATE meta SET value = '99' WHERE key = 'schema_version';"),
+    ("c-resume-metric-text", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "folder",
+     "UPDATE epochs SET test_loss = 'low';"),
+    ("c-resume-config-list", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "folder",
+     "UPDATE meta SET value = '[1, 2]' WHERE key = 'config';"),
+    ("c-resume-user-file", ["compare", "--out", "{R}", "--resume", "--quiet"], 2, "userfile"),
+    ("c-user-folder", ["compare", "--out", "{R}", *TINY], 2, "userfile"),
+    ("c-out-foreign", ["compare", "--out", "{F}", *TINY], 2),
+    ("c-out-root", ["compare", "--out", "/", *TINY], 2),
+    ("t-resume-other-policy", ["train", "--out", "{R}", "--resume", "--policy", "16-true",
+                               "--quiet"], 2, "folder"),
+    ("t-resume-other-seed", ["train", "--out", "{R}", "--resume", "--seed", "1", "--quiet"], 2,
+     "folder"),
+    ("t-out-foreign", ["train", "--out", "{F}", *TINY], 2),
+    ("r-schema-99", ["report", "{R}"], 2, "folder",
+     "UPDATE meta SET value = '99' WHERE key = 'schema_version';"),
+    ("r-schema-abc", ["report", "{R}"], 2, "folder",
+     "UPDATE meta SET value = 'abc' WHERE key = 'schema_version';"),
+    ("r-schema-missing", ["report", "{R}"], 2, "folder",
+     "DELETE FROM meta WHERE key = 'schema_version';"),
+    ("r-config-json", ["report", "{R}"], 2, "folder",
+     "UPDATE meta SET value = '{not json' WHERE key = 'config';"),
+    ("r-config-list", ["report", "{R}"], 2, "folder",
+     "UPDATE meta SET value = '[1, 2]' WHERE key = 'config';"),
+    ("r-config-types", ["report", "{R}"], 2, "folder",
+     "UPDATE meta SET value = '{\"epochs\": \"many\"}' WHERE key = 'config';"),
+    ("r-run-config-list", ["report", "{R}"], 2, "folder", "UPDATE runs SET config = '[1]';"),
+    ("r-run-versions-list", ["report", "{R}"], 2, "folder", "UPDATE runs SET versions = '[]';"),
+    ("r-metric-text", ["report", "{R}"], 2, "folder", "UPDATE epochs SET test_acc = 'high';"),
+    ("r-seconds-null", ["report", "{R}"], 2, "folder",
+     "CREATE TABLE e2 AS SELECT * FROM epochs; DROP TABLE epochs; "
+     "CREATE TABLE epochs AS SELECT * FROM e2; DROP TABLE e2; UPDATE epochs SET seconds = NULL;"),
+    ("r-memory-text", ["report", "{R}"], 2, "folder", "UPDATE memory SET total = 'lots';"),
+    ("r-seed-text", ["report", "{R}"], 2, "folder", "UPDATE runs SET seed = 'zero';"),
     # train
     ("t-seed-huge", ["train", "--seed", "99999999999999999999999"], 2),
     ("t-seed-neg", ["train", "--seed", "-1"], 2),
@@ -320,10 +362,12 @@ def test_bad_input_is_one_line(case, files, tmp_path, capsys):
     kind = case[3] if len(case) > 3 else None
     damage = case[4] if len(case) > 4 else None
     run = None
-    if kind in ("folder", "locked", "garbage"):
+    if kind in ("folder", "locked", "garbage", "userfile"):
         run = _folder(files, tmp_path, damage)
         if kind == "garbage":
             (run / "results.db").write_bytes(b"SQLite format 3\x00" + b"\xff" * 3000)
+        if kind == "userfile":  # a user's own file in the run folder: kept, and named
+            (run / "backup.tmp1").write_text("mine")
     argv = [a.replace("{F}", str(files)).replace("{T}", str(tmp_path)).replace(
         "{R}", str(run)) for a in argv]
     before = {p: _sha(p) for p in (run.rglob("results.db*") if run else [])}
@@ -348,6 +392,8 @@ def test_bad_input_is_one_line(case, files, tmp_path, capsys):
         import os
 
         assert f"process {os.getpid()}" in err
+    if kind == "userfile":
+        assert "backup.tmp1" in err and (run / "backup.tmp1").read_text() == "mine"
 
 
 def test_at_least_80_cases_across_the_seven_commands():

@@ -14,10 +14,18 @@ import re
 import signal
 import sys
 
-from rich.console import Console
-from rich.table import Table
+# Only the standard library is imported here: ``main`` installs its signal handling before
+# anything heavy (torch, rich) is loaded, so a Ctrl-C or SIGTERM during start-up is the same
+# clean one-line stop as later (the console script enters through lowprec.__main__, which
+# does so before even argparse is imported).
 
 __all__ = ["main", "build_parser"]
+
+
+def Table(*args, **kwargs):  # noqa: N802 (rich's class, imported on first use)
+    from rich.table import Table as _Table
+
+    return _Table(*args, **kwargs)
 
 _MAX_SEED = 2**32 - 1
 
@@ -26,8 +34,7 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C (the same clean stop), with its own exit code."""
+from .__main__ import Terminated as _Terminated, on_sigterm as _on_sigterm  # noqa: E402
 
 
 _MAX_LINE = 400
@@ -522,25 +529,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_sigterm(signum, frame):
-    raise _Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a one-line usage error (2)
-        return int(exc.code or 0)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM stops like Ctrl-C
     except ValueError:
         pass  # not the main thread: leave signals alone
+    command = "lowprec"
     try:
+        parser = build_parser()  # imports the library: a signal here is handled below
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+            return int(exc.code or 0)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        command = f"lowprec {args.command}"
+        from rich.console import Console
+
         # a pipe or a log file gets wide tables rather than rich's 80-column default
         console = Console() if sys.stdout.isatty() else Console(width=160)
         from .experiments.system import tune_cpu_allocator
@@ -548,10 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
         return int(args.func(args, console) or 0)
     except UserError as err:
-        print(f"lowprec {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"{command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM outside a run (start-up, analysis)
-        print(f"lowprec {args.command}: interrupted", file=sys.stderr)
+        print(f"{command}: interrupted", file=sys.stderr)
         return 143 if isinstance(err, _Terminated) else 130
     finally:
         if previous is not None:

@@ -68,7 +68,7 @@ elif point == "report":  # a report figure half written
     orig_write = report.atomic_write_bytes
     def write(path, data, what="a file"):
         if count(2):
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp = runfolder.temp_path(path)  # the writer's own temp name
             tmp.write_bytes(data[: len(data) // 2]); die()
         return orig_write(path, data, what)
     report.atomic_write_bytes = write
@@ -111,11 +111,11 @@ def test_killed_anywhere_resumes_to_identical_numbers(tmp_path, reference, point
     child = subprocess.run([sys.executable, "-c", DRIVER, point, str(out), repr(CONFIG)],
                            env=env, capture_output=True, text=True, timeout=100)
     assert child.returncode == -9, (child.returncode, child.stdout, child.stderr[-2000:])
-    temps = [p.name for p in out.rglob("*.tmp*")]
+    temps = [p.name for p in out.rglob("*.lowprec-tmp*")]
     if point in ("checkpoint_write", "report"):
         assert temps, "the kill should have left a temp file behind"
     run_compare(CompareConfig(out=str(out), resume=True, **CONFIG))
-    assert not list(out.rglob("*.tmp*")), "a temp file survived the resume"
+    assert not list(out.rglob("*.lowprec-tmp*")), "a temp file survived the resume"
     assert not list((out / "checkpoints").iterdir()), "checkpoints of finished runs are removed"
     got = _stored(out / "results.db")
     assert [r["status"] for r in got["runs"]] == ["finished", "finished"]

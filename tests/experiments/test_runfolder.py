@@ -60,7 +60,8 @@ def test_lock_names_the_holder_and_sigterm_stops_resumably(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and f"process {proc.pid}" in err
     while time.time() < deadline and proc.poll() is None:  # SIGTERM once training started
         try:
-            c = sqlite3.connect(out / "results.db", timeout=1)
+            # read-only: a plain connect would create an empty results.db before lowprec does
+            c = sqlite3.connect(f"file:{out / 'results.db'}?mode=ro", uri=True, timeout=1)
             n = c.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
             c.close()
         except sqlite3.Error:
@@ -162,7 +163,7 @@ def test_checkpoint_and_report_write_failures_are_one_line_exit_1(tmp_path, caps
     assert main(ARGS + ["--policies", "32-true", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint" in err[0] and "checkpoints" in err[0], err
-    assert not list(out.rglob("*.tmp*")) and _integrity(out / "results.db") == "ok"
+    assert not list(out.rglob("*tmp*")) and _integrity(out / "results.db") == "ok"
     monkeypatch.setattr(torch, "save", real_save)
     from lowprec.experiments import report
 
@@ -201,7 +202,7 @@ def test_a_full_3mb_disk_is_one_line_and_resumes_to_identical_numbers(tmp_path, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "disk is full" in err[0] and str(out) in err[0]
         assert _integrity(out / "results.db") == "ok"
-        assert not list(out.rglob("*.tmp*"))
+        assert not list(out.rglob("*tmp*"))
         filler.unlink()
         assert main(argv + ["--out", str(out), "--resume"]) == 0
         assert main(argv + ["--out", str(tmp_path / "ref")]) == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import statistics
 from contextlib import nullcontext
 from dataclasses import replace
@@ -20,6 +19,7 @@ from .config import CompareConfig, RunError, split_models
 from .render import html_table, md_table
 from .report import BASELINE, summarize
 from .results import ResultsDB
+from .runfolder import FolderLock, atomic_write_bytes, remove_stale_temps
 
 __all__ = ["run_models", "write_models_report", "model_tables", "MODELS_FILE"]
 
@@ -29,25 +29,33 @@ MODELS_FILE = "models.json"
 def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
     """Run the comparison of ``cfg`` once per model of ``cfg.model`` (comma-separated), each
     into ``OUT/MODEL``, then write the combined report. Returns OUT."""
-    from .runner import run_compare
+    from .runner import refuse_foreign, run_compare
 
     models = split_models(cfg.model)
     out = Path(cfg.out)
     listing = out / MODELS_FILE
     try:
+        listed = json.loads(listing.read_text()).get("models", []) if listing.is_file() else []
+    except (OSError, ValueError, AttributeError):
+        listed = []
+    refuse_foreign(out, models=True, model_names={*models, *map(str, listed)})
+    try:
         out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunError(f"output folder {out} is not writable ({err.strerror or err})") from None
+    with FolderLock(out, "lowprec compare"):
+        remove_stale_temps(out)
         if listing.exists() and not cfg.resume:
             raise RunError(f"{out} already holds a comparison: continue it with --resume, or "
                            "choose another --out")
-        listing.write_text(json.dumps({"models": list(models)}))
-    except OSError as err:
-        raise RunError(f"output folder {out} is not writable ({err.strerror or err})") from None
-    session = getattr(executor, "connected", None)  # one Ray instance for every model
-    with session() if session else nullcontext():
-        for model in models:
-            run_compare(replace(cfg, model=model, out=str(out / model)), executor,
-                        force_config=force_config)
-    write_models_report(out)
+        atomic_write_bytes(listing, json.dumps({"models": list(models)}).encode(),
+                           "the list of models")
+        session = getattr(executor, "connected", None)  # one Ray instance for every model
+        with session() if session else nullcontext():
+            for model in models:
+                run_compare(replace(cfg, model=model, out=str(out / model)), executor,
+                            force_config=force_config)
+        write_models_report(out)
     return out
 
 
@@ -112,9 +120,7 @@ def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]],
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode(), f"the report file {path.name}")
 
 
 def write_models_report(out: str | Path) -> tuple[Path, Path]:

@@ -10,13 +10,16 @@ never live objects.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from .runfolder import temp_path
+
 __all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES", "NOT_REQUESTED",
-           "read_stored_config"]
+           "read_stored_config", "check_config", "is_blank"]
 
 SCHEMA_VERSION = 1
 RUN_STATUSES = ("running", "finished", "diverged", "failed")
@@ -80,12 +83,109 @@ class CorruptDatabase(Exception):
     """The file is not a readable lowprec results database (nothing was written to it)."""
 
 
+#: the type SQLite must hold in each column a reader relies on (typeof(): 'integer', 'real',
+#: 'text', 'null'); a value of another type is a damaged or foreign database
+_COLUMN_TYPES = {
+    "runs": {"run_id": ("text",), "policy": ("text",), "policy_spec": ("text",),
+             "seed": ("integer",), "config": ("text",), "versions": ("text",),
+             "git": ("text", "null"), "hardware": ("text",), "backend": ("text", "null"),
+             "status": ("text",), "diverged_step": ("integer", "null"),
+             "error": ("text", "null"), "started": ("real", "integer"),
+             "finished": ("real", "integer", "null")},
+    "epochs": {"run_id": ("text",), "epoch": ("integer",),
+               **{k: ("real", "integer", "null") for k in ("train_loss", "test_loss",
+                                                           "test_acc")},
+               "seconds": ("real", "integer"), "skipped": ("integer",),
+               "nonfinite": ("integer",), "loss_scale": ("real", "integer")},
+    "memory": {"run_id": ("text",), **{k: ("integer",) for k in (
+        "params", "grads", "optimizer_state", "master", "activations", "total")}},
+    "scale_trace": {"run_id": ("text",), "step": ("integer",), "scale": ("real", "integer"),
+                    "skipped": ("integer",)},
+    "analysis": {"run_id": ("text",), "kind": ("text",), "payload": ("text",)},
+}
+#: the stored configuration's fields and their JSON types (older folders may lack some)
+_CONFIG_TYPES = {"data": (str,), "model": (str,), "policies": (list,), "seeds": (list,),
+                 "epochs": (int,), "batch_size": (int,), "lr": (int, float),
+                 "optimizer": (str,), "momentum": (int, float), "weight_decay": (int, float),
+                 "out": (str,), "train_subset": (int, type(None)), "schedule": (str,),
+                 "threads": (int, type(None))}
+
+
+def check_config(path, cfg) -> dict:
+    """A stored configuration as a reader needs it (a JSON object whose known fields have their
+    types), else CorruptDatabase naming the field."""
+    if not isinstance(cfg, dict):
+        raise CorruptDatabase(f"{path}: the stored configuration is not a JSON object; the "
+                              "file was left untouched")
+    for key, value in cfg.items():
+        types = _CONFIG_TYPES.get(key)
+        bad = types is not None and (not isinstance(value, types) or isinstance(value, bool))
+        if key == "policies" and not bad:
+            bad = not all(isinstance(p, str) for p in value)
+        if key == "seeds" and not bad:
+            bad = not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        if bad:
+            raise CorruptDatabase(f"{path}: the stored configuration's {key!r} is "
+                                  f"{str(value)[:60]!r}, not a {types[0].__name__}; the file "
+                                  "was left untouched")
+    return cfg
+
+
+def _create_schema(path: Path) -> None:
+    """Create a complete, empty database at ``path`` or nothing: the schema is written to a
+    temp file beside it and renamed into place, so a full disk, a signal or a kill while it is
+    created never leaves a results.db without its tables."""
+    tmp = temp_path(path)
+    try:
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            conn.execute("BEGIN")
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                         (str(SCHEMA_VERSION),))
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
+            try:
+                leftover.unlink()
+            except FileNotFoundError:
+                pass
+        raise
+
+
+def is_blank(path: Path) -> bool:
+    """A results.db that holds no table at all (left by an earlier version interrupted while
+    creating it): nothing to lose, so it is created anew."""
+    try:
+        if path.stat().st_size == 0:
+            return True
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            return conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0
+        finally:
+            conn.close()
+    except (OSError, sqlite3.Error):
+        return False
+
+
 class ResultsDB:
     def __init__(self, path: str | Path, *, create: bool = True) -> None:
         self.path = Path(path)
         if not create and not self.path.exists():
             raise FileNotFoundError(f"no results database at {self.path}")
         try:
+            if create and (not self.path.exists() or is_blank(self.path)):
+                _create_schema(self.path)
             self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
             ok = self.conn.execute("PRAGMA quick_check").fetchone()[0]
@@ -93,28 +193,75 @@ class ResultsDB:
                 raise sqlite3.DatabaseError(ok)
             tables = {r[0] for r in self.conn.execute(
                 "SELECT name FROM sqlite_master WHERE type='table'")}
-            if tables and "runs" not in tables:
+            if not tables:
+                raise sqlite3.DatabaseError("empty database (no tables)")
+            if "runs" not in tables:
                 raise sqlite3.DatabaseError("not a lowprec results database")
-            if tables and not _TABLES <= tables:
+            if not _TABLES <= tables:
                 missing = ", ".join(sorted(_TABLES - tables))
                 raise sqlite3.DatabaseError(f"table(s) {missing} missing")
-            if not tables and not create:
-                raise sqlite3.DatabaseError("empty database")
+            self._check()
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
-            if not tables:
-                with self.transaction():
-                    for stmt in _SCHEMA.split(";"):
-                        if stmt.strip():
-                            self.conn.execute(stmt)
-                    self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
-                                      (str(SCHEMA_VERSION),))
         except sqlite3.OperationalError as err:
+            self._close_quietly()
             if "full" in str(err) or "disk" in str(err) or "I/O" in str(err):
                 raise  # the disk, not the file: the caller reports it as an I/O error
             raise CorruptDatabase(f"{self.path}: {err}; the file was left untouched") from None
         except sqlite3.DatabaseError as err:
+            self._close_quietly()
             raise CorruptDatabase(f"{self.path}: {err}; the file was left untouched") from None
+        except CorruptDatabase:
+            self._close_quietly()
+            raise
+
+    def _close_quietly(self) -> None:
+        conn = getattr(self, "conn", None)
+        if conn is not None:
+            conn.close()
+
+    def _check(self) -> None:
+        """The schema version is this lowprec's, every column holds its type and the stored
+        configuration is a JSON object of the known fields' types: a damaged or foreign file is
+        refused in one line before anything reads (or writes) it."""
+        r = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = None if r is None else r[0]
+        if version != str(SCHEMA_VERSION):
+            raise CorruptDatabase(f"{self.path}: schema version {str(version)[:40]!r}, this "
+                                  f"lowprec reads version {SCHEMA_VERSION}; the file was left "
+                                  "untouched")
+        for table, columns in _COLUMN_TYPES.items():
+            for col, types in columns.items():
+                allowed = ", ".join(f"'{t}'" for t in types)
+                bad = self.conn.execute(
+                    f"SELECT typeof({col}), {col} FROM {table} WHERE typeof({col}) NOT IN "
+                    f"({allowed}) LIMIT 1").fetchone()
+                if bad is not None:
+                    raise CorruptDatabase(
+                        f"{self.path}: column {table}.{col} holds {str(bad[1])[:40]!r} "
+                        f"({bad[0]}), not {' or '.join(types)}; the file was left untouched")
+        bad = self.conn.execute("SELECT status FROM runs WHERE status NOT IN "
+                                f"({', '.join(repr(s) for s in RUN_STATUSES)}) LIMIT 1"
+                                ).fetchone()
+        if bad is not None:
+            raise CorruptDatabase(f"{self.path}: a run has status {str(bad[0])[:40]!r}; the "
+                                  "file was left untouched")
+        for key in ("config", "forced_config"):
+            r = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+            if r is not None:
+                value = _loads(self.path, r[0])
+                if key == "config":
+                    check_config(self.path, value)
+                elif not isinstance(value, list):
+                    raise CorruptDatabase(f"{self.path}: the stored forced_config is not a "
+                                          "JSON list; the file was left untouched")
+        for (text,) in self.conn.execute("SELECT config FROM runs"):
+            check_config(self.path, _loads(self.path, text))
+        for col in ("versions", "hardware"):
+            for (text,) in self.conn.execute(f"SELECT {col} FROM runs"):
+                if not isinstance(_loads(self.path, text), dict):
+                    raise CorruptDatabase(f"{self.path}: a run's stored {col} is not a JSON "
+                                          "object; the file was left untouched")
 
     @contextmanager
     def transaction(self):
@@ -201,9 +348,7 @@ class ResultsDB:
         if cfg is None:
             r = self.conn.execute("SELECT config FROM runs ORDER BY started LIMIT 1").fetchone()
             cfg = _loads(self.path, r[0]) if r else None
-        if cfg is not None and not isinstance(cfg, dict):
-            raise CorruptDatabase(f"{self.path}: the stored configuration is not a JSON object")
-        return cfg
+        return None if cfg is None else check_config(self.path, cfg)
 
     def run(self, run_id: str) -> dict | None:
         r = self.conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
@@ -276,6 +421,8 @@ def read_stored_config(path: str | Path) -> dict | None:
     """The stored configuration of a results database, read without writing to it (None when
     there is none yet); CorruptDatabase when it cannot be read."""
     path = Path(path)
+    if is_blank(path):
+        return None
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
     except sqlite3.Error as err:
@@ -287,9 +434,6 @@ def read_stored_config(path: str | Path) -> dict | None:
                 r = conn.execute("SELECT config FROM runs ORDER BY started LIMIT 1").fetchone()
         except sqlite3.DatabaseError as err:
             raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
-        cfg = _loads(path, r[0]) if r else None
-        if cfg is not None and not isinstance(cfg, dict):
-            raise CorruptDatabase(f"{path}: the stored configuration is not a JSON object")
-        return cfg
+        return check_config(path, _loads(path, r[0])) if r else None
     finally:
         conn.close()

@@ -3,12 +3,16 @@
 - :class:`FolderLock` holds an exclusive ``fcntl.flock`` on ``RUN/.lock`` for the whole command.
   The kernel drops the lock when the process dies (even by SIGKILL), so a stale lock never
   blocks a resume; a second process on the same folder fails at once, naming the holder's PID.
-- :func:`atomic_write_bytes` / :func:`atomic_torch_save` write ``NAME.tmpPID`` and rename it
-  over ``NAME`` (POSIX ``rename`` is atomic): a reader sees the old or the new file, never half.
-  On any failure, a full disk included, the temp file is removed and :class:`RunIOError` names
-  the path and what was being written.
-- :func:`remove_stale_temps` deletes the ``*.tmpPID`` files a killed process left (only while
-  holding the lock, so no live writer owns them).
+- :func:`atomic_write_bytes` / :func:`atomic_torch_save` write ``.NAME.lowprec-tmpPID`` beside
+  ``NAME`` and rename it over ``NAME`` (POSIX ``rename`` is atomic): a reader sees the old or the
+  new file, never half. On any failure, a full disk included, the temp file is removed and
+  :class:`RunIOError` names the path and what was being written.
+- :func:`remove_stale_temps` deletes the temp files a killed lowprec process left, and nothing
+  else: only names of that one pattern, only in the run folder and its own sub-folders (not
+  recursively), only while holding the lock (so no live writer owns them).
+- :func:`foreign_entry` tells whether a folder holds anything but a run of lowprec's: a run folder
+  is created empty, or continued, never shared with a user's files (``--out /`` or ``--out /etc``
+  is refused, naming the first file found, before anything is written there).
 """
 
 from __future__ import annotations
@@ -20,10 +24,28 @@ import re
 from pathlib import Path
 
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
-           "remove_stale_temps", "io_error"]
+           "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
+           "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN"]
 
 LOCK_NAME = ".lock"
-_TEMP_RE = re.compile(r"\.tmp\d+$")
+#: written by the Ray driver for its tasks to prove they see the run folder
+SHARED_TOKEN = ".lowprec-shared-token"
+#: the files of a run folder (``results.db`` and SQLite's companions, the reports)
+RUN_FILES = frozenset({LOCK_NAME, "results.db", "results.db-wal", "results.db-shm",
+                       "results.db-journal", "report.md", "report.html", SHARED_TOKEN})
+#: its sub-folders, with the suffixes of the files lowprec writes there
+RUN_SUBFOLDERS = {"checkpoints": (".pt", ".killed"), "report_files": (".png",)}
+#: the files of a comparison over several models (each model's run folder is a sub-folder)
+MODELS_FOLDER_FILES = frozenset({LOCK_NAME, "models.json", "report.md", "report.html"})
+# ".NAME.lowprec-tmpPID": this module's temp files; "NAME.tmpPID" of lowprec's own file names:
+# the temp files of earlier versions (still removed when a killed one left them)
+_TEMP_RE = re.compile(r"^\..+\.lowprec-tmp\d+$")
+_LEGACY_TEMP_RE = re.compile(r"^(?:report\.md|report\.html|models\.json|.+\.pt|.+\.png)"
+                             r"\.tmp\d+$")
+
+
+def _is_temp(name: str) -> bool:
+    return bool(_TEMP_RE.match(name) or _LEGACY_TEMP_RE.match(name))
 
 
 class FolderBusy(Exception):
@@ -90,12 +112,13 @@ class FolderLock:
         self.release()
 
 
-def _temp_path(path: Path) -> Path:
-    return path.with_name(path.name + f".tmp{os.getpid()}")
+def temp_path(path: Path) -> Path:
+    """This process's temp file for ``path``: hidden, beside it, named as no user file is."""
+    return path.with_name(f".{path.name}.lowprec-tmp{os.getpid()}")
 
 
 def _replace_from_temp(path: Path, what: str, write) -> None:
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -125,13 +148,65 @@ def atomic_torch_save(obj, path: Path, what: str = "a checkpoint") -> None:
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:
-    """Delete ``*.tmpPID`` files under ``folder`` (call only while holding the folder's lock)."""
+    """Delete the temp files killed lowprec processes left in ``folder`` and its own
+    sub-folders (call only while holding the folder's lock). Nothing else is touched: no other
+    name, no other folder, no recursion into what lowprec did not create."""
+    folder = Path(folder)
     removed = []
-    for p in Path(folder).rglob("*.tmp*"):
-        if _TEMP_RE.search(p.name) and p.is_file():
-            try:
-                p.unlink()
-                removed.append(p)
-            except OSError:
-                pass
+    for where in [folder, *(folder / sub for sub in RUN_SUBFOLDERS)]:
+        try:
+            entries = list(os.scandir(where))
+        except OSError:
+            continue
+        for e in entries:
+            if _is_temp(e.name) and e.is_file(follow_symlinks=False):
+                try:
+                    os.unlink(e.path)
+                    removed.append(Path(e.path))
+                except OSError:
+                    pass
     return removed
+
+
+def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str | None:
+    """The first entry of ``folder`` that lowprec did not write there (a path relative to it),
+    or None when the folder is absent, empty or holds only a run of lowprec's.
+
+    ``models``: the folder of a comparison over several models, whose sub-folders named in
+    ``model_names`` (or listed in its models.json) are run folders themselves."""
+    folder = Path(folder)
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        # absent (a file on the way there is mkdir's error to report), or a file itself
+        return "." if folder.is_file() or folder.is_symlink() else None
+    for e in entries:
+        name = e.name
+        if _is_temp(name) or name.startswith(".write-test-"):
+            continue
+        if e.is_symlink():
+            return name
+        if models:
+            if name in MODELS_FOLDER_FILES and e.is_file():
+                continue
+            if name in model_names and e.is_dir():
+                inner = foreign_entry(Path(e.path))
+                if inner is None:
+                    continue
+                return f"{name}/{inner}"
+            return name
+        if name in RUN_FILES and e.is_file():
+            continue
+        if name in RUN_SUBFOLDERS and e.is_dir():
+            suffixes = RUN_SUBFOLDERS[name]
+            try:
+                inner = sorted(os.scandir(e.path), key=lambda x: x.name)
+            except OSError:
+                return name
+            for f in inner:
+                if not (_is_temp(f.name) or (f.name.endswith(suffixes)
+                                             and f.is_file(follow_symlinks=False))):
+                    return f"{name}/{f.name}"
+            continue
+        return name
+    return None

@@ -34,16 +34,15 @@ from .data import Dataset, load_checked_dataset
 from .models import build_checked_model
 from ..training.optim import SGD, Adam
 from ..training.precision import Precision
-from .results import NOT_REQUESTED, ResultsDB
-from .runfolder import (FolderLock, RunIOError, atomic_torch_save, io_error,
-                        remove_stale_temps)
+from .results import NOT_REQUESTED, ResultsDB, is_blank
+from .runfolder import (FolderLock, RunIOError, atomic_torch_save, foreign_entry, io_error,
+                        remove_stale_temps, temp_path)
 from .system import tune_cpu_allocator
 
 __all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
            "certificate_formats", "config_differences", "check_policies", "failed_runs",
            "Progress", "run_id_of", "checkpoint_path", "resumable", "start_run_record",
-           "failure_message",
-           "mark_unrequested"]
+           "failure_message", "mark_unrequested", "refuse_foreign"]
 
 def environment() -> dict:
     """Library versions, git revision and hardware, recorded with every run."""
@@ -136,11 +135,14 @@ def _run_key(run_id: str) -> str:
 
 
 def _prepare_out(out: Path) -> None:
+    """Create the run folder, or check that an existing one holds nothing but a run of
+    lowprec's (before anything is written there), and that it is writable."""
     if not str(out).strip():
         raise RunError("--out is empty: name a run folder")
+    refuse_foreign(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
+        probe = temp_path(out / "write-test")
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -148,13 +150,31 @@ def _prepare_out(out: Path) -> None:
                        f"({err.strerror or err})") from None
 
 
-_HYPER = ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum", "weight_decay",
-          "train_subset", "schedule")
+def refuse_foreign(out: Path, **kind) -> None:
+    """RunError when ``out`` holds a file or folder that is not part of a lowprec run folder:
+    lowprec writes only into an empty or new folder, or one of its own runs."""
+    try:
+        found = foreign_entry(out, **kind)
+    except OSError as err:
+        raise RunError(f"cannot read the output folder {str(out)[:200]} "
+                       f"({err.strerror or err})") from None
+    if found == ".":
+        raise RunError(f"--out {str(out)[:200]} is a file, not a folder: name a new folder")
+    if found is not None:
+        raise RunError(f"--out {str(out)[:200]} holds {found[:120]!r}, which is not part of a "
+                       "lowprec run folder: lowprec writes only into a new or empty folder, or "
+                       "one of its own runs; choose another --out")
+
+
+_HYPER = ("data", "model", "policies", "seeds", "epochs", "batch_size", "lr", "optimizer",
+          "momentum", "weight_decay", "train_subset", "schedule")
 
 
 def config_differences(stored: dict, cfg: CompareConfig) -> list[str]:
-    """What a resumed comparison would train differently from the stored one ("key: stored X,
-    given Y"). Policies and seeds may change: new runs are added, dropped ones are marked."""
+    """What a resumed comparison would do differently from the stored one ("key: stored X,
+    given Y"): other training settings, and other policies or seeds (a resume continues the
+    comparison it finds; extending or shrinking it is a change like any other, accepted with
+    ``force_config``: new runs are then added, and runs no longer asked for are marked)."""
     given = cfg.to_json()
     return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in _HYPER
             if stored.get(k) != given.get(k)]
@@ -450,7 +470,7 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     with FolderLock(out, "lowprec compare"):
         remove_stale_temps(out)
         db_path = out / "results.db"
-        if db_path.exists() and not cfg.resume:
+        if db_path.exists() and not cfg.resume and not is_blank(db_path):
             raise RunError(f"{db_path} already exists: continue it with --resume, or choose "
                            "another --out")
         check_policies(cfg)
