@@ -470,10 +470,13 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run folder: finished runs are kept, flags not "
-                   "given take the stored values, flags that differ are refused")
+                   "given take the stored values, flags that differ (policies, seeds and "
+                   "--preset included) are refused with the list of differences")
     p.add_argument("--force-config", action="store_true",
                    help="with --resume: continue with the flags given even where they differ "
-                   "from the stored configuration (recorded in the database)")
+                   "from the stored configuration (recorded in the database); other "
+                   "policies or seeds add runs, and unfinished runs no longer asked for are "
+                   "marked 'not requested'")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
 
 

@@ -209,3 +209,106 @@ def test_a_full_3mb_disk_is_one_line_and_resumes_to_identical_numbers(tmp_path, 
         assert _epochs(out / "results.db") == _epochs(tmp_path / "ref" / "results.db")
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_a_run_folder_touches_only_its_own_files(tmp_path, capsys):
+    """A user's files that look like temp files (backup.tmp1, sub/notes.tmp4242) are never
+    deleted: a folder holding them is refused, naming the first one, with nothing written;
+    lowprec's own stale temps (a killed writer's) are removed, and only those."""
+    user = tmp_path / "mine"
+    (user / "sub").mkdir(parents=True)
+    (user / "backup.tmp1").write_text("backup")
+    (user / "sub" / "notes.tmp4242").write_text("notes")
+    before = _tree(user)
+    for argv in (ARGS + ["--policies", "32-true", "--out", str(user)],
+                 ARGS + ["--policies", "32-true", "--out", str(user), "--resume"],
+                 ARGS + ["--policies", "32-true", "--out", str(user), "--model", "mlp,lenet5"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'backup.tmp1'" in err[0], err
+        assert _tree(user) == before  # nothing deleted, nothing written (no .lock, no probe)
+    root_before = sorted(os.listdir("/"))
+    assert main(ARGS + ["--policies", "32-true", "--out", "/"]) == 2
+    assert "not part of a lowprec run folder" in capsys.readouterr().err
+    assert sorted(os.listdir("/")) == root_before
+
+    out = tmp_path / "run"
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out)]) == 0
+    stale = [out / ".report.md.lowprec-tmp99999", out / "checkpoints" / ".x.pt.lowprec-tmp7",
+             out / "report_files" / ".accuracy.png.lowprec-tmp8"]
+    for p in stale:
+        p.write_bytes(b"half")
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 0
+    assert not any(p.exists() for p in stale)
+    (out / "checkpoints" / "notes.tmp3").write_text("a user's")  # not lowprec's: refused
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 2
+    assert "checkpoints/notes.tmp3" in capsys.readouterr().err
+    assert (out / "checkpoints" / "notes.tmp3").read_text() == "a user's"
+
+
+def test_the_schema_is_created_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """A signal (or a full disk) while results.db is created leaves no database and no temp
+    file; a blank results.db that an earlier version left is created anew, with or without
+    --resume."""
+    from lowprec.experiments import results
+    from lowprec.cli import _Terminated
+
+    out = tmp_path / "run"
+    argv = ARGS + ["--policies", "32-true", "--out", str(out)]
+
+    def terminated(fd):
+        raise _Terminated()
+
+    monkeypatch.setattr(results.os, "fsync", terminated)
+    assert main(argv) == 143
+    assert not (out / "results.db").exists() and not list(out.rglob("*tmp*"))
+    monkeypatch.undo()
+    assert main(argv + ["--resume"]) == 0  # the message said: continue with --resume
+    for blank in ("empty file", "no tables"):
+        other = tmp_path / blank.replace(" ", "-")
+        other.mkdir()
+        if blank == "empty file":
+            (other / "results.db").write_bytes(b"")
+        else:
+            sqlite3.connect(other / "results.db").execute("PRAGMA user_version = 0").close()
+        flags = ["--resume"] if blank == "no tables" else []
+        assert main(ARGS + ["--policies", "32-true", "--out", str(other), *flags]) == 0, \
+            capsys.readouterr().err
+        db = ResultsDB(other / "results.db", create=False)
+        assert [r["status"] for r in db.runs()] == ["finished"]
+        db.close()
+
+
+def _wait_for_torch(pid: int) -> None:
+    """Until the process has started loading torch's shared library (its imports under way)."""
+    maps = Path(f"/proc/{pid}/maps")
+    while True:
+        try:
+            if "libtorch" in maps.read_text():
+                return
+        except OSError:
+            return  # it ended already: the assertions say how
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_start_up_is_one_line(tmp_path, sig, code):
+    """Ctrl-C or SIGTERM while the command imports torch: exit 130 / 143 and one line, no
+    traceback (was: a KeyboardInterrupt traceback, or a silent -15)."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc to see when torch is being loaded")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.Popen([sys.executable, "-m", "lowprec", *ARGS, "--out",
+                             str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_torch(proc.pid)
+    proc.send_signal(sig)
+    _, err = proc.communicate()
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
