@@ -319,11 +319,20 @@ def failure_message(err: BaseException) -> str:
     return " ".join(msg.split())[:500]
 
 
+def _record_epoch(db: ResultsDB, run_id: str, record: dict) -> None:
+    rest = {k: v for k, v in record.items() if k != "epoch"}
+    db.record_epoch(run_id, record["epoch"], **rest)
+
+
 def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
               out: Path, env: dict, progress: "Progress | None" = None) -> str:
     """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
     in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
-    the run folder's lock. A finished or diverged run is left as stored."""
+    the run folder's lock. A finished or diverged run is left as stored.
+
+    Each epoch's checkpoint carries the epoch records it covers, replayed into ``db`` when the
+    run continues from it: rows a checkpoint covers are never lost, even when the writer of
+    ``db`` (a Ray driver) died before storing what the run had sent."""
     progress = progress or Progress(1, True)
     run_id = run_id_of(policy, seed)
     ckpt_path = checkpoint_path(out, run_id)
@@ -336,6 +345,7 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
     n = len(x_train)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
     start_epoch = 0
+    records: list[dict] = []  # record_epoch's arguments, every epoch so far (in checkpoints)
     if resumable(existing) and ckpt_path.exists():
         try:
             ckpt = torch.load(ckpt_path, weights_only=False)
@@ -352,6 +362,9 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
             torch.set_rng_state(ckpt["rng"])
         start_epoch = ckpt["epoch"] + 1
         db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
+        records = list(ckpt.get("records") or ())  # none in a checkpoint of an older lowprec
+        for rec in records:  # INSERT OR REPLACE: a row already stored is written unchanged
+            _record_epoch(db, run_id, rec)
     elif resumable(existing) and db.memory(run_id) is not None:
         # interrupted before its first checkpoint: the same run, redone from its first epoch
         # (its row, start time and ledger are kept; what it recorded after them is dropped)
@@ -396,15 +409,17 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
             test_loss, test_acc = float("nan"), float("nan")
         else:
             test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
-        db.record_epoch(run_id, epoch, train_loss=train_loss, test_loss=test_loss,
-                        test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
-                        nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
-                        trace=prec.trace[trace_start:])
+        record = dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
+                      test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
+                      nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
+                      trace=prec.trace[trace_start:])
+        _record_epoch(db, run_id, record)
         if status == "diverged":
             break
+        records.append(record)
         atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                      "precision": prec.state_dict(), "epoch": epoch,
-                     "rng": torch.get_rng_state()}, ckpt_path)
+                     "rng": torch.get_rng_state(), "records": records}, ckpt_path)
     if status == "finished":
         try:
             analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
