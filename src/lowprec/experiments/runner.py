@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -156,7 +157,9 @@ def config_differences(stored: dict, cfg: CompareConfig) -> list[str]:
     """What a resumed comparison would train differently from the stored one ("key: stored X,
     given Y"). Policies and seeds may change: new runs are added, dropped ones are marked."""
     given = cfg.to_json()
-    return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in _HYPER
+    # threads: a comparison stored before it was configurable has none to differ from
+    keys = _HYPER + (("threads",) if "threads" in stored else ())
+    return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in keys
             if stored.get(k) != given.get(k)]
 
 
@@ -298,7 +301,7 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env
     run_id = run_id_of(policy, seed)
     db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
-                 hardware=env["hardware"])
+                 hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg)})
     db.set_backend(run_id, prec.backend)
     batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
     db.record_memory(run_id, _measure_memory(prec, model, batch))
@@ -309,8 +312,9 @@ def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: s
     """What :func:`train_run` records when a run starts afresh (its row, backend and memory
     ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
     built as train_run builds it, and measured without a trace, so the run trains the same."""
-    model, _, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
-    _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
+    with _run_threads(cfg):  # measured as train_run would measure it
+        model, _, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
+        _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
 
 
 def failure_message(err: BaseException) -> str:
@@ -324,15 +328,38 @@ def _record_epoch(db: ResultsDB, run_id: str, record: dict) -> None:
     db.record_epoch(run_id, record["epoch"], **rest)
 
 
+def _threads(cfg: CompareConfig) -> int:
+    return cfg.threads or torch.get_num_threads()
+
+
+@contextmanager
+def _run_threads(cfg: CompareConfig):
+    """torch computes with the comparison's thread count inside, the caller's after."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(_threads(cfg))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
+
+
 def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
               out: Path, env: dict, progress: "Progress | None" = None) -> str:
     """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
     in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
     the run folder's lock. A finished or diverged run is left as stored.
 
-    Each epoch's checkpoint carries the epoch records it covers, replayed into ``db`` when the
-    run continues from it: rows a checkpoint covers are never lost, even when the writer of
-    ``db`` (a Ray driver) died before storing what the run had sent."""
+    The run trains with ``cfg.threads`` torch threads, wherever it runs (this process's count
+    is given back at the end): a float reduction split over another number of threads sums in
+    another order. Each epoch's checkpoint carries the epoch records it covers, replayed into
+    ``db`` when the run continues from it: rows a checkpoint covers are never lost, even when
+    the writer of ``db`` (a Ray driver) died before storing what the run had sent."""
+    with _run_threads(cfg):
+        return _train_run(cfg, data, policy, seed, db, out, env, progress)
+
+
+def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+               out: Path, env: dict, progress: "Progress | None") -> str:
     progress = progress or Progress(1, True)
     run_id = run_id_of(policy, seed)
     ckpt_path = checkpoint_path(out, run_id)
@@ -371,6 +398,8 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
         db.truncate(run_id, last_epoch=-1, last_step=-1)
     else:
         _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
+    # the thread count this run trains with, measured where it trains
+    db.record_analysis(run_id, "threads", {"threads": torch.get_num_threads()})
     progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
                        start_epoch * steps_per_epoch)
 
@@ -455,6 +484,8 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     RunIOError when the disk fails, and KeyboardInterrupt as is (the folder stays resumable).
     """
     cfg.validate()
+    if getattr(executor, "preflight", None):  # what can never run: refused before anything
+        executor.preflight()
     if len(split_models(cfg.model)) > 1:  # one comparison per architecture
         from .multi import run_models
 
@@ -500,6 +531,7 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
 
 def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> None:
     stored = db.stored_config()
+    cfg.resolve_threads(stored)
     if stored is None:
         db.set_meta("config", cfg.to_json())
         return
