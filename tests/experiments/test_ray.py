@@ -219,13 +219,14 @@ def test_a_killed_driver_resumes_to_the_numbers_of_an_uninterrupted_run(local_ra
 
     from lowprec.experiments.runner import checkpoint_path
 
-    flags = dict(policies=("q6.10-sr",), seeds=(0,), epochs=3, batch_size=16)
+    flags = dict(policies=("q6.10-sr",), seeds=(0,), epochs=3, batch_size=16, train_subset=512)
     out = tmp_path / "r"
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     argv = ["compare", "--executor", "ray", "--ray-num-cpus", "1", "--cpus-per-run", "1",
             "--data", "digits", "--model", "mlp", "--policies", "q6.10-sr", "--seeds", "1",
-            "--epochs", "3", "--batch-size", "16", "--out", str(out), "--quiet"]
+            "--epochs", "3", "--batch-size", "16", "--train-subset", "512", "--out", str(out),
+            "--quiet"]
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, *argv], env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
