@@ -212,7 +212,7 @@ def _config_from(args, **overrides):
         # flags given must agree with them (the runner refuses a difference)
         values = {k: stored[k] for k in ("data", "model", "epochs", "batch_size", "lr",
                                          "optimizer", "momentum", "weight_decay",
-                                         "train_subset", "schedule") if k in stored}
+                                         "train_subset", "schedule", "threads") if k in stored}
         values["policies"] = tuple(stored.get("policies") or ())
         values["seeds"] = tuple(stored.get("seeds") or ())
         if preset is not None:
@@ -220,7 +220,7 @@ def _config_from(args, **overrides):
     else:
         values = dict(PRESETS[preset or "default"])
     for key in ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum",
-                "weight_decay", "train_subset", "schedule"):
+                "weight_decay", "train_subset", "schedule", "threads"):
         v = getattr(args, key, None)
         if v is not None:
             values[key] = v
@@ -450,7 +450,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
         g.add_argument("--ray-num-cpus", type=int, default=None,
                        help="CPUs of the local Ray instance (default: every CPU)")
         g.add_argument("--cpus-per-run", type=float, default=None,
-                       help="CPUs Ray reserves for each run (default: 1)")
+                       help="CPUs Ray reserves for each run (default: --threads, at most a "
+                       "node's CPUs); the run computes with --threads threads either way")
         g.add_argument("--gpus-per-run", type=float, default=None,
                        help="GPUs Ray reserves for each run (default: 0)")
         g.add_argument("--max-retries", type=int, default=None,
@@ -467,6 +468,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
                    help="default: 5e-4")
     p.add_argument("--train-subset", type=_int_arg(1, 2**31), default=None,
                    help="train on the first N training examples only")
+    p.add_argument("--threads", type=_int_arg(1, 1024), default=None,
+                   help="torch threads of every run, wherever it runs (default: torch's "
+                   "default here, stored for --resume): part of the numbers, as a float sum "
+                   "split over other threads rounds differently")
     p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run folder: finished runs are kept, flags not "

@@ -54,19 +54,15 @@ def stored(path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The local executor, with the one thread a 1-CPU Ray task gets (a reduction split over
-    threads may round differently)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = run_compare(tiny(tmp_path_factory.mktemp("local") / "r"))
-    finally:
-        torch.set_num_threads(threads)
-    return stored(out)
+    """The local executor with its defaults (torch's thread count of this process)."""
+    return stored(run_compare(tiny(tmp_path_factory.mktemp("local") / "r")))
 
 
 def test_ray_stores_the_same_numbers_as_the_local_executor(local_ray, reference, tmp_path):
-    out = run_compare(tiny(tmp_path / "r"), RayExecutor(cpus_per_run=1, max_retries=1))
+    # a run's numbers do not depend on the CPUs Ray reserves for it: the thread count is the
+    # comparison's (CompareConfig.threads, default this process's), not the reservation's
+    cpus = 1 if torch.get_num_threads() != 1 else 2
+    out = run_compare(tiny(tmp_path / "r"), RayExecutor(cpus_per_run=cpus, max_retries=1))
     got = stored(out)
     assert [r[5] for r in got["runs"]] == ["finished"] * 4
     assert len(got["epochs"]) == 8 and len(got["analysis"]) > 8
@@ -143,3 +139,137 @@ def test_bad_executor_flags_are_one_line(args, needle, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_the_thread_count_is_stored_and_honoured(local_ray, tmp_path):
+    threads = 1 if torch.get_num_threads() != 1 else 2
+    caller = torch.get_num_threads()
+    local = run_compare(tiny(tmp_path / "local", policies=("32-true",), seeds=(0,), epochs=1,
+                             threads=threads))
+    assert torch.get_num_threads() == caller  # the caller's count is given back
+    # a Ray task reserving another number of CPUs still runs the comparison's thread count
+    on_ray = run_compare(tiny(tmp_path / "ray", policies=("32-true",), seeds=(0,), epochs=1,
+                              threads=threads), RayExecutor(cpus_per_run=2 if threads == 1
+                                                            else 1, max_retries=0))
+    for out in (local, on_ray):
+        db = ResultsDB(out / "results.db", create=False)
+        try:
+            assert db.stored_config()["threads"] == threads
+            run = db.runs()[0]
+            assert run["config"]["threads"] == threads
+            # measured in the process that trained the run
+            assert db.analysis(run["run_id"], "threads") == {"threads": threads}
+        finally:
+            db.close()
+    assert stored(local) == stored(on_ray)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, needle", [
+    (["--gpus-per-run", str(torch.cuda.device_count() + 1)], "gpus_per_run="),
+    (["--ray-address", "127.0.0.1:1"], "127.0.0.1:1"),
+    (["--cpus-per-run", "4", "--ray-num-cpus", "2"], "cpus_per_run=4"),
+    (["--cpus-per-run", "inf"], "cpus_per_run=inf"),
+    (["--gpus-per-run", "inf"], "gpus_per_run=inf"),
+], ids=["gpus-absent", "address-closed", "cpus-over-instance", "cpus-inf", "gpus-inf"])
+def test_a_run_ray_cannot_schedule_is_refused_not_waited_for(args, needle, tmp_path, capsys):
+    out = tmp_path / "r"
+    code = main(["compare", "--executor", "ray", "--data", "digits", "--model", "mlp",
+                 "--policies", "32-true", "--seeds", "1", "--epochs", "1", "--out", str(out),
+                 "--quiet", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("lowprec compare: error: ") and needle in err, err
+    assert "Traceback" not in err
+    assert not out.exists()  # refused before anything was created
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag, needle", [
+    ("--gpus-per-run", "gpus_per_run="), ("--cpus-per-run", "cpus_per_run=")])
+def test_more_than_the_running_instance_has_is_refused(local_ray, flag, needle, tmp_path,
+                                                       capsys):
+    have = ray.cluster_resources().get("GPU" if "gpus" in flag else "CPU", 0)
+    out = tmp_path / "r"
+    code = main(["compare", "--executor", "ray", flag, str(int(have) + 1), "--data", "digits",
+                 "--model", "mlp", "--policies", "32-true", "--seeds", "1", "--epochs", "1",
+                 "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
+
+
+DRIVER = ("import sys; from lowprec.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_driver_resumes_to_the_numbers_of_an_uninterrupted_run(local_ray, tmp_path):
+    """The driver stops storing after epoch 0's row (SIGSTOP, as a driver that is slow or
+    about to die), its task goes on to the checkpoint of epoch 1, then the driver and its Ray
+    instance are SIGKILLed: the checkpoint is ahead of results.db. --resume gives back every
+    number of an uninterrupted comparison."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from lowprec.experiments.runner import checkpoint_path
+
+    flags = dict(policies=("q6.10-sr",), seeds=(0,), epochs=3, batch_size=16, train_subset=512)
+    out = tmp_path / "r"
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    argv = ["compare", "--executor", "ray", "--ray-num-cpus", "1", "--cpus-per-run", "1",
+            "--data", "digits", "--model", "mlp", "--policies", "q6.10-sr", "--seeds", "1",
+            "--epochs", "3", "--batch-size", "16", "--train-subset", "512", "--out", str(out),
+            "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, *argv], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ckpt = checkpoint_path(out, "q6.10-sr|seed=0")
+
+    def rows():
+        try:
+            c = sqlite3.connect(f"file:{out / 'results.db'}?mode=ro", uri=True, timeout=5)
+            try:
+                return [e for (e,) in c.execute("SELECT epoch FROM epochs ORDER BY epoch")]
+            finally:
+                c.close()
+        except sqlite3.Error:
+            return []
+
+    def checkpoint_epoch():
+        try:
+            return torch.load(ckpt, weights_only=False)["epoch"]
+        except Exception:
+            return -1
+
+    family = []
+    try:
+        while not rows():
+            assert proc.poll() is None, "the driver ended before storing an epoch"
+            time.sleep(0.02)
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGSTOP)  # stores nothing more
+        while checkpoint_epoch() < 1:
+            time.sleep(0.02)
+    finally:
+        family += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
+                   if c.pid not in family] if proc.poll() is None else []
+        for pid in reversed(family):  # the driver and the Ray instance it started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    assert checkpoint_epoch() >= 1 > max(rows())  # the checkpoint is ahead of results.db
+
+    run_compare(tiny(out, resume=True, **flags), RayExecutor(cpus_per_run=1, max_retries=0))
+    reference = run_compare(tiny(tmp_path / "local", **flags))
+    got, want = stored(out), stored(reference)
+    assert [r[:2] for r in got["epochs"]] == [r[:2] for r in want["epochs"]]
+    assert got == want

@@ -58,6 +58,7 @@ def lr_at(cfg: "CompareConfig", epoch: int) -> float:
 
 MAX_SEED = 2**32 - 1  # seeds feed torch.manual_seed and seed * 100003 + epoch stays in 64 bits
 MAX_RUNS = 10_000     # policies x seeds of one comparison
+MAX_THREADS = 1024    # torch intra-op threads of a run
 
 
 class RunError(Exception):
@@ -81,6 +82,19 @@ class CompareConfig:
     quiet: bool = False
     train_subset: int | None = None
     schedule: str = "cosine"
+    #: torch's intra-op threads for every run, wherever it runs (a float reduction split over
+    #: another number of threads sums in another order). None: resolved once, when the
+    #: comparison is created, to this process's torch.get_num_threads(); stored with the
+    #: configuration, so --resume uses it (:meth:`resolve_threads`)
+    threads: int | None = None
+
+    def resolve_threads(self, stored: dict | None) -> None:
+        """Give ``threads`` its value when not given: the stored comparison's, else (a new
+        comparison, or one stored before the field existed) this process's torch default."""
+        if self.threads is None:
+            import torch
+
+            self.threads = (stored or {}).get("threads") or torch.get_num_threads()
 
     def validate(self) -> None:
         if isinstance(self.policies, str):
@@ -130,6 +144,10 @@ class CompareConfig:
                  self.weight_decay >= 0, "a finite number >= 0")]:
             if not ok:
                 raise RunError(f"{name}={value!r} is not valid: must be {why}")
+        if self.threads is not None and not (count(self.threads)
+                                             and 1 <= self.threads <= MAX_THREADS):
+            raise RunError(f"threads={self.threads!r} is not valid: must be an integer in "
+                           f"[1, {MAX_THREADS}]")
         if self.schedule not in SCHEDULES:
             raise RunError(f"schedule={self.schedule!r}; accepted: {', '.join(SCHEDULES)}")
         if self.optimizer not in OPTIMIZERS:

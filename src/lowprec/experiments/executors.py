@@ -23,6 +23,7 @@ The division of labour:
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import socket
@@ -92,33 +93,81 @@ class RayExecutor:
     """Each run a Ray task: ``num_cpus=cpus_per_run``, ``num_gpus=gpus_per_run``,
     ``max_retries`` (a task whose worker dies is run again, from its checkpoint).
 
+    ``cpus_per_run`` is what Ray reserves, not what the run computes with: a run trains with
+    the comparison's ``threads`` (CompareConfig.threads) wherever it runs, so its numbers do
+    not depend on the reservation. Default: ``threads`` CPUs, at most those of the cluster's
+    largest node (a run is never unschedulable by default).
+
     ``address`` connects to an existing cluster (``ray start --head`` printed it; "auto" finds
     one on this node); without it a local instance is started with ``num_cpus`` CPUs (default:
     every CPU of this machine) and stopped at the end. A Ray instance already initialized in
-    this process is used as it is."""
+    this process is used as it is. A run that no node could ever hold (more CPUs or GPUs than
+    the largest node has) is refused with RunError before any task is submitted: Ray would
+    wait for such a node for ever."""
 
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None,
-                 cpus_per_run: float = 1, gpus_per_run: float = 0, max_retries: int = 3):
-        for name, value, ok in [
-                ("cpus_per_run", cpus_per_run, _number(cpus_per_run) and cpus_per_run > 0),
-                ("gpus_per_run", gpus_per_run, _number(gpus_per_run) and gpus_per_run >= 0),
-                ("max_retries", max_retries, isinstance(max_retries, int) and max_retries >= 0),
-                ("num_cpus", num_cpus, num_cpus is None or (isinstance(num_cpus, int)
-                                                            and num_cpus > 0))]:
+                 cpus_per_run: float | None = None, gpus_per_run: float = 0,
+                 max_retries: int = 3):
+        for name, value, ok, why in [
+                ("cpus_per_run", cpus_per_run, cpus_per_run is None or (
+                    _number(cpus_per_run) and cpus_per_run > 0), "a positive finite number"),
+                ("gpus_per_run", gpus_per_run, _number(gpus_per_run) and gpus_per_run >= 0,
+                 "a finite number >= 0"),
+                ("max_retries", max_retries, isinstance(max_retries, int)
+                 and not isinstance(max_retries, bool) and max_retries >= 0,
+                 "an integer >= 0"),
+                ("num_cpus", num_cpus, num_cpus is None or (
+                    isinstance(num_cpus, int) and not isinstance(num_cpus, bool)
+                    and num_cpus > 0), "a positive integer")]:
             if not ok:
-                raise ValueError(f"{name}={value!r} is not valid (must be a positive number"
-                                 f"{'' if name == 'cpus_per_run' else ' or 0'})")
+                raise ValueError(f"{name}={value!r} is not valid (must be {why})")
         if address is not None and num_cpus is not None:
             raise ValueError("num_cpus is for a local Ray instance; a cluster at --ray-address "
                              "has its own CPUs")
+        if num_cpus is not None and cpus_per_run is not None and cpus_per_run > num_cpus:
+            raise ValueError(f"cpus_per_run={cpus_per_run:g} is more than the {num_cpus} CPUs "
+                             "of the local Ray instance (num_cpus): no run could ever start")
         self.address, self.num_cpus = address, num_cpus
         self.cpus_per_run, self.gpus_per_run, self.max_retries = (cpus_per_run, gpus_per_run,
                                                                   max_retries)
 
     def __repr__(self) -> str:
         where = self.address or f"local, {self.num_cpus or os.cpu_count()} CPUs"
-        return (f"RayExecutor({where}; {self.cpus_per_run} CPU, {self.gpus_per_run} GPU per "
-                f"run, {self.max_retries} retries)")
+        cpus = "threads" if self.cpus_per_run is None else f"{self.cpus_per_run:g}"
+        return (f"RayExecutor({where}; {cpus} CPU, {self.gpus_per_run:g} GPU per run, "
+                f"{self.max_retries} retries)")
+
+    def preflight(self) -> None:
+        """Refuse, before a run folder is created or Ray started, what can never run: a
+        cluster address where nothing listens (a short TCP connect, not Ray's minutes of
+        retries), more CPUs or GPUs per run than this machine (a local instance still to
+        start) or the running instance's largest node has. RunError, one line."""
+        ray = _import_ray()
+        if self.address is not None:
+            _probe(self.address)
+        if ray.is_initialized():
+            self.check_fits(_largest_node(ray), "the largest node of the running Ray instance")
+        elif self.address is None:
+            import torch
+
+            have = {"CPU": self.num_cpus or os.cpu_count() or 1,
+                    "GPU": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+            self.check_fits(have, "this machine (the local Ray instance to start)")
+
+    def check_fits(self, have: dict, where: str) -> None:
+        """RunError unless one node with ``have`` resources ({"CPU": n, "GPU": n}) can hold a
+        run (a default cpus_per_run always fits)."""
+        for key, name, want in (("CPU", "cpus_per_run", self.cpus_per_run),
+                                ("GPU", "gpus_per_run", self.gpus_per_run)):
+            if want and want > have.get(key, 0):
+                flag = "--" + name.replace("_", "-")
+                raise RunError(f"{name}={want:g} ({flag}) is more than the {have.get(key, 0):g} "
+                               f"{key}s of {where}: no run could ever start")
+
+    def _cpus_for(self, cfg, have: dict) -> float:
+        if self.cpus_per_run is not None:
+            return self.cpus_per_run
+        return max(1, min(cfg.threads or 1, have.get("CPU", 1)))
 
     @contextmanager
     def connected(self):
@@ -140,6 +189,7 @@ class RayExecutor:
             return
         import logging
 
+        _probe(self.address)
         try:
             ray.init(address=self.address, logging_level=logging.WARNING)
         except (ConnectionError, ValueError, RuntimeError) as err:
@@ -156,14 +206,10 @@ class RayExecutor:
         with Progress(len(runs), cfg.quiet) as progress:
             todo = []
             for policy, seed in runs:
-                run_id = run_id_of(policy, seed)
-                existing = db.run(run_id)
+                existing = db.run(run_id_of(policy, seed))
                 if existing and existing["status"] in ("finished", "diverged"):
                     progress.run_done()
                     continue
-                if not (resumable(existing) and db.memory(run_id) is not None):
-                    checkpoint_path(out, run_id).unlink(missing_ok=True)  # not this row's
-                    start_run_record(db, cfg, data, policy, seed, env)
                 todo.append((policy, seed))
             if not todo:
                 return
@@ -172,12 +218,20 @@ class RayExecutor:
             if started:
                 self._connect(ray)
             try:
-                self._execute(ray, cfg, data, todo, db, out, progress)
+                have = _largest_node(ray)  # what the cluster is, before any run is opened
+                self.check_fits(have, "the largest node of the Ray cluster")
+                for policy, seed in todo:
+                    run_id = run_id_of(policy, seed)
+                    if not (resumable(db.run(run_id)) and db.memory(run_id) is not None):
+                        checkpoint_path(out, run_id).unlink(missing_ok=True)  # not this row's
+                        start_run_record(db, cfg, data, policy, seed, env)
+                self._execute(ray, cfg, data, todo, db, out, progress,
+                              self._cpus_for(cfg, have))
             finally:
                 if started:
                     ray.shutdown()
 
-    def _execute(self, ray, cfg, data, todo, db, out: Path, progress) -> None:
+    def _execute(self, ray, cfg, data, todo, db, out: Path, progress, cpus: float) -> None:
         from ray.util.queue import Queue
 
         token = secrets.token_hex(16)
@@ -185,13 +239,11 @@ class RayExecutor:
         token_path.write_text(token)
         fault = os.environ.get(FAULT_ENV) or None
         queue = Queue(actor_options={"num_cpus": 0})
-        task = ray.remote(_run_task).options(num_cpus=self.cpus_per_run,
-                                             num_gpus=self.gpus_per_run,
+        task = ray.remote(_run_task).options(num_cpus=cpus, num_gpus=self.gpus_per_run,
                                              max_retries=self.max_retries)
-        threads = max(1, int(self.cpus_per_run))
         data_ref = ray.put(data)  # once in the object store, not once per task
-        pending = {task.remote(cfg, data_ref, policy, seed, str(out), token, queue, threads,
-                               fault): (policy, seed) for policy, seed in todo}
+        pending = {task.remote(cfg, data_ref, policy, seed, str(out), token, queue, fault):
+                   (policy, seed) for policy, seed in todo}
         try:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
@@ -219,7 +271,36 @@ class RayExecutor:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _largest_node(ray) -> dict:
+    """The most CPUs and GPUs one live node of the connected cluster has: a task must fit on
+    one node."""
+    nodes = [n.get("Resources") or {} for n in ray.nodes() if n.get("Alive")]
+    return {key: max((r.get(key, 0) for r in nodes), default=0) for key in ("CPU", "GPU")}
+
+
+#: seconds the TCP connect to --ray-address may take before the address is refused
+PROBE_TIMEOUT = 5.0
+
+
+def _probe(address: str) -> None:
+    """RunError unless something accepts a TCP connection at a HOST:PORT address (also
+    ray://HOST:PORT); "auto" and other forms are left to Ray, which fails fast on them. Ray's
+    own connect retries for minutes where nothing listens."""
+    where = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = where.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
+    except (OSError, OverflowError, ValueError) as err:
+        why = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        raise RunError(f"cannot connect to the Ray cluster at {address!r}: nothing accepts a "
+                       f"connection at {host}:{port} ({why}; waited at most "
+                       f"{PROBE_TIMEOUT:g} s)") from None
 
 
 def _drain(queue, db, progress) -> None:
@@ -235,16 +316,13 @@ def _drain(queue, db, progress) -> None:
 
 # -- the task (runs in a Ray worker process) -------------------------------------------------
 
-def _run_task(cfg, data, policy: str, seed: int, out: str, token: str, queue, threads: int,
+def _run_task(cfg, data, policy: str, seed: int, out: str, token: str, queue,
               fault: str | None) -> str:
-    import torch
-
     from .system import tune_cpu_allocator
 
     out_path = Path(out)
     _check_shared(out_path, token)
-    torch.set_num_threads(threads)
-    tune_cpu_allocator()
+    tune_cpu_allocator()  # train_run sets cfg.threads, as in the driver's process
     sink = _QueueSink(queue, out_path, fault)
     try:
         return train_run(cfg, data, policy, seed, sink, out_path, {}, sink)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -176,7 +177,9 @@ def config_differences(stored: dict, cfg: CompareConfig) -> list[str]:
     comparison it finds; extending or shrinking it is a change like any other, accepted with
     ``force_config``: new runs are then added, and runs no longer asked for are marked)."""
     given = cfg.to_json()
-    return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in _HYPER
+    # threads: a comparison stored before it was configurable has none to differ from
+    keys = _HYPER + (("threads",) if "threads" in stored else ())
+    return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in keys
             if stored.get(k) != given.get(k)]
 
 
@@ -318,7 +321,7 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env
     run_id = run_id_of(policy, seed)
     db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
-                 hardware=env["hardware"])
+                 hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg)})
     db.set_backend(run_id, prec.backend)
     batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
     db.record_memory(run_id, _measure_memory(prec, model, batch))
@@ -329,8 +332,9 @@ def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: s
     """What :func:`train_run` records when a run starts afresh (its row, backend and memory
     ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
     built as train_run builds it, and measured without a trace, so the run trains the same."""
-    model, _, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
-    _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
+    with _run_threads(cfg):  # measured as train_run would measure it
+        model, _, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
+        _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
 
 
 def failure_message(err: BaseException) -> str:
@@ -339,11 +343,43 @@ def failure_message(err: BaseException) -> str:
     return " ".join(msg.split())[:500]
 
 
+def _record_epoch(db: ResultsDB, run_id: str, record: dict) -> None:
+    rest = {k: v for k, v in record.items() if k != "epoch"}
+    db.record_epoch(run_id, record["epoch"], **rest)
+
+
+def _threads(cfg: CompareConfig) -> int:
+    return cfg.threads or torch.get_num_threads()
+
+
+@contextmanager
+def _run_threads(cfg: CompareConfig):
+    """torch computes with the comparison's thread count inside, the caller's after."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(_threads(cfg))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
+
+
 def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
               out: Path, env: dict, progress: "Progress | None" = None) -> str:
     """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
     in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
-    the run folder's lock. A finished or diverged run is left as stored."""
+    the run folder's lock. A finished or diverged run is left as stored.
+
+    The run trains with ``cfg.threads`` torch threads, wherever it runs (this process's count
+    is given back at the end): a float reduction split over another number of threads sums in
+    another order. Each epoch's checkpoint carries the epoch records it covers, replayed into
+    ``db`` when the run continues from it: rows a checkpoint covers are never lost, even when
+    the writer of ``db`` (a Ray driver) died before storing what the run had sent."""
+    with _run_threads(cfg):
+        return _train_run(cfg, data, policy, seed, db, out, env, progress)
+
+
+def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+               out: Path, env: dict, progress: "Progress | None") -> str:
     progress = progress or Progress(1, True)
     run_id = run_id_of(policy, seed)
     ckpt_path = checkpoint_path(out, run_id)
@@ -356,6 +392,7 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
     n = len(x_train)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
     start_epoch = 0
+    records: list[dict] = []  # record_epoch's arguments, every epoch so far (in checkpoints)
     if resumable(existing) and ckpt_path.exists():
         try:
             ckpt = torch.load(ckpt_path, weights_only=False)
@@ -372,12 +409,17 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
             torch.set_rng_state(ckpt["rng"])
         start_epoch = ckpt["epoch"] + 1
         db.truncate(run_id, last_epoch=ckpt["epoch"], last_step=prec.steps - 1)
+        records = list(ckpt.get("records") or ())  # none in a checkpoint of an older lowprec
+        for rec in records:  # INSERT OR REPLACE: a row already stored is written unchanged
+            _record_epoch(db, run_id, rec)
     elif resumable(existing) and db.memory(run_id) is not None:
         # interrupted before its first checkpoint: the same run, redone from its first epoch
         # (its row, start time and ledger are kept; what it recorded after them is dropped)
         db.truncate(run_id, last_epoch=-1, last_step=-1)
     else:
         _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
+    # the thread count this run trains with, measured where it trains
+    db.record_analysis(run_id, "threads", {"threads": torch.get_num_threads()})
     progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
                        start_epoch * steps_per_epoch)
 
@@ -416,15 +458,17 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
             test_loss, test_acc = float("nan"), float("nan")
         else:
             test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
-        db.record_epoch(run_id, epoch, train_loss=train_loss, test_loss=test_loss,
-                        test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
-                        nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
-                        trace=prec.trace[trace_start:])
+        record = dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
+                      test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
+                      nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
+                      trace=prec.trace[trace_start:])
+        _record_epoch(db, run_id, record)
         if status == "diverged":
             break
+        records.append(record)
         atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                      "precision": prec.state_dict(), "epoch": epoch,
-                     "rng": torch.get_rng_state()}, ckpt_path)
+                     "rng": torch.get_rng_state(), "records": records}, ckpt_path)
     if status == "finished":
         try:
             analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)
@@ -460,6 +504,8 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     RunIOError when the disk fails, and KeyboardInterrupt as is (the folder stays resumable).
     """
     cfg.validate()
+    if getattr(executor, "preflight", None):  # what can never run: refused before anything
+        executor.preflight()
     if len(split_models(cfg.model)) > 1:  # one comparison per architecture
         from .multi import run_models
 
@@ -505,6 +551,7 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
 
 def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> None:
     stored = db.stored_config()
+    cfg.resolve_threads(stored)
     if stored is None:
         db.set_meta("config", cfg.to_json())
         return
