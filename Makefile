@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: demo test install bench clean system-deps
+.PHONY: demo test install bench bench-gpu clean system-deps
 
 # Debian packages the tests use: Chromium + ChromeDriver (the report is checked in a real
 # headless browser) and the Fashion-MNIST files. Installed once when apt-get can run.
@@ -47,6 +47,16 @@ bench: $(STAMP)
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/summation.py
+
+# On a machine lent a GPU, with that image's own python and torch (no venv, no network): the
+# GPU measurements (under 8 minutes), then the device-independent tests on CUDA. Results in
+# $(GPU_OUT)/gpu.json and gpu.md.
+GPU_OUT ?= benchmarks/gpu
+bench-gpu:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu.py --out $(GPU_OUT)
+	PYTHONPATH=src timeout 150 $(PYTHON) -m pytest -q -p no:cacheprovider --device cuda \
+		tests/numerics/test_quantize_exact.py tests/numerics/test_stochastic.py \
+		tests/training/test_loss_scale.py || true
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/lowprec/*.so src/lowprec/numerics/*.so

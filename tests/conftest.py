@@ -21,3 +21,64 @@ def reference_conv():
     if not native_conv_is_reference():
         pytest.skip("this CPU's fp16 convolution is oneDNN's (AVX512-FP16), not torch's "
                     "reference kernel: no native order to compare with")
+
+
+# -- pytest --device cuda: the device-independent tests on a GPU -----------------------------
+# The numerics tests call lowprec.quantize on CPU tensors and compare with CPU references; with
+# --device cuda every such call runs on the device (inputs moved there, results moved back), so
+# the same references check the torch path on the GPU. The C kernel is CPU-only: its
+# parameterisations ("kernel") are skipped there. Tests that build models and optimizers take
+# the ``device`` fixture.
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="where device-independent tests run: cpu (default) or cuda")
+
+
+def pytest_configure(config):
+    import torch
+
+    name = config.getoption("--device")
+    if name not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device {name!r}; accepted: cpu, cuda")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda: torch sees no CUDA device here")
+        _quantize_on("cuda")
+
+
+def _quantize_on(device: str) -> None:
+    """Route lowprec.quantize / quantize_ through ``device`` (before test modules import it)."""
+    import functools
+
+    import torch
+
+    import lowprec
+    from lowprec.numerics import quantize as qmod
+
+    def wrap(fn, in_place):
+        @functools.wraps(fn)
+        def on_device(x, *args, **kwargs):
+            if kwargs.get("impl") == "kernel":
+                pytest.skip("the C kernel is CPU-only")
+            if not torch.is_tensor(x) or x.device.type == device:
+                return fn(x, *args, **kwargs)
+            y = fn(x.to(device), *args, **kwargs).to(x.device)
+            if in_place:
+                x.copy_(y)
+                return x
+            return y
+        return on_device
+
+    for name, in_place in (("quantize", False), ("quantize_", True)):
+        wrapped = wrap(getattr(qmod, name), in_place)
+        setattr(qmod, name, wrapped)
+        setattr(lowprec, name, wrapped)
+
+
+@pytest.fixture
+def device(request):
+    """The device of ``pytest --device`` (cpu by default)."""
+    import torch
+
+    return torch.device(request.config.getoption("--device"))

@@ -24,12 +24,13 @@ def test_dynamic_loss_scale_rule():
         StaticLossScale(0)
 
 
-def _train_mlp(prec, steps, inject_at=None, skip_at=None, seed=0):
-    model = small_mlp(seed)
+def _train_mlp(prec, steps, inject_at=None, skip_at=None, seed=0, device="cpu"):
+    model = small_mlp(seed).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = prec.setup(model, opt)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(64, 20, generator=g), torch.randint(0, 5, (64,), generator=g)
+    x, y = x.to(device), y.to(device)
     for step in range(steps):
         opt.zero_grad()
         with prec.autocast():
@@ -44,12 +45,12 @@ def _train_mlp(prec, steps, inject_at=None, skip_at=None, seed=0):
     return model, prec
 
 
-def test_injected_inf_is_skipped_and_matches_a_control_run():
+def test_injected_inf_is_skipped_and_matches_a_control_run(device):
     init, growth, backoff, interval, steps, k = 2.0**10, 2.0, 0.5, 3, 20, 7
     scaled, prec = _train_mlp(
         Precision("32-true", loss_scale=DynamicLossScale(init, growth, backoff, interval)),
-        steps, inject_at=k)
-    control, _ = _train_mlp(Precision("32-true"), steps, skip_at=k)
+        steps, inject_at=k, device=device)
+    control, _ = _train_mlp(Precision("32-true"), steps, skip_at=k, device=device)
     skipped = [t["step"] for t in prec.trace if t["skipped"]]
     assert skipped == [k] and prec.skipped == 1
     # growth events: every `interval` clean steps, the count restarting after the skip

@@ -1,0 +1,392 @@
+"""What only a GPU can tell, in one call: step times of the paper's regimes, emulation fidelity
+against the GPU's own fp16/bf16 kernels, the certificate's soundness there, quantize throughput.
+
+    python benchmarks/gpu.py --out DIR          # on a CUDA machine: under 8 minutes on one GPU
+    python benchmarks/gpu.py --out DIR --dry    # tiny sizes on the CPU: checks the script runs
+
+Writes DIR/gpu.json (every number, the machine, torch and lowprec versions) and DIR/gpu.md (the
+tables). Without CUDA (and without --dry) it says so in one line and exits 0. Nothing is
+downloaded: models are lowprec's own (the yun2023 preset's architectures on Fashion-MNIST-shaped
+random batches) and a small GPT-style transformer; accuracy is not measured here (the CPU runs
+measure it), speed and fidelity are.
+
+1. **Step time** of 32-true, native 16-true, 16-mixed, bf16-true and 16-master, as ratios to
+   32-true, measured in interleaved rounds (every policy once per round, median over rounds) with
+   CUDA events after ``torch.cuda.synchronize``; convolutional models run channels-last.
+2. **Fidelity**: for 16-true and bf16-true, the same format-rounded weights and batch run
+   natively on the GPU, emulated on the GPU (fp32 kernels, each op's output rounded: lowprec's
+   torch path), in fp32 and float64 on the GPU, and emulated on the CPU. Ratios as in
+   tests/training/test_fidelity.py: ``|emulated - native| / |fp32 - native|`` for the outputs and
+   the parameter gradients (0: bit-exact; 1: no better than plain fp32), and the emulated
+   run's distance to float64 over the native run's.
+3. **The certificate on the GPU**: inputs certified (Γ > 2δ) by lowprec's emulated fp16, on the
+   CPU and on the GPU, against what the GPU's native fp16 predicts: a certified input whose
+   native class differs from the fp32 class is a violation (there must be none).
+4. **quantize throughput** on the GPU (the plain-torch path: the C kernel is CPU-only), nearest
+   and stochastic, against ``x.clone()`` and ``x.half().float()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if SRC.is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))  # run from a checkout without installing
+
+import lowprec  # noqa: E402
+from lowprec import Precision  # noqa: E402
+from lowprec.experiments.models import build_model  # noqa: E402
+from lowprec.training.optim import SGD  # noqa: E402
+
+POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "16-master")
+NATIVE = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
+SPECS = {"16-true": "p=fp16,c=fp16,g=fp16,o=fp16", "bf16-true": "p=bf16,c=bf16,g=bf16,o=bf16"}
+FULL = dict(cnn_batch=1024, gpt_batch=32, gpt=dict(vocab=8192, d=512, layers=6, heads=8,
+            ctx=256), steps=10, rounds=5, warmup=3, fid_batch=64, cert_n=4096,
+            q_elems=1 << 26, q_reps=20)
+DRY = dict(cnn_batch=4, gpt_batch=2, gpt=dict(vocab=64, d=32, layers=1, heads=2, ctx=16),
+           steps=1, rounds=1, warmup=1, fid_batch=2, cert_n=16, q_elems=1 << 12, q_reps=2,
+           step_models=("resnet20", "gpt"))
+
+
+class Block(nn.Module):
+    """Pre-norm GPT block: causal scaled-dot-product attention, GELU MLP, residual adds."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.n1(x)).split(D, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.f2(F.gelu(self.f1(self.n2(x))))
+
+
+class GPT(nn.Module):
+    """A small GPT-style language model: logits (tokens, vocabulary) for cross-entropy."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(ctx, d) * 0.02)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids) + self.pos[:ids.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x)).flatten(0, 1)
+
+
+def _models(sz: dict):
+    """name -> (builder, batch maker(batch, device, generator), channels_last)."""
+    def images(n, dev, g):
+        x = torch.randn(n, 1, 28, 28, generator=g).to(dev)
+        return x, torch.randint(0, 10, (n,), generator=g).to(dev)
+
+    def tokens(n, dev, g):
+        ids = torch.randint(0, sz["gpt"]["vocab"], (n, sz["gpt"]["ctx"] + 1), generator=g)
+        return ids[:, :-1].to(dev), ids[:, 1:].reshape(-1).to(dev)
+
+    out = {name: ((lambda name=name: build_model(name, (1, 28, 28), 10)), images,
+                  name != "transformer", sz["cnn_batch"])
+           for name in ("resnet20", "vgg", "transformer", "mobilenet")}
+    out["gpt"] = (lambda: GPT(**sz["gpt"]), tokens, False, sz["gpt_batch"])
+    return out
+
+
+class Timer:
+    """CUDA events on a GPU, perf_counter on the CPU (the dry run)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1000
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+# -- 1. step time ---------------------------------------------------------------------------
+
+def step_times(dev, sz, models, log) -> list[dict]:
+    rows = []
+    timer = Timer(dev)
+    for name, (make, batch_of, channels_last, batch) in models.items():
+        if name not in sz.get("step_models", models):
+            continue
+        g = torch.Generator().manual_seed(0)
+        x, y = batch_of(batch, dev, g)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        runners = {}
+        for pol in POLICIES:
+            torch.manual_seed(0)
+            model = make().to(dev)
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            prec = Precision(pol)
+            model, opt = prec.setup(model, SGD(model.parameters(), lr=0.01, momentum=0.9))
+
+            def step(model=model, opt=opt, prec=prec):
+                for _ in range(sz["steps"]):
+                    opt.zero_grad(set_to_none=True)
+                    with prec.autocast():
+                        loss = F.cross_entropy(model(prec.convert_input(x)).float(), y)
+                    prec.backward(loss)
+                    prec.step(opt)
+            for _ in range(sz["warmup"]):
+                step()
+            runners[pol] = (step, prec)
+        times = {pol: [] for pol in POLICIES}
+        for _ in range(sz["rounds"]):  # interleaved: a slow moment hits every policy alike
+            for pol, (step, _) in runners.items():
+                times[pol].append(timer(step) / sz["steps"])
+        base = statistics.median(times["32-true"])
+        for pol in POLICIES:
+            med = statistics.median(times[pol])
+            rows.append({"model": name, "policy": pol, "batch": batch,
+                         "backend": str(runners[pol][1].backend.value),
+                         "ms_per_step": 1000 * med, "vs_32_true": med / base})
+        log(f"step time {name}: " + ", ".join(f"{r['policy']} {r['vs_32_true']:.2f}x"
+                                              for r in rows[-len(POLICIES):]))
+        del runners
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# -- 2. fidelity ----------------------------------------------------------------------------
+
+def _run(model, x, y, mode: str, policy: str, dev):
+    """(outputs, parameter gradients) as float64 on the CPU, of one forward and backward."""
+    m = copy.deepcopy(model).to(dev)
+    x = x.to(dev)
+    if mode == "native":
+        m = m.to(NATIVE[policy])
+        x = x.to(NATIVE[policy]) if x.is_floating_point() else x
+    elif mode == "float64":
+        m = m.double()
+        x = x.double() if x.is_floating_point() else x
+    elif mode == "emulated":
+        m, _ = Precision(SPECS[policy] + ",b=emulated").setup(m)
+    m.train()
+    out = m(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(dev, out.dtype)
+    (out * w).sum().backward()
+    grads = [p.grad for p in m.parameters()]
+    if mode == "emulated":  # as Precision.step stores them: in the parameter format
+        grads = [g.to(NATIVE[policy]) for g in grads]
+    return (out.detach().double().cpu(),
+            torch.cat([g.double().flatten() for g in grads]).cpu())
+
+
+def fidelity(dev, sz, models, log) -> list[dict]:
+    rows = []
+    for name in ("resnet20", "transformer", "gpt"):
+        make, batch_of, _, _ = models[name]
+        x, y = batch_of(sz["fid_batch"], torch.device("cpu"), torch.Generator().manual_seed(1))
+        for policy, dtype in NATIVE.items():
+            torch.manual_seed(0)
+            model = make()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(dtype).float())
+            if x.is_floating_point():
+                x = x.to(dtype).float()
+            r = {k: _run(model, x, y, k, policy, dev) for k in ("native", "emulated", "fp32",
+                                                                 "float64")}
+            r["emulated_cpu"] = _run(model, x, y, "emulated", policy, torch.device("cpu"))
+            d = lambda a, b: float((a - b).norm())  # noqa: E731
+            for i, part in enumerate(("forward", "grads")):
+                fp32_gap = d(r["fp32"][i], r["native"][i]) or float("nan")
+                rows.append({
+                    "model": name, "policy": policy, "part": part,
+                    "emulated_gpu_vs_native": d(r["emulated"][i], r["native"][i]) / fp32_gap,
+                    "emulated_cpu_vs_native": d(r["emulated_cpu"][i], r["native"][i]) / fp32_gap,
+                    "emulated_cpu_vs_gpu": d(r["emulated_cpu"][i], r["emulated"][i]) / fp32_gap,
+                    "bitexact_gpu": bool(torch.equal(r["emulated"][i], r["native"][i])),
+                    "error_vs_float64": (d(r["emulated"][i], r["float64"][i]) /
+                                         (d(r["native"][i], r["float64"][i]) or float("nan")))})
+            log(f"fidelity {name} {policy}: " + ", ".join(
+                f"{row['part']} {row['emulated_gpu_vs_native']:.3f} (cpu "
+                f"{row['emulated_cpu_vs_native']:.3f})" for row in rows[-2:]))
+    return rows
+
+
+# -- 3. the certificate ---------------------------------------------------------------------
+
+def certificate(dev, sz, models, log) -> list[dict]:
+    from lowprec.analysis import certify
+
+    rows = []
+    for name in ("resnet20", "vgg"):
+        make, batch_of, _, _ = models[name]
+        x, y = batch_of(sz["cert_n"], torch.device("cpu"), torch.Generator().manual_seed(2))
+        torch.manual_seed(0)
+        model = make().eval()
+        with torch.no_grad():
+            native = copy.deepcopy(model).to(dev).half()
+            pred16 = torch.cat([native(x[i:i + 512].to(dev).half()).float().argmax(1).cpu()
+                                for i in range(0, len(x), 512)])
+            m32 = copy.deepcopy(model).to(dev)
+            pred32 = torch.cat([m32(x[i:i + 512].to(dev)).argmax(1).cpu()
+                                for i in range(0, len(x), 512)])
+        for where in dict.fromkeys(("cpu", dev.type)):
+            cert = certify(copy.deepcopy(model).to(where), (x.to(where), y.to(where)), "fp16",
+                           backend="emulated", batch_size=512)
+            ok = torch.as_tensor(cert.certified).cpu().bool()
+            changed = pred16 != pred32
+            rows.append({"model": name, "certified_on": where, "inputs": len(x),
+                         "certified": int(ok.sum()),
+                         "native_changed_class": int(changed.sum()),
+                         "violations": int((ok & changed).sum())})
+            log(f"certificate {name} (emulated on {where}): {rows[-1]}")
+    return rows
+
+
+# -- 4. quantize throughput -----------------------------------------------------------------
+
+def quantize_speed(dev, sz, log) -> list[dict]:
+    x = torch.randn(sz["q_elems"], device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer = Timer(dev)
+    cases = {"x.clone()": lambda: x.clone(), "x.half().float()": lambda: x.half().float(),
+             "quantize fp16 nearest": lambda: lowprec.quantize(x, "fp16"),
+             "quantize bf16 nearest": lambda: lowprec.quantize(x, "bf16"),
+             "quantize e4m3fn nearest": lambda: lowprec.quantize(x, "e4m3fn"),
+             "quantize fp16 stochastic": lambda: lowprec.quantize(x, "fp16", "stochastic",
+                                                                  generator=gen)}
+    rows, base = [], None
+    for name, fn in cases.items():
+        fn()
+        t = statistics.median(timer(fn) for _ in range(sz["q_reps"]))
+        base = base or t
+        rows.append({"op": name, "elements": x.numel(), "ms": 1000 * t,
+                     "GB_per_s": 8 * x.numel() / t / 1e9, "speed_vs_clone": base / t})
+    log("quantize: " + ", ".join(f"{r['op']} {r['speed_vs_clone']:.2f}x" for r in rows))
+    return rows
+
+
+# -- output ---------------------------------------------------------------------------------
+
+def _md_table(rows: list[dict], cols: list[str]) -> list[str]:
+    def cell(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+            *["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows], ""]
+
+
+def markdown(res: dict) -> str:
+    md = [f"# lowprec on {res['machine']['device']}", "",
+          f"torch {res['machine']['torch']}, lowprec {res['machine']['lowprec']}, "
+          f"{'dry run (tiny sizes, CPU)' if res['dry'] else 'full sizes'}; "
+          f"{res['seconds']:.0f} s", ""]
+    sections = [("Step time (ratio to 32-true, median of interleaved rounds)", "steps",
+                 ["model", "policy", "backend", "batch", "ms_per_step", "vs_32_true"]),
+                ("Fidelity: |emulated - native| / |fp32 - native| (0 = bit-exact)", "fidelity",
+                 ["model", "policy", "part", "emulated_gpu_vs_native", "emulated_cpu_vs_native",
+                  "emulated_cpu_vs_gpu", "bitexact_gpu", "error_vs_float64"]),
+                ("Certificate: certified inputs against native fp16 on the device",
+                 "certificate", ["model", "certified_on", "inputs", "certified",
+                                 "native_changed_class", "violations"]),
+                ("quantize throughput", "quantize",
+                 ["op", "elements", "ms", "GB_per_s", "speed_vs_clone"])]
+    for title, key, cols in sections:
+        md += [f"## {title}", ""]
+        if key in res["errors"]:
+            md += [f"failed: `{res['errors'][key]}`", ""]
+        md += _md_table(res.get(key, []), cols)
+    return "\n".join(md)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
+    ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU (a smoke test)")
+    ap.add_argument("--only", default="steps,fidelity,certificate,quantize",
+                    help="comma-separated sections (default: all)")
+    args = ap.parse_args(argv)
+    if not args.dry and not torch.cuda.is_available():
+        print(f"benchmarks/gpu.py: no CUDA device here (torch {torch.__version__}); nothing "
+              "measured (--dry runs it on the CPU at tiny sizes)")
+        return 0
+    dev = torch.device("cpu" if args.dry else "cuda")
+    sz = DRY if args.dry else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32: the baseline of the ratios
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = True
+    t0 = time.perf_counter()
+    res = {"dry": args.dry, "errors": {}, "machine": {
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor()
+        or platform.machine(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "lowprec": lowprec.__version__, "python": platform.python_version(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability()}}
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
+    models = _models(sz)
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    runs = {"steps": lambda: step_times(dev, sz, models, log),
+            "fidelity": lambda: fidelity(dev, sz, models, log),
+            "certificate": lambda: certificate(dev, sz, models, log),
+            "quantize": lambda: quantize_speed(dev, sz, log)}
+    unknown = [s for s in wanted if s not in runs]
+    if unknown:
+        ap.error(f"--only {','.join(unknown)}: accepted {', '.join(runs)}")
+    for key in wanted:
+        try:  # one section failing must not lose the others' numbers (one device call only)
+            res[key] = runs[key]()
+        except Exception as err:  # noqa: BLE001 (recorded, reported, and the exit code says)
+            res["errors"][key] = f"{type(err).__name__}: {err}"[:500]
+            log(f"{key} failed: {res['errors'][key]}")
+            traceback.print_exc()
+        res["seconds"] = time.perf_counter() - t0
+        _write(out / "gpu.json", json.dumps(res, indent=1, default=str))
+        _write(out / "gpu.md", markdown(res))
+    log(f"wrote {out / 'gpu.json'} and {out / 'gpu.md'}")
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

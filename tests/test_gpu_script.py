@@ -1,0 +1,54 @@
+"""benchmarks/gpu.py, the one command a session lent a GPU runs: here in its dry mode (tiny
+sizes, on the CPU) so that it cannot rot, and its answer on a machine without CUDA."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu.py"
+
+
+def _run(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env)
+
+
+@pytest.mark.timeout(1800)
+def test_dry_run_writes_every_section(tmp_path):
+    res = _run("--dry", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["dry"] is True and data["errors"] == {}
+    steps = data["steps"]
+    assert {r["policy"] for r in steps} == {"32-true", "16-true", "16-mixed", "bf16-true",
+                                            "16-master"}
+    assert all(r["ms_per_step"] > 0 for r in steps)
+    assert all(r["vs_32_true"] == 1.0 for r in steps if r["policy"] == "32-true")
+    fid = data["fidelity"]
+    assert {(r["model"], r["policy"], r["part"]) for r in fid} >= {
+        ("gpt", "16-true", "forward"), ("gpt", "bf16-true", "grads")}
+    # on the CPU the "device" emulation is the CPU emulation: the same bits
+    assert all(r["emulated_cpu_vs_gpu"] == 0.0 for r in fid)
+    cert = data["certificate"]
+    assert cert and all(r["violations"] == 0 for r in cert)
+    assert all(r["certified"] <= r["inputs"] for r in cert)
+    ops = {r["op"] for r in data["quantize"]}
+    assert {"x.clone()", "x.half().float()", "quantize fp16 nearest"} <= ops
+    md = (tmp_path / "gpu.md").read_text()
+    for title in ("Step time", "Fidelity", "Certificate", "quantize throughput"):
+        assert title in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path):
+    res = _run("--out", str(tmp_path / "gpu"))
+    assert res.returncode == 0
+    assert len(res.stdout.strip().splitlines()) == 1 and "no CUDA" in res.stdout
+    assert not (tmp_path / "gpu").exists()
