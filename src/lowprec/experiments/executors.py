@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .config import RunError
+from .runfolder import SHARED_TOKEN
 from .runner import (Progress, checkpoint_path, failure_message, resumable, run_id_of,
                      start_run_record, train_run)
 
@@ -39,7 +40,7 @@ __all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ra
            "EXECUTORS", "TOKEN_FILE", "FAULT_ENV"]
 
 EXECUTORS = ("local", "ray")
-TOKEN_FILE = ".lowprec-shared-token"
+TOKEN_FILE = SHARED_TOKEN  # a run folder may hold it (runfolder.RUN_FILES)
 #: test hook: "RUN_ID@EPOCH" makes the task of that run kill its own process once, after the
 #: checkpoint of EPOCH (0-based) is written, as a node failure would (read by the driver)
 FAULT_ENV = "LOWPREC_RAY_TEST_KILL"
