@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import re
 
+from torch import is_tensor as torch_is_tensor
+
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
            "parse_loss_scale", "loss_scale_spec", "LOSS_SCALE_GRAMMAR", "DYNAMIC_OPTIONS"]
 
@@ -20,7 +22,8 @@ DYNAMIC_OPTIONS = ("init", "growth", "backoff", "interval", "min", "max")
 #: The ``ls=`` grammar, as error messages and the policy docstring give it.
 LOSS_SCALE_GRAMMAR = ("none, static:S (S > 0), dynamic, or dynamic:OPT=V;OPT=V... with OPT in "
                       "init (> 0), growth (> 1), backoff (in (0, 1)), interval (integer >= 1), "
-                      "min, max (0 < min <= max), e.g. dynamic:init=1024;growth=4")
+                      "min, max (0 < min <= init <= max; defaults 1 and 2**24), each once, "
+                      "e.g. dynamic:init=1024;growth=4")
 
 
 def _short(spec: str, limit: int = 60) -> str:
@@ -118,8 +121,23 @@ class LossScale:
     def state_dict(self) -> dict:
         return {"scale": self.scale}
 
+    def _checked_scale(self, state) -> float:
+        """``state["scale"]`` if it is a positive finite number this scale can hold; else
+        ValueError (a NaN, Inf, zero or negative scale would skip or corrupt every step)."""
+        if not isinstance(state, dict) or "scale" not in state:
+            raise ValueError(f"a loss-scale state must be a dict with a 'scale', got "
+                             f"{_short(repr(state), 60)}")
+        v = state["scale"]
+        if torch_is_tensor(v) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not v > 0:
+            raise ValueError(f"loss-scale state: scale={v!r:.40} must be a positive "
+                             "finite number")
+        return float(v)
+
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        self.scale = self._checked_scale(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scale={self.scale:g})"
@@ -135,6 +153,11 @@ class NoLossScale(LossScale):
 
     def update(self, found_inf: bool) -> None:
         pass
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._checked_scale(state) != 1.0:
+            raise ValueError(f"loss-scale state: scale={state['scale']!r}, but this loss scale "
+                             "is none (always 1)")
 
 
 class StaticLossScale(LossScale):
@@ -166,6 +189,11 @@ class DynamicLossScale(LossScale):
             raise ValueError(f"interval={interval!r} must be an integer >= 1")
         if not 0 < min <= max:
             raise ValueError(f"min={min!r} and max={max!r} must satisfy 0 < min <= max")
+        if not min <= init <= max:
+            # the scale would start outside the range update() keeps it in, and stay there
+            # until the first clamp (init=5 with max=1 would hold 5 for a whole clean run)
+            raise ValueError(f"init={init!r} must be in [min, max] = [{min:g}, {max:g}] "
+                             "(defaults min=1, max=2**24)")
         super().__init__(init)
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
         self.min, self.max = float(min), float(max)
@@ -177,7 +205,7 @@ class DynamicLossScale(LossScale):
             self.good_steps = 0
         else:
             self.good_steps += 1
-            if self.good_steps == self.interval:
+            if self.good_steps >= self.interval:  # >=: the interval may have been lowered
                 self.scale = min(self.scale * self.growth, self.max)
                 self.good_steps = 0
 
@@ -185,8 +213,18 @@ class DynamicLossScale(LossScale):
         return {"scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.good_steps = int(state.get("good_steps", 0))
+        scale = self._checked_scale(state)
+        if not self.min <= scale <= self.max:
+            raise ValueError(f"loss-scale state: scale={scale:g} is outside this dynamic "
+                             f"scale's [min, max] = [{self.min:g}, {self.max:g}]")
+        good = state.get("good_steps", 0)
+        if torch_is_tensor(good) and good.numel() == 1:
+            good = good.item()
+        if isinstance(good, bool) or not isinstance(good, (int, float)) \
+                or not math.isfinite(good) or good < 0 or good != int(good):
+            raise ValueError(f"loss-scale state: good_steps={good!r:.40} must be an "
+                             "integer >= 0")
+        self.scale, self.good_steps = scale, int(good)
 
 
 def make_loss_scale(spec: str | LossScale | None) -> LossScale:

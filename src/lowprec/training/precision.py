@@ -26,9 +26,10 @@ hooks; it has no branch for any of them.
 
 from __future__ import annotations
 
-import weakref
-
+import copy
 import contextlib
+import math
+import weakref
 import warnings
 
 import torch
@@ -57,6 +58,17 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _count_of(state: dict, key: str) -> int:
+    """``state[key]`` (0 when absent) as an integer >= 0; ValueError else."""
+    v = state.get(key, 0)
+    if torch.is_tensor(v) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < 0 or v != int(v):
+        raise ValueError(f"Precision state: {key}={v!r:.40} must be an integer >= 0")
+    return int(v)
 
 
 def _can_be_native(policy: Policy) -> bool:
@@ -464,16 +476,39 @@ class Precision:
         if state.get("policy") is not None and parse_policy(state["policy"]) != self.policy:
             raise ValueError(f"state is for policy {state['policy']!r}, this Precision has "
                              f"{self.policy.spec!r}")
-        self.loss_scale.load_state_dict(state["loss_scale"])
-        self.steps, self.skipped = int(state["steps"]), int(state["skipped"])
-        self.nonfinite = int(state.get("nonfinite", 0))
-        self.trace = list(state["trace"])
-        if state.get("generator") is not None and self.generator is not None:
-            self.generator.set_state(state["generator"])
-        saved = state.get("regimes", {})
+        # everything is checked on copies first: a bad field changes nothing (a NaN, zero or
+        # negative loss scale would otherwise skip or corrupt every later step silently)
+        counts = {k: _count_of(state, k) for k in ("steps", "skipped", "nonfinite")}
+        for k in ("skipped", "nonfinite"):
+            if counts[k] > counts["steps"]:
+                raise ValueError(f"Precision state: {k}={counts[k]} exceeds steps="
+                                 f"{counts['steps']}")
+        if not isinstance(state["trace"], (list, tuple)):
+            raise ValueError(f"Precision state: trace must be a list, got "
+                             f"{type(state['trace']).__name__}")
+        copy.deepcopy(self.loss_scale).load_state_dict(state["loss_scale"])
+        gen_state = state.get("generator")
+        if gen_state is not None and self.generator is not None:
+            try:
+                torch.Generator(device=self.generator.device).set_state(gen_state)
+            except (TypeError, RuntimeError) as err:
+                raise ValueError(f"Precision state: generator is not a generator state "
+                                 f"({' '.join(str(err).split())[:120]})") from None
+        saved = state.get("regimes") or {}
+        if not isinstance(saved, dict):
+            raise ValueError(f"Precision state: regimes must be a dict, got "
+                             f"{type(saved).__name__}")
+        # a regime checks its own state before it changes anything (one regime per policy
+        # in practice): loaded first, so that its refusal leaves the rest untouched too
         for regime in self.regimes:
             if regime.name in saved:
                 regime.load_state_dict(saved[regime.name])
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        self.steps, self.skipped, self.nonfinite = (counts["steps"], counts["skipped"],
+                                                    counts["nonfinite"])
+        self.trace = list(state["trace"])
+        if gen_state is not None and self.generator is not None:
+            self.generator.set_state(gen_state)
 
     # -- measurement -------------------------------------------------------------------------
     def memory(self, model: nn.Module | None = None, batch=None, loss_fn=None) -> MemoryLedger:
