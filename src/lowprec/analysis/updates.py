@@ -19,6 +19,7 @@ from torch import nn
 from .common import fresh_grads, run_model
 from ..numerics.formats import Format, parse_format
 from ..numerics.quantize import quantize
+from ..numerics.rounding import check_generator
 
 __all__ = ["lost_updates", "lost_fractions", "LostUpdates"]
 
@@ -56,6 +57,7 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
                  ) -> list[LostUpdates]:
     """Per layer, for the update of one optimizer step on ``batch`` computed in float32:
     ``sgd``: Δw = -lr g; ``adam``: its first step, Δw = -lr g / (|g| + eps)."""
+    check_generator(generator)
     fmt = parse_format(fmt)
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer={optimizer!r}; accepted: sgd, adam")

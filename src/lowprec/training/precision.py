@@ -37,6 +37,7 @@ from torch import nn
 
 from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
 from ..numerics.quantize import quantize, quantize_
+from ..numerics.rounding import check_generator
 from ..numerics.storage import storage_dtype
 from .emulation import Emulation
 from .loss_scale import LossScale, make_loss_scale
@@ -95,8 +96,17 @@ class Precision:
         self.overrides = dict(overrides or {})
         self.loss_scale = make_loss_scale(loss_scale if loss_scale is not None
                                           else self.policy.loss_scale)
+        check_generator(generator)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed={seed!r:.40} ({type(seed).__name__}) must be an int")
+        if generator is not None and seed is not None:
+            raise ValueError("give a generator or a seed, not both (the seed would be ignored)")
         if generator is None and seed is not None:
-            generator = torch.Generator().manual_seed(seed)
+            try:
+                generator = torch.Generator().manual_seed(seed)
+            except RuntimeError as err:  # a negative seed or one beyond 2**64 - 1
+                raise ValueError(f"seed={seed} is out of range: {' '.join(str(err).split())}"
+                                 ) from None
         self.generator = generator
         # the regimes this policy needs, chosen by the registry (lowprec.training.regimes)
         self.regimes: list[Regime] = regimes_for(self.policy, generator)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...numerics.formats import BinaryFormat
+from ...numerics.rounding import check_generator
 from .base import Regime, register_regime
 
 __all__ = ["BinaryRegime", "BinaryLinear", "BinaryConv2d", "BinaryActivation", "FeatureBatchNorm",
@@ -123,6 +124,7 @@ def binarize(model: nn.Module, *, stochastic: bool = False,
              ) -> list[nn.Parameter]:
     """Transform ``model`` in place (see the module docstring); returns the parameters it
     added (BatchNorm scales and shifts), for the optimizer."""
+    check_generator(generator)
     added: list[nn.Parameter] = []
 
     def visit(parent: nn.Module) -> None:
