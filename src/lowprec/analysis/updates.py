@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .common import fresh_grads, run_model
-from ..numerics.formats import Format, parse_format
+from .common import fresh_grads, run_model, static_format
+from ..numerics.formats import Format
 from ..numerics.quantize import quantize
 from ..numerics.rounding import check_generator
 
@@ -58,7 +58,7 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
     """Per layer, for the update of one optimizer step on ``batch`` computed in float32:
     ``sgd``: Δw = -lr g; ``adam``: its first step, Δw = -lr g / (|g| + eps)."""
     check_generator(generator)
-    fmt = parse_format(fmt)
+    fmt = static_format(fmt, "the lost-update analysis")
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer={optimizer!r}; accepted: sgd, adam")
     inputs, targets = batch
