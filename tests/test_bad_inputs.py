@@ -403,6 +403,51 @@ GARBAGE_CASES = [
                          "digits", "--model", "mlp", "--epochs", "0"], 2),
 ]
 CASES += GARBAGE_CASES
+#: what each of those lines must say (the value and why), beyond being one line with exit 2
+GARBAGE_SAYS = {
+    "g-policy-key-twice": "params given twice (p='fp16' and p='bf16')",
+    "g-policy-alias-twice": "params given twice (p='fp16' and params='bf16')",
+    "g-policy-ls-twice": "loss_scale given twice",
+    "g-policy-update-twice": "the write-back is given twice",
+    "g-policy-rounding-twice": "the compute rounding is given twice",
+    "g-ls-option-twice": "init given twice",
+    "g-ls-init-above-max": "init=5.0 must be in [min, max] = [1, 1]",
+    "g-ls-init-below-min": "init=0.5 must be in [min, max]",
+    "g-ls-min-above-max": "0 < min <= max",
+    "g-policy-dfxp-opt-twice": "dfxp option interval given twice",
+    "g-train-policy-twice": "params given twice",
+    "g-fmt-dfxp-opt-twice": "dfxp option overflow given twice",
+    "g-fmt-block-opt-twice": "block option axis given twice",
+    "g-fmt-dfxp-underscore": "'1_0' is not an integer",
+    "g-q-block-opt-twice": "block option axis given twice",
+    "g-data-test-label-99": "test labels range over [0, 99]; they must be in [0, 2] (the classes "
+                            "of the training labels)",
+    "g-data-test-label-unseen": "test labels 2 occur in no training example",
+    "g-data-1d": "train features have shape (40,)",
+    "g-data-no-features": "train features have shape (40, 1, 0)",
+    "g-data-idx-1d": "holds an array of shape (60,)",
+    "g-ce-data-test-label-99": "test labels range over [0, 99]",
+    "g-data-exit0": "exit0() raised SystemExit: sys.exit(0) was called",
+    "g-data-exit-msg": "sys.exit('done here') was called",
+    "g-data-exit-import": "cannot import 'lp_garbage_exit' (SystemExit: sys.exit(0) was called)",
+    "g-model-exit0": "model_exit0(input_shape, num_classes) raised SystemExit",
+    "g-model-exit-import": "cannot import 'lp_garbage_exit' (SystemExit",
+    "g-model-forward-exit0": "SystemExit: sys.exit(0) was called",
+    "g-train-data-exit0": "SystemExit: sys.exit(0) was called",
+    "g-ce-data-exit0": "SystemExit: sys.exit(0) was called",
+    "g-ad-model-exit0": "SystemExit: sys.exit(0) was called",
+    "g-ad-dfxp": "dfxp<10> is dynamic fixed point",
+    "g-ce-dfxp-probs": "dfxp<10> is dynamic fixed point",
+}
+
+
+@pytest.mark.parametrize("case", GARBAGE_CASES, ids=[c[0] for c in GARBAGE_CASES])
+def test_garbage_error_names_the_value_and_why(case, files, tmp_path, capsys):
+    name, argv, code = case
+    argv = [a.replace("{F}", str(files)).replace("{T}", str(tmp_path)) for a in argv]
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert err.startswith(f"lowprec {argv[0]}: error: ") and GARBAGE_SAYS[name] in err, err
 
 
 def _sha(path: Path) -> str | None:
