@@ -366,7 +366,7 @@ GARBAGE_CASES = [
     ("g-ls-option-twice", ["compare", "--policies", "p=fp16,ls=dynamic:init=8,init=16"], 2),
     ("g-ls-init-above-max", ["compare", "--policies", "p=fp16,ls=dynamic:init=5;min=1;max=1"],
      2),
-    ("g-ls-init-below-min", ["compare", "--policies", "p=fp16,ls=dynamic:init=0.5"], 2),
+    ("g-ls-init-below-min", ["compare", "--policies", "p=fp16,ls=dynamic:init=0.5;min=1"], 2),
     ("g-ls-min-above-max", ["compare", "--policies", "p=fp16,ls=dynamic:min=4;max=2"], 2),
     ("g-policy-dfxp-opt-twice", ["compare", "--policies", "p=dfxp<10,interval=2,interval=3>"],
      2),

@@ -74,7 +74,7 @@ def test_good_values():
 
 # -- inconsistent option sets; states (hostile-tester findings) ----------------------------------
 
-@pytest.mark.parametrize("ls", ["dynamic:init=5;min=1;max=1", "dynamic:init=0.5",
+@pytest.mark.parametrize("ls", ["dynamic:init=5;min=1;max=1", "dynamic:init=0.5;min=1",
                                 "dynamic:init=64;max=32", "dynamic:init=2;min=4;max=8",
                                 "dynamic:init=8,init=8"])
 def test_init_outside_min_max_or_repeated_is_refused(ls):
@@ -86,7 +86,7 @@ def test_init_outside_min_max_or_repeated_is_refused(ls):
     assert "\n" not in msg and ("[min, max]" in msg or "twice" in msg)
 
 
-@pytest.mark.parametrize("kwargs", [dict(init=5.0, min=1.0, max=1.0), dict(init=0.5),
+@pytest.mark.parametrize("kwargs", [dict(init=5.0, min=1.0, max=1.0), dict(init=0.5, min=1.0),
                                     dict(init=64.0, max=32.0)])
 def test_dynamic_loss_scale_refuses_init_outside_min_max(kwargs):
     with pytest.raises(ValueError, match=r"init=.* must be in \[min, max\]"):
@@ -97,6 +97,10 @@ def test_init_at_the_bounds_is_valid():
     assert parse_loss_scale("dynamic:init=4;min=4;max=4")[1] == {"init": 4.0, "min": 4.0,
                                                                  "max": 4.0}
     assert DynamicLossScale(init=0.5, min=0.25).scale == 0.5
+    # bounds not given are widened to hold init: 2**30 alone starts there (as torch's scaler)
+    big, small = DynamicLossScale(init=2.0**30), DynamicLossScale(init=0.5)
+    assert (big.scale, big.min, big.max) == (2.0**30, 1.0, 2.0**30)
+    assert (small.scale, small.min, small.max) == (0.5, 0.5, 2.0**24)
 
 
 BAD_STATES = [{"scale": float("nan")}, {"scale": float("inf")}, {"scale": -1.0}, {"scale": 0.0},

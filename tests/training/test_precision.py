@@ -134,3 +134,24 @@ def test_a_generator_or_seed_of_the_wrong_type_is_a_type_error(kwargs):
 def test_generator_and_seed_together_are_refused():
     with pytest.raises(ValueError, match="not both"):
         Precision("16-true", seed=0, generator=torch.Generator())
+
+
+def _set_up_mixed():
+    prec = Precision("16-mixed")
+    model = nn.Linear(2, 2)
+    prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return prec
+
+
+@pytest.mark.parametrize("call,what", [
+    (lambda: Precision("16-mixed").setup("model"), "setup() takes a torch.nn.Module, got str"),
+    (lambda: _set_up_mixed().step("opt"), "step() takes an optimizer"),
+    (lambda: _set_up_mixed().unscale_("opt"), "unscale_() takes an optimizer"),
+    (lambda: _set_up_mixed().setup_optimizer("opt"), "setup_optimizer() takes an optimizer"),
+    (lambda: Precision("16-mixed").backward("loss"), "backward() takes the loss tensor"),
+    (lambda: Precision("16-true", overrides="x"), "overrides='x' (str) must be a dict"),
+])
+def test_wrong_types_are_type_errors_not_attribute_errors(call, what):
+    with pytest.raises(TypeError) as err:
+        call()
+    assert what in str(err.value)

@@ -247,6 +247,9 @@ class GradScaler:
         """Load this scaler's or torch.amp.GradScaler's state."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict() takes a dict from state_dict(), got "
+                            f"{type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")

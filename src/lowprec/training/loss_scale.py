@@ -22,7 +22,8 @@ DYNAMIC_OPTIONS = ("init", "growth", "backoff", "interval", "min", "max")
 #: The ``ls=`` grammar, as error messages and the policy docstring give it.
 LOSS_SCALE_GRAMMAR = ("none, static:S (S > 0), dynamic, or dynamic:OPT=V;OPT=V... with OPT in "
                       "init (> 0), growth (> 1), backoff (in (0, 1)), interval (integer >= 1), "
-                      "min, max (0 < min <= init <= max; defaults 1 and 2**24), each once, "
+                      "min, max (0 < min <= init <= max; defaults 1 and 2**24, widened to hold "
+                      "init), each once, "
                       "e.g. dynamic:init=1024;growth=4")
 
 
@@ -174,7 +175,15 @@ class StaticLossScale(LossScale):
 
 class DynamicLossScale(LossScale):
     def __init__(self, init: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
-                 interval: int = 2000, min: float = 1.0, max: float = 2.0**24) -> None:
+                 interval: int = 2000, min: float | None = None, max: float | None = None
+                 ) -> None:
+        # bounds not given default to 1 and 2**24, widened to hold init (init=2**30 alone
+        # starts there and backs off, as torch's scaler would); given bounds must hold it
+        if min is None:
+            min = 1.0 if not (isinstance(init, (int, float)) and 0 < init < 1) else init
+        if max is None:
+            max = 2.0**24 if not (isinstance(init, (int, float)) and math.isfinite(init)
+                                  and init > 2.0**24) else init
         for name, v in (("init", init), ("growth", growth), ("backoff", backoff), ("min", min),
                         ("max", max)):
             if not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -192,8 +201,7 @@ class DynamicLossScale(LossScale):
         if not min <= init <= max:
             # the scale would start outside the range update() keeps it in, and stay there
             # until the first clamp (init=5 with max=1 would hold 5 for a whole clean run)
-            raise ValueError(f"init={init!r} must be in [min, max] = [{min:g}, {max:g}] "
-                             "(defaults min=1, max=2**24)")
+            raise ValueError(f"init={init!r} must be in [min, max] = [{min:g}, {max:g}]")
         super().__init__(init)
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
         self.min, self.max = float(min), float(max)

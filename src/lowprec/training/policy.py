@@ -20,7 +20,7 @@ Loss scale ``ls=``: ``none``; ``static:S`` with S > 0 finite; ``dynamic``; or ``
 options separated by ``;`` (or by ``,``: an option key after ``ls=`` continues it), each checked
 when the policy is parsed: ``init`` > 0 (finite), ``growth`` > 1, ``backoff`` in (0, 1),
 ``interval`` an integer >= 1, ``min``/``max`` with 0 < min <= init <= max (defaults 1 and
-2**24), each option once. Each key of the policy is given once too::
+2**24, widened to hold init), each option once. Each key of the policy is given once too::
 
     p=fp16,ls=dynamic:init=1024;growth=4;interval=500
     p=fp16,ls=dynamic:init=1024,growth=4                # the same policy

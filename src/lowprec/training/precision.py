@@ -61,6 +61,14 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_optimizer_type(optimizer, what: str) -> None:
+    """An optimizer is anything with torch's ``param_groups`` (a list of dicts); TypeError
+    naming what was given otherwise (not an AttributeError from deep inside)."""
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TypeError(f"{what} takes an optimizer (torch.optim.Optimizer or lowprec's), got "
+                        f"{type(optimizer).__name__}")
+
+
 def _count_of(state: dict, key: str) -> int:
     """``state[key]`` (0 when absent) as an integer >= 0; ValueError else."""
     v = state.get(key, 0)
@@ -93,6 +101,9 @@ class Precision:
         self.match_cpu_kernels = bool(match_cpu_kernels)
         # glob on module names -> policy or format; ops inside a matching module follow it
         # (emulated backend only)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise TypeError(f"overrides={overrides!r:.40} ({type(overrides).__name__}) must be a "
+                            "dict of module-name glob -> policy or format")
         self.overrides = dict(overrides or {})
         self.loss_scale = make_loss_scale(loss_scale if loss_scale is not None
                                           else self.policy.loss_scale)
@@ -157,6 +168,8 @@ class Precision:
 
     def setup(self, model: nn.Module, optimizer=None):
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"setup() takes a torch.nn.Module, got {type(model).__name__}")
         if self.model is not None:
             raise RuntimeError("this Precision is already set up; create one per model")
         if model in _SET_UP:
@@ -219,6 +232,7 @@ class Precision:
     def setup_optimizer(self, optimizer):
         """Configure or wrap one more optimizer of the model ``setup`` converted (a second
         optimizer, one created after ``setup``); returns the object to step."""
+        _check_optimizer_type(optimizer, "setup_optimizer()")
         if self.model is None:
             raise RuntimeError("setup_optimizer() needs setup(model) first")
         if id(optimizer) in self._optimizers:  # already configured, or a wrapper it returned
@@ -342,6 +356,8 @@ class Precision:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``(loss * scale).backward()``, the product taken in fp32."""
+        if not torch.is_tensor(loss):
+            raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
         if self.loss_scale.scale == 1.0:
             loss.backward(**kwargs)
         else:
@@ -394,6 +410,7 @@ class Precision:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None:
             raise ValueError(f"{what}() needs an optimizer (pass it, or give one to setup())")
+        _check_optimizer_type(optimizer, f"{what}()")
         self._check_optimizer(optimizer)
         return optimizer, self._params_with_grads(optimizer)
 
