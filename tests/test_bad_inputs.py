@@ -76,6 +76,7 @@ def files(tmp_path_factory):
     (mod / "lp_user_fns.py").write_text(textwrap.dedent(USER_MODULE))
     (mod / "lp_user_broken.py").write_text("import numpy\nraise SystemError('broken at import')\n")
     sys.path.insert(0, str(mod))
+    _garbage_files(root, mod)  # the hostile tester's cases (block below CASES)
     # damaged dataset files
     idx = root / "idx_trunc"
     idx.mkdir()
@@ -350,6 +351,145 @@ CASES = [
     ("unknown-command", ["frobnicate"], 2),
     ("unknown-flag", ["compare", "--frobnicate"], 2),
 ]
+
+# -- the hostile tester's findings (branch garbage): accepted garbage, and its classes ----------
+G = "lp_garbage_fns:"
+GARBAGE_MODULE = """
+import sys
+import numpy as np
+from torch import nn
+
+def _xy(n=40, d=12, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, d)).astype(np.float32), np.arange(n) % classes
+
+def test_label_99():
+    x, y = _xy(); xt, yt = _xy(seed=1); yt[0] = 99; return x, y, xt, yt
+def test_label_unseen():
+    x, y = _xy(classes=4); y[y == 2] = 3; xt, yt = _xy(classes=4, seed=1); return x, y, xt, yt
+def one_d():
+    x, y = _xy(); return x[:, 0], y, x[:, 0], y
+def no_features():
+    x, y = _xy(); return x[:, :0], y, x[:, :0], y
+def exit0():
+    sys.exit(0)
+def exit_msg():
+    sys.exit("done here")
+def model_exit0(input_shape, num_classes):
+    sys.exit(0)
+class _Exits(nn.Module):
+    def __init__(self, n):
+        super().__init__(); self.fc = nn.Linear(64, n)
+    def forward(self, x):
+        sys.exit(0)
+def forward_exit0(input_shape, num_classes):
+    return _Exits(num_classes)
+"""
+
+
+def _garbage_files(root: Path, mod: Path) -> None:
+    (mod / "lp_garbage_fns.py").write_text(GARBAGE_MODULE)
+    (mod / "lp_garbage_exit.py").write_text("import sys\nsys.exit(0)\n")
+    idx1d = root / "idx_1d"  # an images file holding one number per example
+    idx1d.mkdir()
+    for stem, n in (("train-images-idx3-ubyte", 60), ("train-labels-idx1-ubyte", 60),
+                    ("t10k-images-idx3-ubyte", 20), ("t10k-labels-idx1-ubyte", 20)):
+        (idx1d / stem).write_bytes(bytes([0, 0, 8, 1]) + n.to_bytes(4, "big")
+                                   + bytes(i % 10 for i in range(n)))
+
+
+GARBAGE_CASES = [
+    # a key, option or setting given twice; inconsistent loss-scale options
+    ("g-policy-key-twice", ["compare", "--policies", "p=fp16,p=bf16"], 2),
+    ("g-policy-alias-twice", ["compare", "--policies", "p=fp16,params=bf16"], 2),
+    ("g-policy-ls-twice", ["compare", "--policies", "p=fp16,ls=none,ls=dynamic"], 2),
+    ("g-policy-update-twice", ["compare", "--policies", "p=fp16:kahan,u=nearest"], 2),
+    ("g-policy-rounding-twice", ["compare", "--policies", "c=fp16:sr,r=nearest"], 2),
+    ("g-ls-option-twice", ["compare", "--policies", "p=fp16,ls=dynamic:init=8,init=16"], 2),
+    ("g-ls-init-above-max", ["compare", "--policies", "p=fp16,ls=dynamic:init=5;min=1;max=1"],
+     2),
+    ("g-ls-init-below-min", ["compare", "--policies", "p=fp16,ls=dynamic:init=0.5;min=1"], 2),
+    ("g-ls-min-above-max", ["compare", "--policies", "p=fp16,ls=dynamic:min=4;max=2"], 2),
+    ("g-policy-dfxp-opt-twice", ["compare", "--policies", "p=dfxp<10,interval=2,interval=3>"],
+     2),
+    ("g-train-policy-twice", ["train", "--policy", "p=fp16,p=bf16"], 2),
+    ("g-fmt-dfxp-opt-twice", ["formats", "dfxp<10,overflow=0.01,overflow=0.02>"], 2),
+    ("g-fmt-block-opt-twice", ["formats", "block<e4m3,32,axis=0,axis=1>"], 2),
+    ("g-fmt-dfxp-underscore", ["formats", "dfxp<10,interval=1_0>"], 2),
+    ("g-q-block-opt-twice", ["quantize", "1", "-f", "block<e4m3,32,axis=0,axis=0>"], 2),
+    # labels and shapes of the data
+    ("g-data-test-label-99", ["compare", "--data", G + "test_label_99", "--out", "{T}/d"], 2),
+    ("g-data-test-label-unseen", ["compare", "--data", G + "test_label_unseen", "--out",
+                                  "{T}/d"], 2),
+    ("g-data-1d", ["compare", "--data", G + "one_d", "--out", "{T}/d"], 2),
+    ("g-data-no-features", ["compare", "--data", G + "no_features", "--out", "{T}/d"], 2),
+    ("g-data-idx-1d", ["compare", "--data", "idx:{F}/idx_1d", "--out", "{T}/d"], 2),
+    ("g-ce-data-test-label-99", ["certify", "--data", G + "test_label_99", "--model", "mlp"], 2),
+    # sys.exit() in user code
+    ("g-data-exit0", ["compare", "--data", G + "exit0", "--out", "{T}/d"], 2),
+    ("g-data-exit-msg", ["compare", "--data", G + "exit_msg", "--out", "{T}/d"], 2),
+    ("g-data-exit-import", ["compare", "--data", "lp_garbage_exit:load", "--out", "{T}/d"], 2),
+    ("g-model-exit0", ["compare", "--data", "digits", "--model", G + "model_exit0", "--out",
+                       "{T}/d"], 2),
+    ("g-model-exit-import", ["compare", "--data", "digits", "--model", "lp_garbage_exit:net",
+                             "--out", "{T}/d"], 2),
+    ("g-model-forward-exit0", ["compare", "--data", "digits", "--model", G + "forward_exit0",
+                               "--out", "{T}/d"], 2),
+    ("g-train-data-exit0", ["train", "--data", G + "exit0", "--out", "{T}/d"], 2),
+    ("g-ce-data-exit0", ["certify", "--data", G + "exit0"], 2),
+    ("g-ad-model-exit0", ["advise", "--data", "digits", "--model", G + "model_exit0"], 2),
+    # dynamic fixed point where the analysis needs a static grid
+    ("g-ad-dfxp", ["advise", "--format", "dfxp<10>", "--data", "digits", "--model", "mlp",
+                   "--epochs", "0"], 2),
+    ("g-ce-dfxp-probs", ["certify", "--format", "dfxp<10>", "--outputs", "probs", "--data",
+                         "digits", "--model", "mlp", "--epochs", "0"], 2),
+]
+CASES += GARBAGE_CASES
+#: what each of those lines must say (the value and why), beyond being one line with exit 2
+GARBAGE_SAYS = {
+    "g-policy-key-twice": "params given twice (p='fp16' and p='bf16')",
+    "g-policy-alias-twice": "params given twice (p='fp16' and params='bf16')",
+    "g-policy-ls-twice": "loss_scale given twice",
+    "g-policy-update-twice": "the write-back is given twice",
+    "g-policy-rounding-twice": "the compute rounding is given twice",
+    "g-ls-option-twice": "init given twice",
+    "g-ls-init-above-max": "init=5.0 must be in [min, max] = [1, 1]",
+    "g-ls-init-below-min": "init=0.5 must be in [min, max]",
+    "g-ls-min-above-max": "0 < min <= max",
+    "g-policy-dfxp-opt-twice": "dfxp option interval given twice",
+    "g-train-policy-twice": "params given twice",
+    "g-fmt-dfxp-opt-twice": "dfxp option overflow given twice",
+    "g-fmt-block-opt-twice": "block option axis given twice",
+    "g-fmt-dfxp-underscore": "'1_0' is not an integer",
+    "g-q-block-opt-twice": "block option axis given twice",
+    "g-data-test-label-99": "test labels range over [0, 99]; they must be in [0, 2] (the classes "
+                            "of the training labels)",
+    "g-data-test-label-unseen": "test labels 2 occur in no training example",
+    "g-data-1d": "train features have shape (40,)",
+    "g-data-no-features": "train features have shape (40, 1, 0)",
+    "g-data-idx-1d": "holds an array of shape (60,)",
+    "g-ce-data-test-label-99": "test labels range over [0, 99]",
+    "g-data-exit0": "exit0() raised SystemExit: sys.exit(0) was called",
+    "g-data-exit-msg": "sys.exit('done here') was called",
+    "g-data-exit-import": "cannot import 'lp_garbage_exit' (SystemExit: sys.exit(0) was called)",
+    "g-model-exit0": "model_exit0(input_shape, num_classes) raised SystemExit",
+    "g-model-exit-import": "cannot import 'lp_garbage_exit' (SystemExit",
+    "g-model-forward-exit0": "SystemExit: sys.exit(0) was called",
+    "g-train-data-exit0": "SystemExit: sys.exit(0) was called",
+    "g-ce-data-exit0": "SystemExit: sys.exit(0) was called",
+    "g-ad-model-exit0": "SystemExit: sys.exit(0) was called",
+    "g-ad-dfxp": "dfxp<10> is dynamic fixed point",
+    "g-ce-dfxp-probs": "dfxp<10> is dynamic fixed point",
+}
+
+
+@pytest.mark.parametrize("case", GARBAGE_CASES, ids=[c[0] for c in GARBAGE_CASES])
+def test_garbage_error_names_the_value_and_why(case, files, tmp_path, capsys):
+    name, argv, code = case
+    argv = [a.replace("{F}", str(files)).replace("{T}", str(tmp_path)) for a in argv]
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert err.startswith(f"lowprec {argv[0]}: error: ") and GARBAGE_SAYS[name] in err, err
 
 
 def _sha(path: Path) -> str | None:

@@ -262,3 +262,39 @@ def test_certify_and_advise_commands(capsys):
                  "bf16", "--quiet"]) == 0
     assert "pure bf16:" in capsys.readouterr().out
     assert main(["certify", "--format", "fp7", "--quiet"]) == 2
+
+
+# -- dynamic fixed point in the analyses (hostile-tester finding) -------------------------------
+
+def _dfxp_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    return model, x, y
+
+
+@pytest.mark.parametrize("what", ["advise", "find_loss_scale", "range_profile", "lost_updates",
+                                  "certify-probs", "first_nonfinite"])
+def test_dynamic_fixed_point_is_refused_where_a_static_grid_is_needed(what):
+    """advise --format 'dfxp<10>' used to say only 'cannot convert float NaN to integer'."""
+    model, x, y = _dfxp_case()
+    loss = nn.functional.cross_entropy
+    calls = {
+        "advise": lambda: advise(model, (x, y), "dfxp<10>", batches=1),
+        "find_loss_scale": lambda: find_loss_scale(model, (x, y), loss, "dfxp<10>"),
+        "range_profile": lambda: range_profile(model, (x, y), loss, "dfxp<10>"),
+        "lost_updates": lambda: lost_updates(model, (x, y), loss, "dfxp<10>"),
+        "certify-probs": lambda: certify(model, (x, y), "dfxp<10>", outputs="probs"),
+        "first_nonfinite": lambda: first_nonfinite(model, (x, y), loss, "dfxp-10-12"),
+    }
+    with pytest.raises(ValueError) as err:
+        calls[what]()
+    msg = str(err.value)
+    assert "dfxp<10>" in msg and "dynamic fixed point" in msg and "static grid" in msg
+    assert "\n" not in msg
+
+
+def test_certify_of_logits_accepts_dynamic_fixed_point():
+    model, x, y = _dfxp_case()
+    cert = certify(model, (x, y), "dfxp<10>")
+    assert cert.summary()["n"] == 16

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from lowprec import Precision
-from lowprec.experiments.data import DatasetNotFound, load_dataset, read_idx
-from lowprec.experiments.models import MODELS, build_model
+from lowprec.experiments.data import (DatasetNotFound, load_checked_dataset, load_dataset,
+                                      read_idx)
+from lowprec.experiments.models import MODELS, build_checked_model, build_model
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
@@ -150,6 +151,89 @@ def test_user_dataset_and_model(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown model 'alexnet'"):
         build_model("alexnet", (1, 28, 28), 10)
     sys.modules.pop("mydata", None)
+
+
+_GARBAGE_MODULE = """
+import sys
+import numpy as np
+from torch import nn
+
+def _xy(n=40, d=12, classes=3, seed=0):
+    r = np.random.default_rng(seed)
+    return r.normal(size=(n, d)).astype(np.float32), np.arange(n) % classes
+
+def test_label_99():
+    x, y = _xy(); xt, yt = _xy(seed=1); yt[0] = 99; return x, y, xt, yt
+def test_label_unseen():
+    x, y = _xy(classes=4); y[y == 2] = 3; xt, yt = _xy(classes=4, seed=1); return x, y, xt, yt
+def one_d():
+    x, y = _xy(); return x[:, 0], y, x[:, 0], y
+def exits():
+    sys.exit(0)
+def net_exits(shape, classes):
+    sys.exit(0)
+class _Exits(nn.Module):
+    def __init__(self, n):
+        super().__init__(); self.fc = nn.Linear(12, n)
+    def forward(self, x):
+        sys.exit(3)
+def forward_exits(shape, classes):
+    return _Exits(classes)
+"""
+
+
+@pytest.fixture
+def garbage_module(tmp_path, monkeypatch):
+    (tmp_path / "lp_dm_garbage.py").write_text(_GARBAGE_MODULE)
+    (tmp_path / "lp_dm_exit_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "lp_dm_garbage:"
+    for m in ("lp_dm_garbage", "lp_dm_exit_at_import"):
+        sys.modules.pop(m, None)
+
+
+@pytest.mark.parametrize("fn,match", [
+    ("test_label_99", r"test labels range over \[0, 99\]; they must be in \[0, 2\] \(the classes "
+                      r"of the training labels\)"),
+    ("test_label_unseen", "test labels 2 occur in no training example"),
+    ("one_d", r"train features have shape \(40,\)"),
+])
+def test_test_labels_must_be_training_classes_and_examples_need_features(garbage_module, fn,
+                                                                          match):
+    """A test label of 99 with training labels 0..2 used to build a 100-class model."""
+    with pytest.raises(ValueError, match=match):
+        load_checked_dataset(garbage_module + fn)
+
+
+def test_idx_images_of_one_number_per_example_are_refused(tmp_path):
+    files = _write_mnist_dir(tmp_path)
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(_idx_bytes(np.arange(30) % 256))
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte .* shape \(30,\)"):
+        load_checked_dataset(f"idx:{tmp_path}")
+    assert len(files) == 4
+
+
+def test_the_classes_are_those_of_the_training_labels(tmp_path):
+    _write_mnist_dir(tmp_path, n_train=30, n_test=5)  # test labels 0..4, train 0..9
+    assert load_checked_dataset(f"idx:{tmp_path}").num_classes == 10
+
+
+@pytest.mark.parametrize("call", ["data", "data-import", "model", "model-import", "forward"])
+def test_sys_exit_in_user_code_is_a_one_line_error(garbage_module, call):
+    """A --data/--model function (or module, or forward) calling sys.exit(0) used to end the
+    command silently with exit code 0."""
+    with pytest.raises((ValueError, DatasetNotFound)) as err:
+        if call == "data":
+            load_checked_dataset(garbage_module + "exits")
+        elif call == "data-import":
+            load_checked_dataset("lp_dm_exit_at_import:load")
+        else:
+            data = load_checked_dataset("digits")
+            name = {"model": garbage_module + "net_exits", "model-import":
+                    "lp_dm_exit_at_import:net", "forward": garbage_module + "forward_exits"}[call]
+            build_checked_model(name, data)
+    msg = str(err.value)
+    assert "SystemExit" in msg and "sys.exit(" in msg and "\n" not in msg
 
 
 SHAPES = {"mlp": (1, 28, 28), "lenet5": (1, 28, 28), "resnet20": (3, 32, 32), "vgg": (3, 32, 32),

@@ -184,3 +184,79 @@ def test_scaler_over_lowprec_policies_trains_fp16_params(policy):
         losses.append(loss.item())
     assert losses[-1] < losses[0] and all(map(lambda v: v == v, losses))
     assert prec.steps == 20
+
+
+# -- torch's constraints; init_scale with a Precision (hostile-tester findings) -----------------
+
+_BAD_SCALER_CALLS = [
+    ("update(new_scale=-1)", lambda s: s.update(new_scale=-1.0)),
+    ("update(new_scale=0)", lambda s: s.update(new_scale=0.0)),
+    ("update(new_scale=nan)", lambda s: s.update(new_scale=float("nan"))),
+    ("update(new_scale=inf)", lambda s: s.update(new_scale=float("inf"))),
+    ("update(new_scale='8')", lambda s: s.update(new_scale="8")),
+    ("update(new_scale=2-element)", lambda s: s.update(new_scale=torch.ones(2))),
+    ("set_growth_factor(0.5)", lambda s: s.set_growth_factor(0.5)),
+    ("set_growth_factor(1)", lambda s: s.set_growth_factor(1.0)),
+    ("set_backoff_factor(1.5)", lambda s: s.set_backoff_factor(1.5)),
+    ("set_backoff_factor(0)", lambda s: s.set_backoff_factor(0.0)),
+    ("set_growth_interval(0)", lambda s: s.set_growth_interval(0)),
+    ("set_growth_interval(2.5)", lambda s: s.set_growth_interval(2.5)),
+    ("load_state_dict(scale=nan)", lambda s: s.load_state_dict({"scale": float("nan")})),
+    ("load_state_dict(growth_factor=0.1)",
+     lambda s: s.load_state_dict({"scale": 8.0, "growth_factor": 0.1})),
+    ("load_state_dict(_growth_tracker=-1)",
+     lambda s: s.load_state_dict({"scale": 8.0, "_growth_tracker": -1})),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in _BAD_SCALER_CALLS],
+                         ids=[c[0] for c in _BAD_SCALER_CALLS])
+def test_out_of_range_settings_are_refused_and_change_nothing(call):
+    scaler = GradScaler("16-true", init_scale=64.0, growth_interval=3)
+    before = {k: v for k, v in scaler.state_dict().items() if k != "lowprec"}
+    with pytest.raises(ValueError) as err:
+        call(scaler)
+    assert "\n" not in str(err.value)
+    assert {k: v for k, v in scaler.state_dict().items() if k != "lowprec"} == before
+
+
+@pytest.mark.parametrize("kwargs", [dict(init_scale=-1.0), dict(init_scale=float("nan")),
+                                    dict(growth_factor=0.5), dict(backoff_factor=1.0),
+                                    dict(growth_interval=0), dict(growth_interval=1.5)])
+def test_constructor_follows_torch_constraints(kwargs):
+    with pytest.raises(ValueError):
+        GradScaler("16-true", **kwargs)
+
+
+def test_new_scale_as_a_one_element_tensor_as_torch():
+    scaler = GradScaler("16-true")
+    scaler.update(new_scale=torch.tensor([4.0]))
+    assert scaler.get_scale() == 4.0
+
+
+def test_init_scale_with_a_precision_starts_there_and_follows_torch():
+    """GradScaler(Precision(...), init_scale=8.0) used to keep the policy's 2**16."""
+    assert GradScaler(lowprec.Precision("16-mixed"), init_scale=8.0).get_scale() == 8.0
+    finfo = torch.finfo(torch.float32)
+    prec = lowprec.Precision("32-true", loss_scale=lowprec.training.loss_scale.DynamicLossScale(
+        min=finfo.tiny, max=finfo.max))
+    mine = GradScaler(prec, init_scale=8.0, growth_interval=2)
+    ref = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    _, a, _, opt_a, data, loss_fn, _ = scaling_case()
+    _, b, _, opt_b, _, _, _ = scaling_case()
+    for i, (x, y) in enumerate(data * 2):
+        for model, opt, sc in ((a, opt_a, ref), (b, opt_b, mine)):
+            opt.zero_grad()
+            sc.scale(loss_fn(model(x), y) * (1e38 if i == 3 else 1)).backward()
+            sc.step(opt)
+            sc.update()
+        assert mine.get_scale() == ref.get_scale()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("policy", ["32-true", "p=fp16,ls=static:64"])
+def test_init_scale_with_a_precision_without_dynamic_scale_is_refused(policy):
+    with pytest.raises(ValueError, match="not dynamic"):
+        GradScaler(lowprec.Precision(policy), init_scale=8.0)
+    GradScaler(lowprec.Precision(policy))  # no scale argument: its own loss scale

@@ -199,3 +199,19 @@ def test_strict_spec_errors_are_one_line_with_spec_and_accepted_forms(bad, why):
 ])
 def test_prefix_agreeing_with_the_bit_count_is_accepted(spec, expected):
     assert parse_format(spec) == expected
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("dfxp<10,overflow=0.01,overflow=0.02>", "dfxp option overflow given twice"),
+    ("dfxp<10,interval=2,interval=3>", "dfxp option interval given twice"),
+    ("dfxp<10,interval=1_0>", "'1_0' is not an integer"),
+    ("block<e4m3,32,axis=0,axis=1>", "block option axis given twice"),
+    ("block<e4m3,32,scale=-2..2,scale=-3..3>", "block option scale given twice"),
+    ("block<e4m3,32,axis=1_0>", "'1_0' is not an integer"),
+])
+def test_format_options_given_twice_or_not_decimal_are_refused(bad, why):
+    """dfxp<10,interval=2,interval=3> used to take the last value silently."""
+    with pytest.raises(ValueError) as err:
+        parse_format(bad)
+    msg = str(err.value)
+    assert repr(bad) in msg and why in msg and "\n" not in msg

@@ -167,3 +167,44 @@ def test_stochastic_block_formats_unbiased():
     p = (0.3 - 0.25) / 0.125
     freq = (vals == 0.375).double().mean().item()
     assert abs(freq - p) < 5 * math.sqrt(p * (1 - p) / vals.numel())
+
+
+# -- generator= of the wrong type (hostile-tester finding) --------------------------------------
+
+def _generator_takers():
+    from torch import nn
+
+    from lowprec.analysis.updates import lost_updates
+    from lowprec.numerics.autograd import Quantizer, quantize_ste
+    from lowprec.numerics.quantize import draw_seed, quantize_
+    from lowprec.training.emulation import emulated
+    from lowprec.training.optim import SGD
+    from lowprec.training.regimes.binary import binarize
+    from lowprec import Precision
+
+    x = torch.randn(8)
+    lin = nn.Linear(2, 2)
+    return {
+        "quantize": lambda g: quantize(x, "fp16", "stochastic", generator=g),
+        "quantize-nearest": lambda g: quantize(x, "fp16", generator=g),
+        "quantize_": lambda g: quantize_(x.clone(), "fp16", "stochastic", generator=g),
+        "draw_seed": lambda g: draw_seed(g),
+        "quantize_ste": lambda g: quantize_ste(x, "fp16", generator=g),
+        "Quantizer": lambda g: Quantizer("fp16", generator=g),
+        "emulated": lambda g: emulated("16-true", g).__enter__(),
+        "binarize": lambda g: binarize(nn.Sequential(nn.Linear(2, 2)), generator=g),
+        "Precision": lambda g: Precision("16-true", generator=g),
+        "SGD": lambda g: SGD(lin.parameters(), lr=0.1, generator=g),
+        "lost_updates": lambda g: lost_updates(lin, (torch.randn(2, 2), torch.tensor([0, 1])),
+                                               nn.functional.cross_entropy, "bf16", generator=g),
+    }
+
+
+@pytest.mark.parametrize("where", list(_generator_takers()))
+@pytest.mark.parametrize("gen", ["0", 0, 1.5])
+def test_a_generator_that_is_not_one_is_a_type_error(where, gen):
+    """lowprec.quantize(x, "fp16", "stochastic", generator="0") used to raise AttributeError."""
+    with pytest.raises(TypeError) as err:
+        _generator_takers()[where](gen)
+    msg = str(err.value)
+    assert f"generator={gen!r}" in msg and "a torch.Generator" in msg and "\n" not in msg

@@ -70,3 +70,61 @@ def test_good_values():
     assert parse_loss_scale("none") == ("none", {})
     kind, opts = parse_loss_scale("dynamic:min=0.5;max=1e6")
     assert opts == {"min": 0.5, "max": 1e6} and math.isfinite(opts["max"])
+
+
+# -- inconsistent option sets; states (hostile-tester findings) ----------------------------------
+
+@pytest.mark.parametrize("ls", ["dynamic:init=5;min=1;max=1", "dynamic:init=0.5;min=1",
+                                "dynamic:init=64;max=32", "dynamic:init=2;min=4;max=8",
+                                "dynamic:init=8,init=8"])
+def test_init_outside_min_max_or_repeated_is_refused(ls):
+    """init=5 with max=1 used to hold the scale at 5 for a whole clean run (no update clamps
+    it before the first growth or backoff)."""
+    with pytest.raises(ValueError) as err:
+        parse_policy(f"p=fp16,ls={ls}")
+    msg = str(err.value)
+    assert "\n" not in msg and ("[min, max]" in msg or "twice" in msg)
+
+
+@pytest.mark.parametrize("kwargs", [dict(init=5.0, min=1.0, max=1.0), dict(init=0.5, min=1.0),
+                                    dict(init=64.0, max=32.0)])
+def test_dynamic_loss_scale_refuses_init_outside_min_max(kwargs):
+    with pytest.raises(ValueError, match=r"init=.* must be in \[min, max\]"):
+        DynamicLossScale(**kwargs)
+
+
+def test_init_at_the_bounds_is_valid():
+    assert parse_loss_scale("dynamic:init=4;min=4;max=4")[1] == {"init": 4.0, "min": 4.0,
+                                                                 "max": 4.0}
+    assert DynamicLossScale(init=0.5, min=0.25).scale == 0.5
+    # bounds not given are widened to hold init: 2**30 alone starts there (as torch's scaler)
+    big, small = DynamicLossScale(init=2.0**30), DynamicLossScale(init=0.5)
+    assert (big.scale, big.min, big.max) == (2.0**30, 1.0, 2.0**30)
+    assert (small.scale, small.min, small.max) == (0.5, 0.5, 2.0**24)
+
+
+BAD_STATES = [{"scale": float("nan")}, {"scale": float("inf")}, {"scale": -1.0}, {"scale": 0.0},
+              {"scale": "8"}, {"scale": True}, {}, {"scale": 2.0**30},
+              {"scale": 8.0, "good_steps": -1}, {"scale": 8.0, "good_steps": 1.5},
+              {"scale": 8.0, "good_steps": float("inf")}]
+
+
+@pytest.mark.parametrize("state", BAD_STATES, ids=[repr(s)[:40] for s in BAD_STATES])
+def test_bad_loss_scale_state_is_refused_and_changes_nothing(state):
+    ls = DynamicLossScale(init=8.0, interval=3)
+    ls.update(False)
+    with pytest.raises(ValueError) as err:
+        ls.load_state_dict(state)
+    assert "\n" not in str(err.value)
+    assert (ls.scale, ls.good_steps) == (8.0, 1)
+
+
+def test_lowered_interval_still_grows():
+    """good_steps above a lowered interval (GradScaler.set_growth_interval) grows at the next
+    clean step instead of never again."""
+    ls = DynamicLossScale(init=8.0, interval=10)
+    for _ in range(5):
+        ls.update(False)
+    ls.interval = 2
+    ls.update(False)
+    assert (ls.scale, ls.good_steps) == (16.0, 0)

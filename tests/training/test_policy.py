@@ -114,3 +114,31 @@ def test_a_write_back_with_limited_random_bits_is_refused_not_truncated():
     with pytest.raises(ValueError, match="write-back takes nearest, stochastic .* or kahan"):
         parse_policy("p=bf16:sr4")
     assert parse_policy("p=bf16:sr").update is WriteBack.STOCHASTIC
+
+
+# -- a key or a setting given twice (hostile-tester findings) -----------------------------------
+
+@pytest.mark.parametrize("spec", ["p=fp16,p=bf16", "p=fp16,params=bf16", "c=fp16,compute=bf16",
+                                  "p=fp16,g=fp16,g=bf16", "o=fp16,opt=fp32", "m=fp32,m=none",
+                                  "p=fp16,ls=none,ls=dynamic", "b=native,backend=emulated",
+                                  "s=all,s=matmul", "p=fp16,u=kahan,u=nearest",
+                                  "r=nearest,rounding=sr"])
+def test_a_key_given_twice_is_refused(spec):
+    """``p=fp16,p=bf16`` used to run bf16 (the last one won)."""
+    with pytest.raises(ValueError) as err:
+        parse_policy(spec)
+    msg = str(err.value)
+    assert "given twice" in msg and "\n" not in msg and repr(spec) in msg
+
+
+@pytest.mark.parametrize("spec", ["p=fp16:kahan,u=nearest", "p=fp16:sr,u=kahan",
+                                  "c=fp16:sr,r=nearest", "g=e5m2:sr,r=nearest"])
+def test_a_setting_given_two_ways_is_refused(spec):
+    with pytest.raises(ValueError, match="given twice"):
+        parse_policy(spec)
+
+
+def test_one_way_each_still_parses():
+    assert parse_policy("p=fp16,u=kahan").update == "kahan"
+    assert parse_policy("p=fp16,r=sr").grad_rounding.is_stochastic
+    assert parse_policy("p=fp16,c=fp16:sr").rounding.is_stochastic

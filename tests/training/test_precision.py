@@ -82,3 +82,76 @@ def test_emulated_activations_are_on_the_grid():
     assert torch.equal(outs["conv2"], quantize(outs["conv2"], "e4m3fn"))
     assert torch.equal(outs["w"], quantize(outs["w"], "e4m3fn"))  # weights rounded when used
     assert not torch.equal(model[4].weight, outs["w"])  # the stored fp32 weight unchanged
+
+
+# -- states and generators (hostile-tester findings) ---------------------------------------------
+
+_BAD_PRECISION_STATES = [
+    ("loss_scale", {"scale": float("nan")}), ("loss_scale", {"scale": float("inf")}),
+    ("loss_scale", {"scale": -8.0}), ("loss_scale", {"scale": 0.0}),
+    ("loss_scale", {"scale": 2.0**30}), ("loss_scale", {"scale": 8.0, "good_steps": -2}),
+    ("steps", -1), ("steps", float("nan")), ("skipped", 5), ("nonfinite", 1.5),
+    ("trace", "not a list"), ("generator", "not a state"), ("regimes", [1]),
+]
+
+
+@pytest.mark.parametrize("key,value", _BAD_PRECISION_STATES,
+                         ids=[f"{k}={v!r}"[:40] for k, v in _BAD_PRECISION_STATES])
+def test_load_state_dict_refuses_a_bad_field_and_changes_nothing(key, value):
+    """A NaN (or inf, zero, negative) loss scale used to load and skip every later step."""
+    prec = Precision("16-mixed", seed=0)
+    prec.loss_scale.update(False)
+    before = prec.state_dict()
+    state = prec.state_dict()
+    state[key] = value
+    with pytest.raises(ValueError) as err:
+        prec.load_state_dict(state)
+    assert "\n" not in str(err.value)
+    after = prec.state_dict()
+    assert after["loss_scale"] == before["loss_scale"] and after["steps"] == before["steps"]
+    assert torch.equal(after["generator"], before["generator"])
+
+
+def test_dynamic_fixed_point_ranges_are_checked_on_load():
+    prec = Precision("dfxp-10-12")
+    state = prec.state_dict()
+    state["regimes"] = {"dynamic_fixed": {"ranges": {"w": {"range": float("nan"), "over": 0,
+                                                            "over1": 0, "n": 0, "calls": 0}}}}
+    with pytest.raises(ValueError, match="range=nan must be an integer"):
+        prec.load_state_dict(state)
+    assert prec.state_dict()["regimes"] == Precision("dfxp-10-12").state_dict()["regimes"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(generator="0"), dict(generator=0), dict(seed="0"),
+                                    dict(seed=1.5), dict(seed=True)])
+def test_a_generator_or_seed_of_the_wrong_type_is_a_type_error(kwargs):
+    with pytest.raises(TypeError) as err:
+        Precision("16-true", **kwargs)
+    msg = str(err.value)
+    assert "\n" not in msg and repr(next(iter(kwargs.values()))) in msg
+
+
+def test_generator_and_seed_together_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        Precision("16-true", seed=0, generator=torch.Generator())
+
+
+def _set_up_mixed():
+    prec = Precision("16-mixed")
+    model = nn.Linear(2, 2)
+    prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return prec
+
+
+@pytest.mark.parametrize("call,what", [
+    (lambda: Precision("16-mixed").setup("model"), "setup() takes a torch.nn.Module, got str"),
+    (lambda: _set_up_mixed().step("opt"), "step() takes an optimizer"),
+    (lambda: _set_up_mixed().unscale_("opt"), "unscale_() takes an optimizer"),
+    (lambda: _set_up_mixed().setup_optimizer("opt"), "setup_optimizer() takes an optimizer"),
+    (lambda: Precision("16-mixed").backward("loss"), "backward() takes the loss tensor"),
+    (lambda: Precision("16-true", overrides="x"), "overrides='x' (str) must be a dict"),
+])
+def test_wrong_types_are_type_errors_not_attribute_errors(call, what):
+    with pytest.raises(TypeError) as err:
+        call()
+    assert what in str(err.value)

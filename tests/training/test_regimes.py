@@ -318,3 +318,46 @@ def test_a_group_that_only_sees_zeros_stays_at_a_valid_range():
         got = ctrl.format("zeros", fmt, torch.zeros(8))
     assert ctrl.range_of("zeros") == -127 and got.int_bits == -126
     assert float(quantize(torch.zeros(4), got).abs().max()) == 0.0
+
+
+# -- a batch of one example under BinaryNet (hostile-tester finding) ----------------------------
+
+@pytest.mark.parametrize("kind", ["linear", "conv-1x1-map"])
+def test_inserted_batch_norm_normalises_one_example_with_running_statistics(kind):
+    """torch's batch norm refuses a training batch with one value per channel ("Expected more
+    than 1 value per channel when training"); the one binarize() inserts normalises it with its
+    running statistics, as in evaluation, and leaves them unchanged."""
+    torch.manual_seed(0)
+    if kind == "linear":
+        model, x = nn.Sequential(nn.Linear(6, 4)), torch.randn(1, 6)
+    else:
+        model, x = nn.Sequential(nn.Conv2d(2, 4, 3)), torch.randn(1, 2, 3, 3)  # 1x1 output map
+    binarize(model)
+    bn = model[0].bn
+    with torch.no_grad():  # statistics of earlier batches, then one example
+        model.train()
+        model(torch.randn(8, *x.shape[1:]))
+    stats = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    y = model(x)
+    y.sum().backward()
+    for before, after in zip(stats, (bn.running_mean, bn.running_var, bn.num_batches_tracked)):
+        assert torch.equal(before, after)
+    model.eval()
+    assert torch.equal(y.detach(), model(x).detach())  # what evaluation gives
+    assert bn.weight.grad is not None and bn.bias.grad is not None
+    model.train()
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        nn.BatchNorm1d(4).train()(torch.randn(1, 4))  # torch's own, for contrast
+
+
+def test_binary_compare_with_a_last_batch_of_one_trains(tmp_path):
+    """lowprec compare --data digits --model mlp --train-subset 33 --batch-size 32
+    --policies binary used to fail its run at the last batch (one example)."""
+    from lowprec.experiments import CompareConfig, run_compare
+    from lowprec.experiments.results import ResultsDB
+
+    out = run_compare(CompareConfig(data="digits", model="mlp", policies=("binary",),
+                                    seeds=(0,), epochs=1, batch_size=32, train_subset=33,
+                                    out=str(tmp_path / "b"), quiet=True))
+    runs = ResultsDB(out / "results.db", create=False).runs()
+    assert [r["status"] for r in runs] == ["finished"], runs

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..numerics.formats import Format, parse_format
+from ..numerics.formats import Format
 from ..training.policy import Backend, Policy
 from ..training.tree import batch_size_of, slice_batch
+from .common import static_format
 from .scaling import find_loss_scale
 from .certify import Certificate, certify
 from .layers import LayerError, layer_errors
@@ -62,7 +63,7 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
     """``data``: a :class:`lowprec.experiments.data.Dataset`. The model is analysed as given (train it first,
     or let ``lowprec advise --epochs N`` do it). Its inputs may be a tensor or a dict of keyword
     inputs; ``output_fn`` picks the output tensor (default: ``logits``, else the first tensor)."""
-    fmt = parse_format(fmt)
+    fmt = static_format(fmt, "advise")
     loss_fn = loss_fn or nn.functional.cross_entropy
     n = min(batch_size_of(data.x_train), batches * batch_size)
     xb, yb = slice_batch(data.x_train, 0, n), data.y_train[:n]

@@ -23,7 +23,7 @@ import torch
 from ..numerics.formats import Format, parse_format
 from ..numerics.quantize import quantize
 from ..training.tree import cast_floating
-from .common import as_batches, fp32_twin, low_precision_copy, run_model
+from .common import as_batches, fp32_twin, low_precision_copy, run_model, static_format
 
 __all__ = ["certify", "Certificate", "certificate_from_outputs"]
 
@@ -125,7 +125,9 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
     """
     if outputs not in ("logits", "probs"):
         raise ValueError(f"outputs={outputs!r}; accepted: logits, probs")
-    fmt = parse_format(fmt)
+    fmt = parse_format(fmt) if outputs == "logits" else static_format(
+        fmt, "certify(outputs='probs'), which rounds the softmax onto the format,",
+        "certify its logits (outputs='logits')")
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()

@@ -9,13 +9,28 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..numerics.formats import Format, parse_format
+from ..numerics.formats import DynamicFixedFormat, Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec
 from ..training.policy import Backend, Policy
 from ..training.precision import Precision
 from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
 
 __all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model"]
+
+
+def static_format(fmt: str | Format, what: str, hint: str = "") -> Format:
+    """``fmt`` parsed, if it has a static grid; ValueError for dynamic fixed point, whose
+    range (so its largest value, smallest step and eps) is chosen per tensor group while
+    training: ``what`` (loss-scale search, range profile, lost updates) has no grid to measure
+    against. ``certify`` runs such a format through Precision and accepts it."""
+    fmt = parse_format(fmt)
+    if isinstance(fmt, DynamicFixedFormat):
+        raise ValueError(f"{what} needs a format with a static grid; {fmt} is dynamic fixed "
+                         "point, whose range (and so its largest value and smallest step) is "
+                         "chosen per tensor group during training: " + (hint or (
+                             f"analyse a static format of the same width (fixed<{fmt.bits},F>), "
+                             f"or certify {fmt} (certify accepts it)")))
+    return fmt
 
 
 def run_model(model: nn.Module, inputs, output_fn=None) -> torch.Tensor:

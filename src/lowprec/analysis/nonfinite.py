@@ -30,7 +30,7 @@ from ..numerics.quantize import quantize
 from ..training.emulation import op_name
 from ..training.precision import Precision
 from ..training.tree import tensors_in
-from .common import run_model, tensor_range
+from .common import run_model, static_format, tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
 
@@ -155,6 +155,9 @@ def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
     """Run one training step's forward and backward of a copy of ``model`` under ``policy``
     and name the first op that produced Inf/NaN in each pass."""
     prec = Precision(policy)
+    # the gradients are rounded here as their format stores them: a static grid is needed
+    static_format(prec.policy.grads, f"first_nonfinite (policy {prec.policy}, gradients in "
+                  f"{prec.policy.grads})", "give a policy whose gradient format is static")
     twin, _ = prec.setup(copy.deepcopy(model))
     inputs, targets = batch
     em = prec.emulation

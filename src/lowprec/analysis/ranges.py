@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .common import fresh_grads, run_model
+from .common import fresh_grads, run_model, static_format
 from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
@@ -96,7 +96,7 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
                   optimizer=None, loss_scale: float = 1.0, output_fn=None) -> RangeProfile:
     """Profile one float32 forward and backward pass of ``model`` on ``batch`` (inputs,
     targets); gradients are taken at ``loss_scale`` (1: what unscaled training stores)."""
-    fmt = parse_format(fmt)
+    fmt = static_format(fmt, "the range profile")
     inputs, targets = batch
     acts: dict[str, list[torch.Tensor]] = {}
     agrads: dict[str, list[torch.Tensor]] = {}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics.formats import Format, parse_format
-from .common import fresh_grads, run_model
+from .common import fresh_grads, run_model, static_format
 
 __all__ = ["LossScaleChoice", "find_loss_scale", "gradient_magnitudes", "power_of_two_scale"]
 
@@ -88,7 +88,7 @@ def find_loss_scale(model: torch.nn.Module, batch, loss_fn, fmt: str | Format = 
     A gradient value g underflows when |g| * S rounds to zero in ``fmt`` (below half of its
     smallest subnormal); it overflows when |g| * S exceeds ``fmt.max``.
     """
-    fmt = parse_format(fmt)
+    fmt = static_format(fmt, "the loss-scale search")
     mags = gradient_magnitudes(model, batch, loss_fn, output_fn).double()
     nz = mags[mags > 0]
     if nz.numel() == 0:

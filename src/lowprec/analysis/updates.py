@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .common import fresh_grads, run_model
-from ..numerics.formats import Format, parse_format
+from .common import fresh_grads, run_model, static_format
+from ..numerics.formats import Format
 from ..numerics.quantize import quantize
+from ..numerics.rounding import check_generator
 
 __all__ = ["lost_updates", "lost_fractions", "LostUpdates"]
 
@@ -56,7 +57,8 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
                  ) -> list[LostUpdates]:
     """Per layer, for the update of one optimizer step on ``batch`` computed in float32:
     ``sgd``: Δw = -lr g; ``adam``: its first step, Δw = -lr g / (|g| + eps)."""
-    fmt = parse_format(fmt)
+    check_generator(generator)
+    fmt = static_format(fmt, "the lost-update analysis")
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer={optimizer!r}; accepted: sgd, adam")
     inputs, targets = batch

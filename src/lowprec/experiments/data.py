@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .util import describe_error, import_callable, short
+from .util import USER_ERRORS, describe_error, import_callable, short
 
 __all__ = ["Dataset", "load_dataset", "load_checked_dataset", "check_dataset", "DatasetNotFound",
            "read_idx", "write_idx", "DATASETS", "FASHION_MNIST_DIR", "load_fashion_mnist",
@@ -80,7 +80,9 @@ def _finish(name, xtr, ytr, xte, yte, per_channel=False) -> Dataset:
     std = xtr.std(dim=dims, keepdim=True).clamp_min(1e-6)
     ytr = torch.from_numpy(np.array(ytr, dtype=np.int64))
     yte = torch.from_numpy(np.array(yte, dtype=np.int64))
-    num_classes = int(max(ytr.max().item(), yte.max().item())) + 1
+    # the classes are those of the training labels: a test label beyond them is refused by
+    # check_dataset, not given an output of its own that no example ever trained
+    num_classes = int(ytr.max().item()) + 1
     return Dataset(name, (xtr - mean) / std, ytr, (xte - mean) / std, yte, num_classes)
 
 
@@ -178,6 +180,11 @@ def load_idx_dir(directory: str | os.PathLike, name: str = "idx") -> Dataset:
             raise DatasetNotFound(f"{name}: {d} has no {stem}[.gz]")
         files[key] = read_idx(f)
     xtr, xte = files["xtr"], files["xte"]
+    for key, stem in (("xtr", "train-images-idx3-ubyte"), ("xte", "t10k-images-idx3-ubyte")):
+        if files[key].ndim < 2:
+            # one number per example: no feature axis to train on
+            raise ValueError(f"{name}: {stem} in {d} holds an array of shape "
+                             f"{files[key].shape}; images need (examples, rows[, columns])")
     if len(xtr) != len(files["ytr"]) or len(xte) != len(files["yte"]):
         raise ValueError(f"{name}: image and label counts differ in {d}")
     xtr = xtr.astype(np.float32)[:, None] / 255.0
@@ -329,7 +336,12 @@ def load_cifar10(directory: str | os.PathLike) -> Dataset:
 
 def load_user(spec: str) -> Dataset:
     fn_name = spec.partition(":")[2]
-    out = import_callable(spec, "dataset", DatasetNotFound)()
+    fn = import_callable(spec, "dataset", DatasetNotFound)
+    try:
+        out = fn()
+    except USER_ERRORS as err:
+        raise ValueError(f"dataset {short(spec, 60)}: {fn_name}() raised "
+                         f"{describe_error(err)}") from None
     if isinstance(out, Dataset):
         return out
     shape = (f"{fn_name}() must return (x_train, y_train, x_test, y_test) of numbers, or a "
@@ -352,7 +364,8 @@ def load_user(spec: str) -> Dataset:
     if xte.dim() == 2:
         xte = xte[:, None]
     ytr, yte = (torch.as_tensor(a.astype(np.int64)) for a in (arrays[1], arrays[3]))
-    top = max(int(ytr.max()) if ytr.numel() else 0, int(yte.max()) if yte.numel() else 0)
+    # the training labels define the classes (see _finish)
+    top = int(ytr.max()) if ytr.numel() else 0
     return Dataset(spec, xtr, ytr, xte, yte, top + 1)
 
 
@@ -369,9 +382,10 @@ def check_dataset(d: Dataset) -> Dataset:
         if not torch.is_tensor(getattr(d, part)):
             raise ValueError(f"dataset {name}: {part} is not a tensor")
     for xs, ys, split in ((d.x_train, d.y_train, "train"), (d.x_test, d.y_test, "test")):
-        if xs.dim() < 2 or len(xs) == 0:
+        if xs.dim() < 2 or len(xs) == 0 or xs[0].numel() == 0:
             raise ValueError(f"dataset {name}: {split} features have shape {tuple(xs.shape)}; "
-                             "expected (examples, features...) with at least one example")
+                             "expected (examples, features...) with at least one example and "
+                             "one feature")
         if not xs.is_floating_point():
             raise ValueError(f"dataset {name}: {split} features have dtype {xs.dtype}")
         if ys.dtype.is_floating_point or ys.dtype == torch.bool or ys.is_complex():
@@ -382,10 +396,19 @@ def check_dataset(d: Dataset) -> Dataset:
                              f"{tuple(ys.shape)}; one label per example")
         if len(ys) and (int(ys.min()) < 0 or int(ys.max()) >= d.num_classes):
             raise ValueError(f"dataset {name}: {split} labels range over [{int(ys.min())}, "
-                             f"{int(ys.max())}]; they must be in [0, {d.num_classes - 1}]")
+                             f"{int(ys.max())}]; they must be in [0, {d.num_classes - 1}]"
+                             + (" (the classes of the training labels)" if split == "test"
+                                else ""))
         bad = int((~torch.isfinite(xs)).sum())
         if bad:
             raise ValueError(f"dataset {name}: {bad} {split} feature values are NaN or Inf")
+    unseen = sorted(set(d.y_test.unique().tolist()) - set(d.y_train.unique().tolist()))
+    if unseen:
+        # a class no training example has cannot be learned: its test examples would only
+        # measure the label noise
+        shown = ", ".join(map(str, unseen[:8])) + (", ..." if len(unseen) > 8 else "")
+        raise ValueError(f"dataset {name}: test labels {shown} occur in no training example; "
+                         "test labels must be classes of the training labels")
     if d.x_test.shape[1:] != d.x_train.shape[1:]:
         raise ValueError(f"dataset {name}: test examples have shape {tuple(d.x_test.shape[1:])}, "
                          f"train examples {tuple(d.x_train.shape[1:])}")

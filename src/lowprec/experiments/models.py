@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from .util import describe_error, import_callable, short
+from .util import USER_ERRORS, describe_error, import_callable, short
 
 __all__ = ["build_model", "build_checked_model", "check_model", "MODELS", "MLP", "LeNet5",
            "ResNet20", "SmallVGG", "CNN1d", "TransformerClassifier", "MobileNetV2Small"]
@@ -225,7 +225,7 @@ def build_model(name: str, input_shape, num_classes: int) -> nn.Module:
         fn = import_callable(name, "model")
         try:
             model = fn(tuple(input_shape), num_classes)
-        except Exception as err:  # a wrong signature, or the user's code failing
+        except USER_ERRORS as err:  # a wrong signature, or the user's code failing
             raise ValueError(f"model {short(name)}: {fn_name}(input_shape, num_classes) raised "
                              f"{describe_error(err)}") from None
         if not isinstance(model, nn.Module):
@@ -247,7 +247,7 @@ def check_model(model: nn.Module, name: str, data) -> None:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
             out = model(x)
-    except Exception as err:
+    except USER_ERRORS as err:  # the user's forward, sys.exit() included
         raise ValueError(f"model {short(name)} does not fit {data}: {describe_error(err)}"
                          ) from None
     finally:
@@ -265,7 +265,7 @@ def build_checked_model(name: str, data) -> nn.Module:
         model = build_model(name, data.input_shape, data.num_classes)
     except ValueError:
         raise
-    except Exception as err:  # a built-in model refusing the input shape (RuntimeError...)
+    except USER_ERRORS as err:  # a built-in model refusing the input shape (RuntimeError...)
         raise ValueError(f"model {short(name)} does not fit {data}: {describe_error(err)}"
                          ) from None
     check_model(model, name, data)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import importlib
 
 
-__all__ = ["import_callable", "short", "describe_error"]
+__all__ = ["import_callable", "short", "describe_error", "USER_ERRORS"]
+
+#: What a user's function (``--data``/``--model`` module:function) may raise that becomes a
+#: one-line error: any Exception, and SystemExit (a sys.exit() in user code must not end the
+#: command silently with its code). KeyboardInterrupt is left to propagate: it is the user's
+#: Ctrl-C, which the CLI reports as an interruption.
+USER_ERRORS = (Exception, SystemExit)
 
 
 def short(text: object, limit: int = 80) -> str:
@@ -16,6 +22,8 @@ def short(text: object, limit: int = 80) -> str:
 
 def describe_error(err: BaseException, limit: int = 200) -> str:
     """'TypeError: message' on one bounded line."""
+    if isinstance(err, SystemExit):  # user code calling sys.exit(code)
+        return f"SystemExit: sys.exit({err.code!r:.40}) was called"
     msg = " ".join(str(err).split())
     if len(msg) > limit:
         msg = msg[:limit] + "..."
@@ -27,7 +35,7 @@ def import_callable(spec: str, what: str, error: type[Exception] = ValueError):
     mod_name, _, fn_name = spec.partition(":")
     try:
         mod = importlib.import_module(mod_name)
-    except Exception as err:  # ImportError, or the module raising while it is imported
+    except (Exception, SystemExit) as err:  # ImportError, the module raising or exiting
         raise error(f"{what} {short(spec)}: cannot import {short(mod_name)} "
                     f"({describe_error(err)})") from None
     fn = getattr(mod, fn_name, None)

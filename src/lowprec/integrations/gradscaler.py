@@ -23,6 +23,8 @@ steps; ``state_dict`` uses torch's keys, so checkpoints load either way.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..training.loss_scale import DynamicLossScale
@@ -34,23 +36,89 @@ __all__ = ["GradScaler"]
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 
+def _positive_finite(name: str, value) -> float:
+    """``value`` as a float if it is a positive finite number (or a 1-element tensor of one)."""
+    if torch.is_tensor(value):
+        if value.numel() != 1 or not value.is_floating_point() or value.requires_grad:
+            raise ValueError(f"{name} must be a positive finite float or a 1-element floating "
+                             f"tensor without grad, got a tensor of shape {tuple(value.shape)}, "
+                             f"dtype {value.dtype}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r:.40} must be a positive finite float")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a positive finite float")
+    return float(value)
+
+
+def _growth_factor(value) -> float:
+    v = _positive_finite("growth_factor", value)
+    if not v > 1.0:
+        raise ValueError(f"growth_factor={value!r} must be > 1.0 (as torch.amp.GradScaler)")
+    return v
+
+
+def _backoff_factor(value) -> float:
+    v = _positive_finite("backoff_factor", value)
+    if not v < 1.0:
+        raise ValueError(f"backoff_factor={value!r} must be in (0, 1) (as "
+                         "torch.amp.GradScaler)")
+    return v
+
+
+def _growth_interval(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"growth_interval={value!r:.40} must be a positive int (as "
+                         "torch.amp.GradScaler)")
+    return int(value)
+
+
 class GradScaler:
     """See the module docstring. ``precision``: a policy name or spec (a :class:`Precision`
-    is built with this scaler's dynamic loss scale), or a :class:`Precision` (its own loss
-    scale is used, and the scale arguments must be left at their defaults)."""
+    is built with this scaler's dynamic loss scale), or a :class:`Precision`. The scale
+    arguments follow torch.amp.GradScaler (defaults ``init_scale=2.0**16``,
+    ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``) and are checked as
+    torch checks them (growth > 1, backoff in (0, 1), a positive int interval, a positive
+    finite init). With a Precision, those given set its dynamic loss scale (the scale starts
+    at ``init_scale``, within the policy's ``[min, max]``); a Precision without a dynamic loss
+    scale refuses them (its policy has ``ls=none`` or ``ls=static:S``)."""
 
     def __init__(self, precision: str | Policy | Precision = "32-true", *,
-                 init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 init_scale: float | None = None, growth_factor: float | None = None,
+                 backoff_factor: float | None = None, growth_interval: int | None = None,
                  enabled: bool = True) -> None:
+        given = {k: v for k, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
+                                   ("backoff_factor", backoff_factor),
+                                   ("growth_interval", growth_interval)) if v is not None}
+        init = _positive_finite("init_scale", given.get("init_scale", 2.0**16))
+        growth = _growth_factor(given.get("growth_factor", 2.0))
+        backoff = _backoff_factor(given.get("backoff_factor", 0.5))
+        interval = _growth_interval(given.get("growth_interval", 2000))
         if isinstance(precision, Precision):
+            ls = precision.loss_scale
+            if given and not isinstance(ls, DynamicLossScale):
+                raise ValueError(
+                    f"{', '.join(given)} given, but {precision.policy} has loss scale "
+                    f"{precision.policy.loss_scale}, not dynamic: give the policy "
+                    "ls=dynamic[:init=...] or leave the scale arguments out")
+            if given:
+                if not ls.min <= init <= ls.max:
+                    raise ValueError(f"init_scale={init:g} is outside the loss scale's [min, max]"
+                                     f" = [{ls.min:g}, {ls.max:g}] of {precision.policy}")
+                if "init_scale" in given:
+                    ls.scale = init
+                if "growth_factor" in given:
+                    ls.growth = growth
+                if "backoff_factor" in given:
+                    ls.backoff = backoff
+                if "growth_interval" in given:
+                    ls.interval = interval
             self.precision = precision
         elif isinstance(precision, (str, Policy)):
             # torch's scale has no floor and no ceiling but fp32's own range
             finfo = torch.finfo(torch.float32)
             self.precision = Precision(precision, loss_scale=DynamicLossScale(
-                init_scale, growth_factor, backoff_factor, growth_interval,
-                min=finfo.tiny, max=finfo.max))
+                init, growth, backoff, interval, min=finfo.tiny, max=finfo.max))
         else:
             raise TypeError(f"GradScaler takes a policy name, spec, Policy or Precision, got "
                             f"{type(precision).__name__}")
@@ -118,7 +186,11 @@ class GradScaler:
             return
         ls = self.precision.loss_scale
         if new_scale is not None:
-            ls.scale = float(new_scale)
+            v = _positive_finite("new_scale", new_scale)
+            if isinstance(ls, DynamicLossScale) and not ls.min <= v <= ls.max:
+                raise ValueError(f"new_scale={v:g} is outside the loss scale's [min, max] = "
+                                 f"[{ls.min:g}, {ls.max:g}]")
+            ls.scale = v
         else:
             if not self._found:
                 raise RuntimeError("No inf checks were recorded prior to update().")
@@ -140,19 +212,22 @@ class GradScaler:
         return self._dynamic().growth
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._dynamic().growth = float(new_factor)
+        ls = self._dynamic()
+        ls.growth = _growth_factor(new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._dynamic().backoff
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._dynamic().backoff = float(new_factor)
+        ls = self._dynamic()
+        ls.backoff = _backoff_factor(new_factor)
 
     def get_growth_interval(self) -> int:
         return self._dynamic().interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._dynamic().interval = int(new_interval)
+        ls = self._dynamic()
+        ls.interval = _growth_interval(new_interval)
 
     def state_dict(self) -> dict:
         """torch.amp.GradScaler's keys (``scale``, ``growth_factor``, ``backoff_factor``,
@@ -172,18 +247,37 @@ class GradScaler:
         """Load this scaler's or torch.amp.GradScaler's state."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict() takes a dict from state_dict(), got "
+                            f"{type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
+        if not isinstance(state_dict, dict) or "scale" not in state_dict:
+            raise ValueError("not a GradScaler state_dict: it needs a 'scale' (keys given: "
+                             f"{', '.join(map(str, list(state_dict)[:8]))})")
+        # checked before anything changes: torch's keys as torch's constructor checks them
+        ls = self.precision.loss_scale
+        scale = _positive_finite("scale", state_dict["scale"])
+        dyn: dict = {}
+        if isinstance(ls, DynamicLossScale):
+            dyn["growth"] = _growth_factor(state_dict.get("growth_factor", ls.growth))
+            dyn["backoff"] = _backoff_factor(state_dict.get("backoff_factor", ls.backoff))
+            dyn["interval"] = _growth_interval(state_dict.get("growth_interval", ls.interval))
+            tracker = state_dict.get("_growth_tracker", ls.good_steps)
+            if torch.is_tensor(tracker) and tracker.numel() == 1:
+                tracker = tracker.item()
+            if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
+                raise ValueError(f"_growth_tracker={tracker!r:.40} must be an int >= 0")
+            dyn["good_steps"] = tracker
+            if not ls.min <= scale <= ls.max:
+                raise ValueError(f"scale={scale:g} is outside the loss scale's [min, max] = "
+                                 f"[{ls.min:g}, {ls.max:g}]")
         if "lowprec" in state_dict:
             self.precision.load_state_dict(state_dict["lowprec"])
-        ls = self.precision.loss_scale
-        ls.scale = float(state_dict["scale"])
-        if isinstance(ls, DynamicLossScale):
-            ls.growth = float(state_dict.get("growth_factor", ls.growth))
-            ls.backoff = float(state_dict.get("backoff_factor", ls.backoff))
-            ls.interval = int(state_dict.get("growth_interval", ls.interval))
-            ls.good_steps = int(state_dict.get("_growth_tracker", ls.good_steps))
+        ls.scale = scale
+        for k, v in dyn.items():
+            setattr(ls, k, v)
 
     def __repr__(self) -> str:
         return f"GradScaler({self.precision.policy}, scale={self.get_scale():g})"

@@ -12,7 +12,7 @@ from torch import nn
 
 from .formats import Format, parse_format
 from .ops import quantize_call
-from .rounding import Rounding, parse_rounding
+from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize_ste", "Quantizer"]
 
@@ -68,7 +68,7 @@ def quantize_ste(
     ``rounding``.
     """
     return _QuantizeSTE.apply(x, *_specs(forward, backward, rounding, backward_rounding,
-                                         random_bits), generator)
+                                         random_bits), check_generator(generator))
 
 
 class Quantizer(nn.Module):
@@ -92,7 +92,7 @@ class Quantizer(nn.Module):
         self._specs = _specs(forward, backward, rounding, backward_rounding, random_bits)
         (self.forward_format, self.rounding, self.random_bits, self.backward_format,
          self.backward_rounding, self.backward_bits) = self._specs
-        self.generator = generator
+        self.generator = check_generator(generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _QuantizeSTE.apply(x, *self._specs, self.generator)

@@ -525,6 +525,18 @@ _DFXP_RE = re.compile(r"^dfxp<(\d+)((?:,[a-z_]+=[^,>]+)*)>$")
 _BLOCK_RE = re.compile(r"^block<(.+),(\d+|tensor)((?:,[a-z_]+=[^,]+)*)>$")
 
 
+_INT_TEXT = re.compile(r"^[+-]?\d+$", re.ASCII)
+_FLOAT_TEXT = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?$", re.ASCII)
+
+
+def _decimal(val: str, spec: str, integer: bool = False) -> str:
+    """``val`` if it is a plain ASCII decimal (int() and float() also take "1_0" and
+    non-ASCII digits, which a format spec refuses)."""
+    if not (_INT_TEXT if integer else _FLOAT_TEXT).match(val.strip()):
+        raise _bad(spec, f"{val!r} is not {'an integer' if integer else 'a number'}")
+    return val
+
+
 def _bad(spec: object, why: str = "") -> ValueError:
     reason = f" ({why})" if why else ""
     return ValueError(f"unknown number format {spec!r}{reason}; accepted: {_ACCEPTED}")
@@ -589,10 +601,13 @@ def parse_format(spec: str | Format) -> Format:
             kwargs = {}
             for item in filter(None, m.group(2).split(",")):
                 key, val = item.split("=", 1)
+                if key in ("overflow", "interval") and ("max_overflow" if key == "overflow"
+                                                       else key) in kwargs:
+                    raise _bad(spec, f"dfxp option {key} given twice")
                 if key == "overflow":
-                    kwargs["max_overflow"] = float(val)
+                    kwargs["max_overflow"] = float(_decimal(val, spec))
                 elif key == "interval":
-                    kwargs["interval"] = int(val)
+                    kwargs["interval"] = int(_decimal(val, spec, integer=True))
                 else:
                     raise _bad(spec, f"dfxp option {item!r} is not overflow=R or interval=N")
             return DynamicFixedFormat(int(m.group(1)), **kwargs)
@@ -604,13 +619,18 @@ def parse_format(spec: str | Format) -> Format:
                 raise _bad(spec, "a block element must be a float or fixed-point format")
             size = None if m.group(2) == "tensor" else int(m.group(2))
             kwargs: dict = {}
+            seen: set[str] = set()
             for item in filter(None, m.group(3).split(",")):
                 key, val = item.split("=", 1)
+                if key in ("axis", "scale") and key in seen:
+                    raise _bad(spec, f"block option {key} given twice")
+                seen.add(key)
                 if key == "axis":
-                    kwargs["axis"] = int(val)
+                    kwargs["axis"] = int(_decimal(val, spec, integer=True))
                 elif key == "scale" and ".." in val:
                     lo, hi = val.split("..")
-                    kwargs["scale_min_exp"], kwargs["scale_max_exp"] = int(lo), int(hi)
+                    kwargs["scale_min_exp"], kwargs["scale_max_exp"] = (
+                        int(_decimal(lo, spec, integer=True)), int(_decimal(hi, spec, integer=True)))
                 else:
                     raise _bad(spec, f"block option {item!r} is not axis=N or scale=LO..HI")
             return BlockFormat(elem, size, **kwargs)

@@ -15,7 +15,7 @@ import torch
 from . import kernel as _kernel, reference as _reference
 from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
-from .rounding import Rounding, parse_rounding
+from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize", "quantize_", "draw_seed", "block_shifts"]
 
@@ -36,6 +36,7 @@ def draw_seed(generator: torch.Generator | None = None) -> tuple[int, int]:
     They come from ``generator`` (or torch's default CPU generator, i.e. ``torch.manual_seed``),
     so the same seed gives the same bits on any device and any number of threads.
     """
+    check_generator(generator)
     device = generator.device if generator is not None else "cpu"
     k = torch.randint(0, 2**32, (2,), generator=generator, dtype=torch.int64, device=device)
     k0, k1 = k.tolist()
@@ -176,6 +177,7 @@ def quantize(
     :func:`lowprec.quantize_ste` or :class:`lowprec.Quantizer` to quantize inside a model.
     """
     _check_input(x)
+    check_generator(generator)
     fmt = parse_format(fmt)
     mode, rbits = parse_rounding(rounding, random_bits)
     if impl not in ("auto", "kernel", "torch"):
@@ -212,6 +214,7 @@ def quantize_(
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy."""
     _check_input(x)
+    check_generator(generator)
     fmt = parse_format(fmt)
     mode, rbits = parse_rounding(rounding, random_bits)
     with torch.no_grad():

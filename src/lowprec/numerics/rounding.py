@@ -18,9 +18,22 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Rounding", "RoundingSpec", "parse_rounding", "DEFAULT_LIMITED_BITS"]
+__all__ = ["Rounding", "RoundingSpec", "parse_rounding", "DEFAULT_LIMITED_BITS", "check_generator"]
 
 DEFAULT_LIMITED_BITS = 8
+
+
+def check_generator(generator, name: str = "generator"):
+    """``generator`` if it is None or a ``torch.Generator``; TypeError naming the value else
+    (a seed given as a number or a string belongs in ``torch.Generator().manual_seed(seed)``)."""
+    import torch
+
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    shown = repr(generator)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise TypeError(f"{name}={shown} ({type(generator).__name__}) must be a torch.Generator or "
+                    "None, e.g. torch.Generator().manual_seed(0)")
 
 
 class Rounding(str, Enum):

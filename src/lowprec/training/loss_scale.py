@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import re
 
+from torch import is_tensor as torch_is_tensor
+
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
            "parse_loss_scale", "loss_scale_spec", "LOSS_SCALE_GRAMMAR", "DYNAMIC_OPTIONS"]
 
@@ -20,7 +22,9 @@ DYNAMIC_OPTIONS = ("init", "growth", "backoff", "interval", "min", "max")
 #: The ``ls=`` grammar, as error messages and the policy docstring give it.
 LOSS_SCALE_GRAMMAR = ("none, static:S (S > 0), dynamic, or dynamic:OPT=V;OPT=V... with OPT in "
                       "init (> 0), growth (> 1), backoff (in (0, 1)), interval (integer >= 1), "
-                      "min, max (0 < min <= max), e.g. dynamic:init=1024;growth=4")
+                      "min, max (0 < min <= init <= max; defaults 1 and 2**24, widened to hold "
+                      "init), each once, "
+                      "e.g. dynamic:init=1024;growth=4")
 
 
 def _short(spec: str, limit: int = 60) -> str:
@@ -118,8 +122,23 @@ class LossScale:
     def state_dict(self) -> dict:
         return {"scale": self.scale}
 
+    def _checked_scale(self, state) -> float:
+        """``state["scale"]`` if it is a positive finite number this scale can hold; else
+        ValueError (a NaN, Inf, zero or negative scale would skip or corrupt every step)."""
+        if not isinstance(state, dict) or "scale" not in state:
+            raise ValueError(f"a loss-scale state must be a dict with a 'scale', got "
+                             f"{_short(repr(state), 60)}")
+        v = state["scale"]
+        if torch_is_tensor(v) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not v > 0:
+            raise ValueError(f"loss-scale state: scale={v!r:.40} must be a positive "
+                             "finite number")
+        return float(v)
+
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        self.scale = self._checked_scale(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scale={self.scale:g})"
@@ -136,6 +155,11 @@ class NoLossScale(LossScale):
     def update(self, found_inf: bool) -> None:
         pass
 
+    def load_state_dict(self, state: dict) -> None:
+        if self._checked_scale(state) != 1.0:
+            raise ValueError(f"loss-scale state: scale={state['scale']!r}, but this loss scale "
+                             "is none (always 1)")
+
 
 class StaticLossScale(LossScale):
     """A fixed scale; a step whose gradients hold Inf/NaN is skipped and counted."""
@@ -151,7 +175,15 @@ class StaticLossScale(LossScale):
 
 class DynamicLossScale(LossScale):
     def __init__(self, init: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5,
-                 interval: int = 2000, min: float = 1.0, max: float = 2.0**24) -> None:
+                 interval: int = 2000, min: float | None = None, max: float | None = None
+                 ) -> None:
+        # bounds not given default to 1 and 2**24, widened to hold init (init=2**30 alone
+        # starts there and backs off, as torch's scaler would); given bounds must hold it
+        if min is None:
+            min = 1.0 if not (isinstance(init, (int, float)) and 0 < init < 1) else init
+        if max is None:
+            max = 2.0**24 if not (isinstance(init, (int, float)) and math.isfinite(init)
+                                  and init > 2.0**24) else init
         for name, v in (("init", init), ("growth", growth), ("backoff", backoff), ("min", min),
                         ("max", max)):
             if not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -166,6 +198,10 @@ class DynamicLossScale(LossScale):
             raise ValueError(f"interval={interval!r} must be an integer >= 1")
         if not 0 < min <= max:
             raise ValueError(f"min={min!r} and max={max!r} must satisfy 0 < min <= max")
+        if not min <= init <= max:
+            # the scale would start outside the range update() keeps it in, and stay there
+            # until the first clamp (init=5 with max=1 would hold 5 for a whole clean run)
+            raise ValueError(f"init={init!r} must be in [min, max] = [{min:g}, {max:g}]")
         super().__init__(init)
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
         self.min, self.max = float(min), float(max)
@@ -177,7 +213,7 @@ class DynamicLossScale(LossScale):
             self.good_steps = 0
         else:
             self.good_steps += 1
-            if self.good_steps == self.interval:
+            if self.good_steps >= self.interval:  # >=: the interval may have been lowered
                 self.scale = min(self.scale * self.growth, self.max)
                 self.good_steps = 0
 
@@ -185,8 +221,18 @@ class DynamicLossScale(LossScale):
         return {"scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.good_steps = int(state.get("good_steps", 0))
+        scale = self._checked_scale(state)
+        if not self.min <= scale <= self.max:
+            raise ValueError(f"loss-scale state: scale={scale:g} is outside this dynamic "
+                             f"scale's [min, max] = [{self.min:g}, {self.max:g}]")
+        good = state.get("good_steps", 0)
+        if torch_is_tensor(good) and good.numel() == 1:
+            good = good.item()
+        if isinstance(good, bool) or not isinstance(good, (int, float)) \
+                or not math.isfinite(good) or good < 0 or good != int(good):
+            raise ValueError(f"loss-scale state: good_steps={good!r:.40} must be an "
+                             "integer >= 0")
+        self.scale, self.good_steps = scale, int(good)
 
 
 def make_loss_scale(spec: str | LossScale | None) -> LossScale:

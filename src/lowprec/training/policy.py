@@ -19,7 +19,8 @@ format (``all`` layers, or ``matmul`` layers only as torch.autocast does).
 Loss scale ``ls=``: ``none``; ``static:S`` with S > 0 finite; ``dynamic``; or ``dynamic:`` with
 options separated by ``;`` (or by ``,``: an option key after ``ls=`` continues it), each checked
 when the policy is parsed: ``init`` > 0 (finite), ``growth`` > 1, ``backoff`` in (0, 1),
-``interval`` an integer >= 1, ``min``/``max`` with 0 < min <= max::
+``interval`` an integer >= 1, ``min``/``max`` with 0 < min <= init <= max (defaults 1 and
+2**24, widened to hold init), each option once. Each key of the policy is given once too::
 
     p=fp16,ls=dynamic:init=1024;growth=4;interval=500
     p=fp16,ls=dynamic:init=1024,growth=4                # the same policy
@@ -221,13 +222,19 @@ def _bad_policy(spec, why: str = "") -> ValueError:
 
 def _parse_spec(spec: str) -> Policy:
     kv: dict[str, str] = {}
+    seen: dict[str, str] = {}  # role -> the key as written
     for item in _join_loss_scale_options(split_top(spec)):
         if "=" not in item:
             raise _bad_policy(spec, f"{item!r} is not key=value")
         key, val = (s.strip() for s in item.split("=", 1))
         if key.lower() not in _KEYS:
             raise _bad_policy(spec, f"unknown key {key!r}")
-        kv[_KEYS[key.lower()]] = val
+        role = _KEYS[key.lower()]
+        if role in kv:
+            # p=fp16,p=bf16 (or p=... and params=...): which one was meant is a guess
+            raise ValueError(f"{role} given twice ({seen[role]}={kv[role]!r} and {key}={val!r}); "
+                             "give each key once")
+        kv[role], seen[role] = val, key
     if not kv:
         raise _bad_policy(spec)
     kwargs: dict = {}
@@ -270,6 +277,14 @@ def _parse_spec(spec: str) -> Policy:
     if "master" in kv:
         kwargs["master"] = None if kv["master"].lower() in ("none", "") else parse_format(
             kv["master"])
+    # one setting given twice in two ways: p=fp16:kahan with u=nearest, c=fp16:sr with r=...
+    if "update" in kv and "update" in kwargs:
+        raise ValueError(f"the write-back is given twice (p={kv['params']!r} and "
+                         f"{seen['update']}={kv['update']!r}); give it once")
+    for role, key in (("compute", "c"), ("grads", "g")):
+        if "rounding" in kv and role in kv and ":" in kv[role]:
+            raise ValueError(f"the {role} rounding is given twice ({seen[role]}={kv[role]!r} and "
+                             f"{seen['rounding']}={kv['rounding']!r}); give it once")
     for key in ("loss_scale", "backend", "scope", "update"):
         if key in kv:
             kwargs[key] = kv[key].lower()

@@ -26,9 +26,10 @@ hooks; it has no branch for any of them.
 
 from __future__ import annotations
 
-import weakref
-
+import copy
 import contextlib
+import math
+import weakref
 import warnings
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 
 from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
 from ..numerics.quantize import quantize, quantize_
+from ..numerics.rounding import check_generator
 from ..numerics.storage import storage_dtype
 from .emulation import Emulation
 from .loss_scale import LossScale, make_loss_scale
@@ -59,6 +61,25 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_optimizer_type(optimizer, what: str) -> None:
+    """An optimizer is anything with torch's ``param_groups`` (a list of dicts); TypeError
+    naming what was given otherwise (not an AttributeError from deep inside)."""
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TypeError(f"{what} takes an optimizer (torch.optim.Optimizer or lowprec's), got "
+                        f"{type(optimizer).__name__}")
+
+
+def _count_of(state: dict, key: str) -> int:
+    """``state[key]`` (0 when absent) as an integer >= 0; ValueError else."""
+    v = state.get(key, 0)
+    if torch.is_tensor(v) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < 0 or v != int(v):
+        raise ValueError(f"Precision state: {key}={v!r:.40} must be an integer >= 0")
+    return int(v)
+
+
 def _can_be_native(policy: Policy) -> bool:
     roles = [policy.params, policy.compute, policy.grads, policy.optimizer_state]
     if policy.master is not None:
@@ -80,11 +101,23 @@ class Precision:
         self.match_cpu_kernels = bool(match_cpu_kernels)
         # glob on module names -> policy or format; ops inside a matching module follow it
         # (emulated backend only)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise TypeError(f"overrides={overrides!r:.40} ({type(overrides).__name__}) must be a "
+                            "dict of module-name glob -> policy or format")
         self.overrides = dict(overrides or {})
         self.loss_scale = make_loss_scale(loss_scale if loss_scale is not None
                                           else self.policy.loss_scale)
+        check_generator(generator)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed={seed!r:.40} ({type(seed).__name__}) must be an int")
+        if generator is not None and seed is not None:
+            raise ValueError("give a generator or a seed, not both (the seed would be ignored)")
         if generator is None and seed is not None:
-            generator = torch.Generator().manual_seed(seed)
+            try:
+                generator = torch.Generator().manual_seed(seed)
+            except RuntimeError as err:  # a negative seed or one beyond 2**64 - 1
+                raise ValueError(f"seed={seed} is out of range: {' '.join(str(err).split())}"
+                                 ) from None
         self.generator = generator
         # the regimes this policy needs, chosen by the registry (lowprec.training.regimes)
         self.regimes: list[Regime] = regimes_for(self.policy, generator)
@@ -135,6 +168,8 @@ class Precision:
 
     def setup(self, model: nn.Module, optimizer=None):
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"setup() takes a torch.nn.Module, got {type(model).__name__}")
         if self.model is not None:
             raise RuntimeError("this Precision is already set up; create one per model")
         if model in _SET_UP:
@@ -197,6 +232,7 @@ class Precision:
     def setup_optimizer(self, optimizer):
         """Configure or wrap one more optimizer of the model ``setup`` converted (a second
         optimizer, one created after ``setup``); returns the object to step."""
+        _check_optimizer_type(optimizer, "setup_optimizer()")
         if self.model is None:
             raise RuntimeError("setup_optimizer() needs setup(model) first")
         if id(optimizer) in self._optimizers:  # already configured, or a wrapper it returned
@@ -320,6 +356,8 @@ class Precision:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``(loss * scale).backward()``, the product taken in fp32."""
+        if not torch.is_tensor(loss):
+            raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
         if self.loss_scale.scale == 1.0:
             loss.backward(**kwargs)
         else:
@@ -372,6 +410,7 @@ class Precision:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if optimizer is None:
             raise ValueError(f"{what}() needs an optimizer (pass it, or give one to setup())")
+        _check_optimizer_type(optimizer, f"{what}()")
         self._check_optimizer(optimizer)
         return optimizer, self._params_with_grads(optimizer)
 
@@ -464,16 +503,39 @@ class Precision:
         if state.get("policy") is not None and parse_policy(state["policy"]) != self.policy:
             raise ValueError(f"state is for policy {state['policy']!r}, this Precision has "
                              f"{self.policy.spec!r}")
-        self.loss_scale.load_state_dict(state["loss_scale"])
-        self.steps, self.skipped = int(state["steps"]), int(state["skipped"])
-        self.nonfinite = int(state.get("nonfinite", 0))
-        self.trace = list(state["trace"])
-        if state.get("generator") is not None and self.generator is not None:
-            self.generator.set_state(state["generator"])
-        saved = state.get("regimes", {})
+        # everything is checked on copies first: a bad field changes nothing (a NaN, zero or
+        # negative loss scale would otherwise skip or corrupt every later step silently)
+        counts = {k: _count_of(state, k) for k in ("steps", "skipped", "nonfinite")}
+        for k in ("skipped", "nonfinite"):
+            if counts[k] > counts["steps"]:
+                raise ValueError(f"Precision state: {k}={counts[k]} exceeds steps="
+                                 f"{counts['steps']}")
+        if not isinstance(state["trace"], (list, tuple)):
+            raise ValueError(f"Precision state: trace must be a list, got "
+                             f"{type(state['trace']).__name__}")
+        copy.deepcopy(self.loss_scale).load_state_dict(state["loss_scale"])
+        gen_state = state.get("generator")
+        if gen_state is not None and self.generator is not None:
+            try:
+                torch.Generator(device=self.generator.device).set_state(gen_state)
+            except (TypeError, RuntimeError) as err:
+                raise ValueError(f"Precision state: generator is not a generator state "
+                                 f"({' '.join(str(err).split())[:120]})") from None
+        saved = state.get("regimes") or {}
+        if not isinstance(saved, dict):
+            raise ValueError(f"Precision state: regimes must be a dict, got "
+                             f"{type(saved).__name__}")
+        # a regime checks its own state before it changes anything (one regime per policy
+        # in practice): loaded first, so that its refusal leaves the rest untouched too
         for regime in self.regimes:
             if regime.name in saved:
                 regime.load_state_dict(saved[regime.name])
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        self.steps, self.skipped, self.nonfinite = (counts["steps"], counts["skipped"],
+                                                    counts["nonfinite"])
+        self.trace = list(state["trace"])
+        if gen_state is not None and self.generator is not None:
+            self.generator.set_state(gen_state)
 
     # -- measurement -------------------------------------------------------------------------
     def memory(self, model: nn.Module | None = None, batch=None, loss_fn=None) -> MemoryLedger:

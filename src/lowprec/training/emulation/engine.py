@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format, parse_format
 from ...numerics.quantize import quantize, quantize_
 from ...numerics import summation
-from ...numerics.rounding import Rounding
+from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
@@ -282,7 +282,7 @@ class Emulation:
                  overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
         self.policy = policy
         self.match_cpu_kernels = match_cpu_kernels
-        self.generator = generator
+        self.generator = check_generator(generator)
         self.active = active
         self.controller = controller
         self.root_rule = Rule.of(policy)
@@ -589,6 +589,7 @@ def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
     >>> with emulated("16-true"):
     ...     y = torch.nn.functional.gelu(x)     # fp32 gelu, rounded once to fp16
     """
+    check_generator(generator)
     pol = parse_policy(policy)
     if controller is None and any(isinstance(f, DynamicFixedFormat)
                                   for f in (pol.compute, pol.grads)):

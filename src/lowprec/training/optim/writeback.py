@@ -13,6 +13,7 @@ import torch
 
 from ...numerics.formats import FP32, Format, parse_format
 from ...numerics.quantize import quantize
+from ...numerics.rounding import check_generator
 from ...numerics.storage import NATIVE_DTYPES, format_of_dtype
 from ..policy import WriteBack
 
@@ -83,7 +84,7 @@ class Storage:
             self.update = WriteBack.parse(update)
         elif not hasattr(self, "update"):
             self.update = WriteBack.NEAREST
-        self.generator = generator
+        self.generator = check_generator(generator)
 
     def pformat(self, p: torch.Tensor) -> Format:
         fmt = self.param_formats.get(id(p)) if self.param_formats else None

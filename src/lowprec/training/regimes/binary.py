@@ -8,7 +8,8 @@
 * ``binarize(model)`` replaces, in place, every linear and convolution layer by its binary
   version (sharing the latent weights) followed by BatchNorm, and every activation by
   ``BinaryActivation``; the first layer therefore sees the real inputs, the others binary ones,
-  and the output layer is real-valued.
+  and the output layer is real-valued. A batch with one value per channel (a last batch of one
+  example) is normalised with the batch norm's running statistics, which it leaves unchanged.
 
 :class:`BinaryRegime` plugs this into ``Precision`` for policies whose compute format is
 ``binary``: it binarizes the model at set-up, gives the optimizer the added BatchNorm
@@ -23,9 +24,11 @@ import torch
 from torch import nn
 
 from ...numerics.formats import BinaryFormat
+from ...numerics.rounding import check_generator
 from .base import Regime, register_regime
 
 __all__ = ["BinaryRegime", "BinaryLinear", "BinaryConv2d", "BinaryActivation", "FeatureBatchNorm",
+           "BinaryBatchNorm2d",
            "binarize", "binarize_weights",
            "sign_ste", "clip_latent_weights", "binary_layers", "glorot_lr_scales",
            "apply_lr_scales"]
@@ -91,17 +94,43 @@ class BinaryConv2d(_BinaryMixin, nn.Conv2d):
         return self._after(self._conv_forward(x, self.binary_weight(), self.bias))
 
 
-class FeatureBatchNorm(nn.BatchNorm1d):
+class _OneValueSafe:
+    """A batch that holds one value per channel (a last batch of one example after a linear
+    layer, or of one 1x1 feature map) has no batch statistics: torch raises "Expected more than
+    1 value per channel when training". The batch norm that :func:`binarize` inserts
+    normalises such a batch with its running statistics instead, as in evaluation, and leaves
+    them (and ``num_batches_tracked``) unchanged; its scale and shift still get their
+    gradients. Every other batch is normalised as by torch's batch norm."""
+
+    def _one_value(self, x: torch.Tensor) -> bool:
+        return (self.training and self.track_running_stats and self.running_mean is not None
+                and x.numel() == x.shape[1])
+
+    def forward(self, x):
+        if self._one_value(x):
+            self._check_input_dim(x)
+            return nn.functional.batch_norm(x, self.running_mean, self.running_var,
+                                            self.weight, self.bias, False, 0.0, self.eps)
+        return super().forward(x)
+
+
+class FeatureBatchNorm(_OneValueSafe, nn.BatchNorm1d):
     """BatchNorm over the last (feature) axis of an input of any rank: (N, C) as BatchNorm1d,
     and (N, L, C) token sequences as one batch of N * L feature vectors (the statistics of
     every position of every sequence), which is how BinaryNet's batch normalization after a
-    fully connected layer reads for a transformer's per-token linear layers."""
+    fully connected layer reads for a transformer's per-token linear layers. A batch of one
+    feature vector is normalised with the running statistics (see :class:`_OneValueSafe`)."""
 
     def forward(self, x):
         if x.dim() == 2:
             return super().forward(x)
         shape = x.shape
         return super().forward(x.reshape(-1, shape[-1])).reshape(shape)
+
+
+class BinaryBatchNorm2d(_OneValueSafe, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` after a binary convolution; a batch of one 1x1 feature map is
+    normalised with the running statistics (see :class:`_OneValueSafe`)."""
 
 
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.LeakyReLU, nn.GELU, nn.SiLU,
@@ -123,6 +152,7 @@ def binarize(model: nn.Module, *, stochastic: bool = False,
              ) -> list[nn.Parameter]:
     """Transform ``model`` in place (see the module docstring); returns the parameters it
     added (BatchNorm scales and shifts), for the optimizer."""
+    check_generator(generator)
     added: list[nn.Parameter] = []
 
     def visit(parent: nn.Module) -> None:
@@ -135,7 +165,7 @@ def binarize(model: nn.Module, *, stochastic: bool = False,
                 b = _binary_copy(child, stochastic, generator)
                 nxt = parent._modules.get(names[i + 1]) if i + 1 < len(names) else None
                 if batchnorm and not isinstance(nxt, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                    bn = (FeatureBatchNorm if isinstance(child, nn.Linear) else nn.BatchNorm2d)(
+                    bn = (FeatureBatchNorm if isinstance(child, nn.Linear) else BinaryBatchNorm2d)(
                         child.out_features if isinstance(child, nn.Linear) else
                         child.out_channels).to(child.weight.device)
                     added.extend(bn.parameters())

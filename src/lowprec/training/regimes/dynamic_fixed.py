@@ -83,7 +83,24 @@ class Controller:
     def state_dict(self) -> dict:
         return {k: dict(v) for k, v in self.groups.items()}
 
+    _FIELDS = ("range", "over", "over1", "n", "calls")
+
     def load_state_dict(self, state: dict) -> None:
+        """The ranges of :meth:`state_dict`; ValueError (nothing changed) when a group's entry
+        is not five integers (counts >= 0): a NaN range would break every later rounding."""
+        if not isinstance(state, dict):
+            raise ValueError(f"dynamic fixed-point state must be a dict of groups, got "
+                             f"{type(state).__name__}")
+        for key, g in state.items():
+            if not isinstance(g, dict) or set(g) != set(self._FIELDS):
+                raise ValueError(f"dynamic fixed-point state of group {key!r}: expected the "
+                                 f"fields {', '.join(self._FIELDS)}, got {g!r:.80}")
+            for name in self._FIELDS:
+                v = g[name]
+                if isinstance(v, bool) or not isinstance(v, int) or (name != "range" and v < 0):
+                    raise ValueError(f"dynamic fixed-point state of group {key!r}: {name}="
+                                     f"{v!r:.40} must be an integer" +
+                                     ("" if name == "range" else " >= 0"))
         self.groups = {k: dict(v) for k, v in state.items()}
 
 
@@ -134,4 +151,7 @@ class DynamicFixedRegime(Regime):
         return {"ranges": self.controller.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or "ranges" not in state:
+            raise ValueError(f"dynamic fixed-point regime state must be a dict with 'ranges', "
+                             f"got {state!r:.80}")
         self.controller.load_state_dict(state["ranges"])
