@@ -102,14 +102,14 @@ def reference(tmp_path_factory):
     return _stored(out / "results.db")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(3600)  # hang guards only: a loaded machine is slow, not hung
 @pytest.mark.parametrize("point", ["startup", "first_epoch", "row_then_checkpoint",
                                    "checkpoint_write", "report"])
 def test_killed_anywhere_resumes_to_identical_numbers(tmp_path, reference, point):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=SRC)
     child = subprocess.run([sys.executable, "-c", DRIVER, point, str(out), repr(CONFIG)],
-                           env=env, capture_output=True, text=True, timeout=100)
+                           env=env, capture_output=True, text=True, timeout=1800)
     assert child.returncode == -9, (child.returncode, child.stdout, child.stderr[-2000:])
     temps = [p.name for p in out.rglob("*.lowprec-tmp*")]
     if point in ("checkpoint_write", "report"):

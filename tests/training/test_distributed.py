@@ -21,12 +21,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(3600)  # hang guards only: a loaded machine is slow, not hung
 def test_two_ranks_end_identical_with_an_inf_on_one_rank(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2] / "src"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            f"--master_port={_free_port()}", "--master_addr=127.0.0.1", str(WORKER), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)

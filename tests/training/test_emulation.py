@@ -6,6 +6,8 @@ References: torch's own fp16/bf16 casts and kernels (``model.half()`` on this CP
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -230,6 +232,22 @@ def test_quantize_is_a_custom_op_with_a_fake_implementation():
         fx = mode.from_tensor(x)
         y = op(fx, "e4m3fn", "nearest", 0)
     assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_the_quantize_op_is_registered_when_lowprec_is_imported():
+    """Registered on first use, the op's registration ran inside the first Dynamo trace that
+    reached it and broke that graph (the test below failed when run on its own); a fresh
+    interpreter that only imports lowprec finds it, with its fake implementation."""
+    code = ("import torch, lowprec\n"
+            "op = torch.ops.lowprec.quantize.default\n"
+            "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "with FakeTensorMode():\n"
+            "    y = op(torch.empty(3, 2), 'fp16', 'nearest', 0)\n"
+            "print(tuple(y.shape), y.dtype)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=1800)  # a hang guard only
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "(3, 2) torch.float32"
 
 
 def test_quantizer_modules_compile_without_graph_breaks_and_give_the_eager_bits():

@@ -102,13 +102,19 @@ def test_fused_step_equals_torch_path_bit_for_bit(name, storage, update):
 
 
 @pytest.mark.skipif(not kernel.available(), reason="kernel not built")
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: no split to check")
 @pytest.mark.parametrize("name", ["sgd-nesterov-wd", "adam-l2"])
 def test_fused_step_split_between_threads_equals_torch_path(name):
     """A tensor large enough for the kernel to split it between threads (shares aligned to its
-    tiles; stochastic bits hashed from the element's index, not the thread's)."""
+    tiles; stochastic bits hashed from the element's index, not the thread's). Two threads are
+    asked for on any machine (the kernel takes the count from torch): before, the test was
+    skipped where torch ran one thread (a one-core runner, OMP_NUM_THREADS=1)."""
     cls, kw = OPTIMIZERS[name]
-    w_f, st_f = _run(cls, kw, torch.float16, None, None, "stochastic", fuse=True, shape=BIG)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        w_f, st_f = _run(cls, kw, torch.float16, None, None, "stochastic", fuse=True, shape=BIG)
+    finally:
+        torch.set_num_threads(threads)
     w_t, st_t = _run(cls, kw, torch.float16, None, None, "stochastic", fuse=False, shape=BIG)
     assert_same_bits(w_f, w_t, f"{name}: parameter")
     for key, val in st_f.items():

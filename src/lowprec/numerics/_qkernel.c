@@ -155,7 +155,11 @@ LP_INLINE uint32_t quantize_one(uint32_t u, uint32_t r, const lp_inv *p, const i
     return sel(mask_if(a > 0x7f800000u), u, res); /* NaN passes through */
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* Each loop is compiled three times and the loader picks the clone this CPU runs (AVX-512,
+ * AVX2, baseline x86-64). -DLP_NO_CLONES builds the whole file for the -march given instead:
+ * the tests build one library per instruction set this CPU can execute and check each path
+ * against the plain-torch one (tests/numerics/test_kernel_paths.py). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LP_NO_CLONES)
 #define LP_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define LP_CLONES
@@ -503,7 +507,7 @@ static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si,
  * and x86-64-v4) it is one vfmadd instruction and vectorizes; the default clone (CPUs before
  * 2013) calls libm's fmaf, correctly rounded too, so every clone gives the same bits. GCC's
  * "avx2" target does not include FMA, hence x86-64-v3 here rather than LP_CLONES' avx2. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LP_NO_CLONES)
 #define LP_OPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define LP_OPT_CLONES

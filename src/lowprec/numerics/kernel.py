@@ -15,7 +15,7 @@ import torch
 
 from .params import ElementParams
 
-__all__ = ["available", "quantize_f32", "quantize_blocks_f32", "LPParams"]
+__all__ = ["available", "open_kernel", "quantize_f32", "quantize_blocks_f32", "LPParams"]
 
 
 class LPParams(ctypes.Structure):
@@ -75,8 +75,16 @@ def _lib():
     spec = importlib.util.find_spec("lowprec.numerics._qkernel")
     if spec is None or not spec.origin:
         return None
+    return open_kernel(spec.origin)
+
+
+def open_kernel(path: str):
+    """The kernel library at ``path`` with its functions' signatures set, or None when it does
+    not load or has another ABI version. The installed one is opened once, on first use; the
+    tests also open builds of ``_qkernel.c`` for one instruction set each (``-DLP_NO_CLONES
+    -march=...``), to check every path the clones dispatch to, not only this CPU's."""
     try:
-        lib = ctypes.CDLL(spec.origin)
+        lib = ctypes.CDLL(path)
     except OSError:
         return None
     if lib.lp_abi_version() != 5:

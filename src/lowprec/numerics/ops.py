@@ -3,7 +3,9 @@
 ``torch.compile`` cannot trace the compiled kernel (a ctypes call): as a custom op with a fake
 (meta) implementation, quantization is one opaque node of the graph, whose output has the
 input's shape, dtype and device (torchao registers its quantization primitives the same way).
-The op is registered on first use, not at import.
+The op is registered when this module is imported (``import lowprec`` imports it), as torchao
+registers its ops: registered lazily, on first use, the registration itself ran inside the first
+Dynamo trace that reached it and broke that graph.
 
 The format and rounding travel as their canonical strings (``"fp16"``, ``"block<e2m1fn,32,
 axis=1>"``, ``"nearest"``), which parse back to the same objects. Stochastic rounding draws its
@@ -21,23 +23,23 @@ from .rounding import Rounding, parse_rounding
 
 __all__ = ["quantize_op", "quantize_call"]
 
-_OP = None
+
+@torch.library.custom_op("lowprec::quantize", mutates_args=())
+def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int) -> torch.Tensor:
+    y = quantize(x, fmt, rounding, random_bits=random_bits or None)
+    return y.clone() if y._base is not None else y  # an op may not return a view
+
+
+@_quantize.register_fake
+def _(x, fmt, rounding, random_bits):
+    return torch.empty_like(x)
+
+
+_OP = torch.ops.lowprec.quantize.default
 
 
 def quantize_op():
-    """The registered ``torch.ops.lowprec.quantize`` (registering it the first time)."""
-    global _OP
-    if _OP is None:
-        @torch.library.custom_op("lowprec::quantize", mutates_args=())
-        def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int) -> torch.Tensor:
-            y = quantize(x, fmt, rounding, random_bits=random_bits or None)
-            return y.clone() if y._base is not None else y  # an op may not return a view
-
-        @_quantize.register_fake
-        def _(x, fmt, rounding, random_bits):
-            return torch.empty_like(x)
-
-        _OP = torch.ops.lowprec.quantize.default
+    """The registered ``torch.ops.lowprec.quantize`` (its default overload)."""
     return _OP
 
 

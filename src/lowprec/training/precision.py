@@ -44,6 +44,7 @@ from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
+from .recurrent import install_fp32_fallback
 from .regimes import GroupKey, Regime, Role, regimes_for
 from .tree import cast_floating, map_floating
 
@@ -217,6 +218,14 @@ class Precision:
                 self._handles.append(model.register_forward_pre_hook(
                     lambda m, args, kwargs: (map_floating(args, cast), map_floating(kwargs, cast)),
                     with_kwargs=True))
+            # a recurrent layer torch cannot run in the 16-bit dtype on this device (oneDNN has
+            # no bf16 LSTM on AVX2-only CPUs) runs in fp32, as autocast runs ops it has no
+            # kernel for; asked by a cached probe of the layer (lowprec.training.recurrent)
+            mixed = pol.scope is Scope.MATMUL  # torch.autocast in autocast(), else a cast model
+            low = pol.compute if mixed else pol.params
+            if low != FP32:
+                self._handles += install_fp32_fallback(
+                    model, self.device, storage_dtype(low), autocast=mixed, policy=str(pol))
         else:
             self.emulation = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
                                        overrides=self.overrides,

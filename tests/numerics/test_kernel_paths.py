@@ -1,0 +1,159 @@
+"""Every instruction-set path of the compiled kernel gives the plain-torch path's bits.
+
+``_qkernel.c`` compiles its loops three times (GCC target clones: x86-64-v4 with AVX-512, AVX2,
+baseline x86-64) and the loader runs the one this CPU supports, so the other tests only ever see
+one of them. Here the file is built once per instruction set with ``-DLP_NO_CLONES -march=...``
+(setup.py's flags otherwise) and each build this CPU can execute is checked: quantization
+(elementwise, every rounding mode, and MX blocks) against the plain-torch path, the fused
+optimizer step against the torch path, and the counting and reference-order dot-product loops
+against torch. A path this CPU cannot execute (AVX-512 on an AVX2-only EPYC) is skipped with the
+reason; CI machines with AVX-512 run it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_same_bits
+from lowprec import quantize
+from lowprec.numerics import kernel
+from lowprec.training.optim import SGD, Adam
+
+SOURCE = Path(kernel.__file__).with_name("_qkernel.c")
+# setup.py's flags (no -ffast-math: the kernel relies on IEEE multiplication and subnormals)
+CFLAGS = ["-O3", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-ffp-contract=off",
+          "-fno-math-errno", "-fPIC", "-shared", "-DLP_NO_CLONES"]
+# the clone each build stands for, and the CPU flags (/proc/cpuinfo) it needs
+PATHS = {
+    "x86-64": set(),
+    "x86-64-v3": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def path_lib(request, tmp_path_factory):
+    march = request.param
+    cc = shutil.which("gcc")
+    if platform.machine() != "x86_64" or cc is None:
+        pytest.skip("the clones exist on x86-64 with GCC only")
+    missing = PATHS[march] - cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU cannot execute {march} code (no {', '.join(sorted(missing))}); "
+                    "CPUs with it run this path")
+    out = tmp_path_factory.mktemp(march) / "_qkernel_path.so"
+    include = f"-I{sysconfig.get_paths()['include']}"  # Python.h: it is an extension module
+    build = subprocess.run([cc, *CFLAGS, include, f"-march={march}", str(SOURCE), "-o", str(out),
+                            "-lpthread"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    lib = kernel.open_kernel(str(out))
+    assert lib is not None, f"the {march} build did not load"
+    return lib
+
+
+@pytest.fixture
+def on_path(path_lib, monkeypatch):
+    """The kernel functions run the given build for the duration of a test."""
+    monkeypatch.setattr(kernel, "_lib", lambda: path_lib)
+    assert kernel.available()
+
+
+def bit_patterns(n: int = 1 << 14, seed: int = 0) -> torch.Tensor:
+    """Random float32 bit patterns (every exponent, NaN, Inf, subnormals) and their +-0."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(1 << 31), 1 << 31, (n,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    return torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+
+
+FORMATS = ["fp16", "bf16", "e4m3fn", "e5m2", "e2m1fn", "q6.10"]
+MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic", "sr4"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
+    x = bit_patterns()
+    # also values near the format's own grid, where rounding decisions are made
+    x = torch.cat([x, torch.randn(1 << 12, generator=torch.Generator().manual_seed(1)) * 3])
+    for mode in MODES:
+        got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(5))
+        want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(5))
+        assert_same_bits(got, want, f"{fmt} {mode}")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "mxint8"])
+def test_mx_blocks_give_the_torch_paths_bits(on_path, fmt):
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(2))
+    x[3, :40] *= 1e-30  # a block of subnormal-range values
+    for mode in ("nearest", "stochastic"):
+        got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(3))
+        want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(3))
+        assert_same_bits(got, want, f"{fmt} {mode}")
+
+
+def _steps(cls, kw, dtype, fuse: bool):
+    w = torch.randn(37, 301, generator=torch.Generator().manual_seed(7)).to(dtype)
+    opt = cls([w], update="stochastic", generator=torch.Generator().manual_seed(11), **kw)
+    if not fuse:
+        opt._can_fuse = lambda p, s: False
+    for i in range(3):
+        g = torch.Generator().manual_seed(100 + i)
+        w.grad = (torch.randn(w.shape, generator=g)
+                  * torch.pow(10.0, -torch.randint(0, 7, w.shape, generator=g).float())).to(dtype)
+        opt.step(grad_scale=0.37)
+        assert not fuse or opt._can_fuse(w, opt.state[w])
+    return w, opt.state[w]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls, kw", [(SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+                                     (Adam, dict(lr=1e-2, weight_decay=1e-3))],
+                         ids=["sgd", "adam"])
+def test_the_fused_optimizer_step_gives_the_torch_paths_bits(on_path, cls, kw, dtype):
+    w_f, st_f = _steps(cls, kw, dtype, fuse=True)
+    w_t, st_t = _steps(cls, kw, dtype, fuse=False)
+    assert_same_bits(w_f, w_t, "parameter")
+    for key, val in st_f.items():
+        if torch.is_tensor(val):
+            assert_same_bits(val, st_t[key], key)
+
+
+def test_counting_and_reference_order_dot_products(on_path):
+    x = bit_patterns(5000)
+    x = x[~x.isnan()].contiguous()
+    n1, n2 = kernel.count_abs_ge(x, 1.0, 1e20)
+    assert (n1, n2) == (int((x.abs() >= 1.0).sum()), int((x.abs() >= 1e20).sum()))
+    g = torch.Generator().manual_seed(4)
+    cols = torch.randn(2, 2 * 9, 50, generator=g)
+    w = torch.randn(2 * 3, 9, generator=g)
+    out = torch.empty(2, 6, 50)
+    kernel.dot4(cols, w, out, 2)
+    ref = torch.cat([w[3 * i:3 * i + 3].double() @ cols[:, 9 * i:9 * i + 9].double()
+                     for i in range(2)], dim=1)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    installed = kernel.open_kernel(importlib.util.find_spec("lowprec.numerics._qkernel").origin)
+    if installed is not None:  # the clone this CPU dispatches to: the same summation order
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(kernel, "_lib", lambda: installed)
+            again = torch.empty_like(out)
+            kernel.dot4(cols, w, again, 2)
+        assert_same_bits(out, again, "dot4")
