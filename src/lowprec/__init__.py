@@ -8,45 +8,56 @@ Four layers, data flowing one way: :mod:`lowprec.numerics` (formats, rounding, q
 
 __version__ = "0.1.0"  # first: lowprec.experiments records it with every run
 
-import importlib
+from .numerics.autograd import Quantizer, quantize_ste
+from .numerics.formats import (
+    BinaryFormat,
+    BlockFormat,
+    FixedFormat,
+    FloatFormat,
+    Overflow,
+    Style,
+    parse_format,
+)
+from .training.loss_scale import DynamicLossScale, LossScale, NoLossScale, StaticLossScale
+from .training.memory import MemoryLedger
+from .training.policy import POLICIES, Policy, parse_policy, register_policy
+from .training.precision import Precision
+from .numerics.quantize import quantize, quantize_
+from .numerics.rounding import Rounding, RoundingSpec, parse_rounding
+from .training import optim
+from .training.regimes import binary, dynamic_fixed
+from . import analysis
+from .analysis.scaling import find_loss_scale
 
-# The public API, resolved on first use (PEP 562): importing ``lowprec`` (and so starting the
-# ``lowprec`` command) loads nothing heavy, so the command has its signal handlers in place
-# before torch is imported, and ``lowprec --help`` answers at once.
-_EXPORTS = {
-    "Quantizer": "numerics.autograd", "quantize_ste": "numerics.autograd",
-    "BinaryFormat": "numerics.formats", "BlockFormat": "numerics.formats",
-    "FixedFormat": "numerics.formats", "FloatFormat": "numerics.formats",
-    "Overflow": "numerics.formats", "Style": "numerics.formats",
-    "parse_format": "numerics.formats",
-    "DynamicLossScale": "training.loss_scale", "LossScale": "training.loss_scale",
-    "NoLossScale": "training.loss_scale", "StaticLossScale": "training.loss_scale",
-    "MemoryLedger": "training.memory",
-    "POLICIES": "training.policy", "Policy": "training.policy",
-    "parse_policy": "training.policy", "register_policy": "training.policy",
-    "Precision": "training.precision",
-    "quantize": "numerics.quantize", "quantize_": "numerics.quantize",
-    "Rounding": "numerics.rounding", "RoundingSpec": "numerics.rounding",
-    "parse_rounding": "numerics.rounding",
-    "find_loss_scale": "analysis.scaling",
-}
-#: sub-modules exported as attributes
-_MODULES = {"optim": "training.optim", "binary": "training.regimes.binary",
-            "dynamic_fixed": "training.regimes.dynamic_fixed", "analysis": "analysis"}
-
-__all__ = sorted([*_EXPORTS, *_MODULES, "__version__"])
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    elif name in _MODULES:
-        value = importlib.import_module(f".{_MODULES[name]}", __name__)
-    else:
-        raise AttributeError(f"module 'lowprec' has no attribute {name!r}")
-    globals()[name] = value  # resolved once
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "MemoryLedger",
+    "NoLossScale",
+    "POLICIES",
+    "Policy",
+    "Precision",
+    "StaticLossScale",
+    "find_loss_scale",
+    "optim",
+    "analysis",
+    "binary",
+    "dynamic_fixed",
+    "parse_policy",
+    "register_policy",
+    "BinaryFormat",
+    "BlockFormat",
+    "FixedFormat",
+    "FloatFormat",
+    "Overflow",
+    "Quantizer",
+    "Rounding",
+    "RoundingSpec",
+    "Style",
+    "parse_format",
+    "parse_rounding",
+    "quantize",
+    "quantize_",
+    "quantize_ste",
+    "__version__",
+]

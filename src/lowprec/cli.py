@@ -14,10 +14,9 @@ import re
 import signal
 import sys
 
-# Only the standard library is imported here: ``main`` installs its signal handling before
-# anything heavy (torch, rich) is loaded, so a Ctrl-C or SIGTERM during start-up is the same
-# clean one-line stop as later (the console script enters through lowprec.__main__, which
-# does so before even argparse is imported).
+# Only the standard library is imported here, and ``main`` installs its signal handling before
+# anything else (rich, the experiments) is loaded; the console script enters through
+# lowprec_cmd, which handles a signal while torch and lowprec are still being imported.
 
 __all__ = ["main", "build_parser"]
 
@@ -34,7 +33,12 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
 
 
-from .__main__ import Terminated as _Terminated, on_sigterm as _on_sigterm  # noqa: E402
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C (the same clean stop), with its own exit code."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
 
 
 _MAX_LINE = 400

@@ -304,7 +304,7 @@ def test_a_signal_during_start_up_is_one_line(tmp_path, sig, code):
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc to see when torch is being loaded")
     env = dict(os.environ, PYTHONPATH=SRC)
-    proc = subprocess.Popen([sys.executable, "-m", "lowprec", *ARGS, "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "lowprec_cmd", *ARGS, "--out",
                              str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _wait_for_torch(proc.pid)
