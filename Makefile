@@ -56,7 +56,8 @@ bench-gpu:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu.py --out $(GPU_OUT)
 	PYTHONPATH=src timeout 150 $(PYTHON) -m pytest -q -p no:cacheprovider --device cuda \
 		tests/numerics/test_quantize_exact.py tests/numerics/test_stochastic.py \
-		tests/training/test_loss_scale.py || true
+		tests/training/test_loss_scale.py tests/training/test_optim.py \
+		tests/training/test_emulation.py || true
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/lowprec/*.so src/lowprec/numerics/*.so

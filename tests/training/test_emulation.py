@@ -43,7 +43,7 @@ class Seen(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_inplace_relu_and_residual_add_in_place_train_and_stay_on_the_grid():
+def test_inplace_relu_and_residual_add_in_place_train_and_stay_on_the_grid(device):
     class Res(nn.Module):
         def __init__(self):
             super().__init__()
@@ -55,8 +55,9 @@ def test_inplace_relu_and_residual_add_in_place_train_and_stay_on_the_grid():
             return self.relu(out)
 
     torch.manual_seed(0)
-    model, _ = Precision("16-true").setup(nn.Sequential(Res(), nn.Linear(8, 2)))
-    x = torch.randn(4, 8)
+    model, _ = Precision("p=fp16,c=fp16,g=fp16,o=fp16,b=emulated").setup(
+        nn.Sequential(Res(), nn.Linear(8, 2)).to(device))
+    x = torch.randn(4, 8).to(device)
     out = model[0](x)
     assert on_grid(out) and on_grid(model(x))
     model(x).sum().backward()
@@ -208,16 +209,16 @@ def test_views_are_not_copied_and_selection_ops_are_not_rounded():
     assert torch.equal(r, F.relu(x))
 
 
-def test_stochastic_rounding_follows_the_generator():
+def test_stochastic_rounding_follows_the_generator(device):
     torch.manual_seed(0)
     outs = []
     for _ in range(2):
         model, _ = Precision("p=fp32,c=e4m3fn:sr,g=e5m2:sr,s=all,b=emulated",
-                             seed=7).setup(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+                             seed=7).setup(nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(device))
         with torch.no_grad():
             model[0].weight.fill_(0.1)
             model[0].bias.zero_()
-        outs.append(model(torch.linspace(-1, 1, 64).reshape(8, 8)))
+        outs.append(model(torch.linspace(-1, 1, 64).reshape(8, 8).to(device)).cpu())
     assert torch.equal(outs[0], outs[1])
 
 

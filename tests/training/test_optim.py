@@ -19,10 +19,10 @@ from lowprec.training.optim import SGD, Adam, AdamW, FormatOptimizer
     (Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
     (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=1e-2)),
 ])
-def test_fp32_optimizers_equal_torch_bit_for_bit(ours, theirs, kw):
-    a, b = small_mlp(0), small_mlp(0)
+def test_fp32_optimizers_equal_torch_bit_for_bit(ours, theirs, kw, device):
+    a, b = small_mlp(0).to(device), small_mlp(0).to(device)
     oa, ob = ours(a.parameters(), **kw), theirs(b.parameters(), **kw)
-    x, y = torch.randn(32, 20), torch.randint(0, 5, (32,))
+    x, y = torch.randn(32, 20).to(device), torch.randint(0, 5, (32,)).to(device)
     for _ in range(5):
         for m, o in ((a, oa), (b, ob)):
             o.zero_grad()
@@ -65,12 +65,12 @@ def test_torch_adam_fails_in_pure_fp16_and_lowprec_adam_does_not():
 
 @pytest.mark.parametrize("opt_cls", [SGD, torch.optim.SGD], ids=["lowprec", "torch"])
 @pytest.mark.parametrize("backend", ["native", "emulated"])
-def test_bf16_small_lr_nearest_loses_every_update(backend, opt_cls):
+def test_bf16_small_lr_nearest_loses_every_update(backend, opt_cls, device):
     """At a learning rate where |lr * g| < ulp(w) / 2 everywhere, nearest rounding changes
     nothing; stochastic and Kahan write-back still lower the loss."""
     torch.manual_seed(0)
-    x, y = torch.randn(256, 20), torch.randn(256, 1)
-    base = nn.Sequential(nn.Linear(20, 1))
+    x, y = torch.randn(256, 20).to(device), torch.randn(256, 1).to(device)
+    base = nn.Sequential(nn.Linear(20, 1)).to(device)
     with torch.no_grad():
         base[0].weight.fill_(1.0)  # ulp(1) in bf16 is 2**-7
         base[0].bias.fill_(1.0)
