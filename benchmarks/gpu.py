@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if SRC.is_dir() and str(SRC) not in sys.path:
@@ -53,6 +52,10 @@ from lowprec import Precision  # noqa: E402
 from lowprec.experiments.models import build_model  # noqa: E402
 from lowprec.training.optim import SGD  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the small GPT-style model of the CPU step benchmark (the fidelity tests' pre-norm block)
+from train_step import Transformer as GPT  # noqa: E402
+
 POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "16-master")
 NATIVE = {"16-true": torch.float16, "bf16-true": torch.bfloat16}
 SPECS = {"16-true": "p=fp16,c=fp16,g=fp16,o=fp16", "bf16-true": "p=bf16,c=bf16,g=bf16,o=bf16"}
@@ -62,42 +65,6 @@ FULL = dict(cnn_batch=1024, gpt_batch=32, gpt=dict(vocab=8192, d=512, layers=6, 
 DRY = dict(cnn_batch=4, gpt_batch=2, gpt=dict(vocab=64, d=32, layers=1, heads=2, ctx=16),
            steps=1, rounds=1, warmup=1, fid_batch=2, cert_n=16, q_elems=1 << 12, q_reps=2,
            step_models=("resnet20", "gpt"))
-
-
-class Block(nn.Module):
-    """Pre-norm GPT block: causal scaled-dot-product attention, GELU MLP, residual adds."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.f1, self.f2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2)
-                   for t in self.qkv(self.n1(x)).split(D, -1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.f2(F.gelu(self.f1(self.n2(x))))
-
-
-class GPT(nn.Module):
-    """A small GPT-style language model: logits (tokens, vocabulary) for cross-entropy."""
-
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.emb, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(ctx, d) * 0.02)
-        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
-        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-    def forward(self, ids):
-        x = self.emb(ids) + self.pos[:ids.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x)).flatten(0, 1)
 
 
 def _models(sz: dict):

@@ -277,8 +277,8 @@ def test_a_killed_driver_resumes_to_the_numbers_of_an_uninterrupted_run(local_ra
 
 def test_the_local_instance_runs_its_workers_at_the_drivers_priority(local_ray):
     """Ray starts workers at niceness 15: on a loaded machine the runs (the command's whole
-    job) starved (941 s for one test under four busy processes); lowprec's local instance asks
-    for the driver's priority."""
+    job) starved (941 s for one test beside four busy processes, 2-core AMD EPYC with AVX2);
+    lowprec's local instance asks for the driver's priority."""
     import os
 
     @ray.remote
