@@ -330,7 +330,8 @@ def test_lstm_is_as_accurate_as_native_fp16():
 _GRID_NODES = ("View", "Reshape", "Unsafe", "Transpose", "T", "Permute", "Expand", "Squeeze",
                "Unsqueeze", "Select", "Slice", "Split", "Cat", "Stack", "Threshold", "Relu",
                "MaxPool", "Index", "Embedding", "Clone", "Alias", "Unbind", "Chunk",
-               "AsStrided", "Narrow", "_RoundBackward", "_RoundInplace",
+               "AsStrided", "Narrow", "_RoundBackward", "_RoundInplace", "_ConsumedBackward",
+               "_UpcastBackward", "_BroadcastBackward",
                "torch::autograd::AccumulateGrad")
 
 

@@ -47,8 +47,10 @@ from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
 from . import kernels
-from .oplists import (ACCUMULATOR_INPUTS, BUFFER_OPS, FP32_OPS, GRID_OPS, LOWP_OPS, NORM_OPS,
-                      PASS_OPS, is_inplace, reduction_axes)
+from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
+                     format_dtype, is_island)
+from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
+                      NORM_OPS, PASS_OPS, is_inplace, reduction_axes)
 
 __all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK"]
 
@@ -191,6 +193,55 @@ class _Round(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+class _Upcast(torch.autograd.Function):
+    """A 16-bit value cast up (``h.to(torch.float32)``): a copy, exact; the gradient reaching
+    it is cast back to the 16-bit format, as the cast's backward does natively."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
+        ctx.spec = (bwd, bmode, gen)
+        return x.clone()
+
+    backward = _Round.backward
+
+
+class _Consumed(torch.autograd.Function):
+    """An activation an op reads: unchanged forward; the gradient this one op sends back to it
+    is rounded before autograd adds it to the other consumers' (a native 16-bit run sums its
+    consumers' 16-bit gradients, each rounded, in the tensor's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, bwd, bmode, gen):
+        ctx.spec = (bwd, bmode, gen)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        bwd, bmode, gen = ctx.spec
+        if g is not None and g.dtype in _ROUNDABLE:
+            g = quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen)
+        return g, None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    """An operand broadcast by an elementwise op (``weight * h``): expanded here, so that its
+    gradient arrives at the output's size and is rounded there before being summed down, as a
+    native 16-bit backward computes it (the full-size product in 16 bits, then the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, shape, bwd, bmode, gen):
+        ctx.spec = (bwd, bmode, gen, x.shape)
+        return x.expand(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        bwd, bmode, gen, shape = ctx.spec
+        if g is not None and g.dtype in _ROUNDABLE:
+            g = quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen)
+            g = g.sum_to_size(shape)
+        return g, None, None, None, None
+
+
 class _RoundInplace(torch.autograd.Function):
     """In-place form for what an in-place op wrote (``x += y``)."""
 
@@ -242,6 +293,10 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         name = op_name(func)
         if name in PASS_OPS:
+            if name == "__get__" and args and getattr(func, "__self__", None) is DTYPE_GETTER:
+                return self.engine.reported_dtype(args[0])  # x.dtype: its logical dtype
+            if name == "element_size" and args:
+                return self.engine.reported_dtype(args[0]).itemsize
             return func(*args, **kwargs)
         if isinstance(func, types.FunctionType) and func not in self.expanding:
             # a Python function of torch (F.layer_norm, F.multi_head_attention_forward,
@@ -255,7 +310,13 @@ class _Mode(TorchFunctionMode):
                 self.expanding.discard(func)
         em = self.engine
         rule = em.rule()
-        if not rule.active:
+        dt = kwargs.get("dtype")
+        if name in CASTS and args and torch.is_tensor(args[0]):
+            out = em.cast(func, name, rule, args, kwargs)
+        elif isinstance(dt, torch.dtype) and dt in DTYPE_FORMATS:  # dtype=torch.float16: fp32, rounded
+            out = em.run_16(func, name, rule, args, dict(kwargs, dtype=torch.float32),
+                            DTYPE_FORMATS[dt])
+        elif not rule.active:
             out = func(*args, **kwargs)
         elif rule.scope == "all":
             out = em.run_pure(func, name, rule, args, kwargs)
@@ -295,6 +356,7 @@ class Emulation:
         self._mode = _Mode(self)
         self._depth = 0
         self._pnames: dict[int, str] = {}
+        self._cast_rules: dict = {}
         if model is not None:
             self._pnames = {id(p): n for n, p in model.named_parameters()}
             self._attach(model)
@@ -332,10 +394,14 @@ class Emulation:
         when an op uses them); call after the parameters were rounded to it."""
         for mname, m in model.named_modules():
             rule = self.rules.get(mname, self.root_rule)
-            for p in m.parameters(recurse=False):
-                if rule.params == rule.compute and not isinstance(rule.compute,
-                                                                 (BlockFormat, DynamicFixedFormat)):
+            if rule.params == rule.compute and not isinstance(rule.compute,
+                                                             (BlockFormat, DynamicFixedFormat)):
+                for p in m.parameters(recurse=False):
                     _mark(p, rule.compute)
+                if rule.scope == "all":  # model.half() converts floating buffers too
+                    for b in m.buffers(recurse=False):
+                        if b.is_floating_point():
+                            _mark(b, rule.compute)
 
     def rule_of(self, name: str) -> Rule:
         """The rule of the module owning parameter (or buffer) ``name``."""
@@ -452,18 +518,199 @@ class Emulation:
             return self.round(t, rule, self._pnames.get(id(t), key), grads=False)
         return self.round(t, rule, key)
 
+    # -- logical dtypes ----------------------------------------------------------------------
+    def logical_dtype(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype ``t`` would have in a native run (see :mod:`.dtypes`)."""
+        d = getattr(t, LOGICAL, None)
+        if d is not None:
+            return d
+        m = getattr(t, MARK, None)
+        if m is not None:
+            d = format_dtype(m)
+            if d is not None:
+                return d
+        if isinstance(t, nn.Parameter):  # rounded when used: the 16-bit copy native runs hold
+            name = self._pnames.get(id(t))
+            if name is not None:
+                r = self.rule_of(name)
+                if r.active and r.scope == "all":
+                    d = format_dtype(r.compute)
+                    if d is not None:
+                        return d
+        return t.dtype
+
+    def reported_dtype(self, t) -> torch.dtype:
+        """What ``t.dtype`` answers in model code: the logical dtype under a pure rule, as
+        ``model.half()`` would; the physical one under a mixed rule, where torch.autocast's
+        own state (which model code also reads) is not emulated."""
+        if not torch.is_tensor(t):
+            return t.dtype
+        if self.rule().scope != "all":
+            d = getattr(t, LOGICAL, None)
+            return t.dtype if d is None else d
+        return self.logical_dtype(t)
+
+    def _cast_rule(self, rule: Rule, fmt: Format) -> Rule:
+        """The rule a cast (or a ``dtype=`` result) to ``fmt`` rounds with: the module's own when
+        ``fmt`` is its compute format, else ``fmt`` everywhere with round-to-nearest-even."""
+        if rule.active and rule.compute == fmt:
+            return rule
+        r = self._cast_rules.get(fmt)
+        if r is None:
+            r = self._cast_rules[fmt] = Rule(fmt, fmt, fmt)
+        return r
+
+    def cast(self, func, name: str, rule: Rule, args, kwargs):
+        """``.to(dtype)``, ``.float()``, ``.half()``, ``.type_as(y)`` as a native run does them:
+        down to a 16-bit dtype rounds once; up from one opens an fp32 island (a copy, its
+        gradient cast back when it leaves)."""
+        x = args[0]
+        if name == "type" and len(args) == 1 and not kwargs:  # x.type(): the type's name
+            return TYPE_NAMES.get(self.reported_dtype(x)) or func(*args, **kwargs)
+        target = cast_target(name, args, kwargs, self.reported_dtype)
+        if target is None:
+            return func(*args, **kwargs)
+        src = self.logical_dtype(x)
+        if src == target:
+            return x if x.dtype in _ROUNDABLE or x.dtype == target else func(*args, **kwargs)
+        key = self.module_name()
+        fmt = DTYPE_FORMATS.get(target)
+        with torch._C.DisableTorchFunction():
+            if fmt is not None:  # down (or sideways) to 16 bits: fp32, rounded once
+                y = x if x.dtype == torch.float32 else x.float()
+                return self.round(y, self._cast_rule(rule, fmt), key)
+            sfmt = DTYPE_FORMATS.get(src)
+            if sfmt is None or x.dtype != torch.float32:  # an int or fp64 tensor, cast natively
+                y = func(*args, **kwargs)
+            elif x.requires_grad and torch.is_grad_enabled():
+                r = self._cast_rule(rule, sfmt)
+                _, bwd = self._fmts(r, key, x, None, True)
+                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self.generator)
+            else:
+                y = x.clone()
+            if target != torch.float32:
+                y = y.to(target)
+        if y.dtype == torch.float32:
+            setattr(y, LOGICAL, torch.float32)
+        return y
+
+    def run_16(self, func, name: str, rule: Rule, args, kwargs, fmt: Format):
+        """An op given ``dtype=torch.float16`` (a factory, ``sum``, ``softmax``): computed in
+        fp32 and rounded once to that 16-bit format; uninitialised memory is only marked."""
+        out = func(*args, **kwargs)
+        inputs = tensors_in(args, [])
+        r = self._cast_rule(rule, fmt)
+        key = self.module_name()
+
+        def rout(o):
+            if not _floating(o) or any(o is a for a in inputs):
+                return o
+            if name in EMPTY_OPS:
+                _mark(o, fmt)
+                return o
+            return self.round(o, r, key)
+
+        return _map(rout, out)
+
+    def _promoted(self, t, rule: Rule, key: str):
+        """A 16-bit tensor an fp32 island op reads: a copy whose gradient is rounded to 16 bits
+        (autograd casts the gradient of a promoted operand back to its dtype)."""
+        if not (_floating(t) and t.requires_grad) or is_island(t):
+            return t
+        fmt = DTYPE_FORMATS.get(self.logical_dtype(t))
+        if fmt is None:
+            return t
+        r = self._cast_rule(rule, fmt)
+        with torch._C.DisableTorchFunction():
+            _, bwd = self._fmts(r, key, t, None, True)
+            if bwd is None:
+                return t
+            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self.generator)
+
+    @staticmethod
+    def _island(name: str, args, inplace: bool, inputs) -> bool:
+        """Whether an op's result is a float32 island value: torch's type promotion over the
+        logical dtypes (dimensioned tensors before 0-dim ones; an in-place op keeps its
+        target's), a matmul-like op only when every operand is fp32 (otherwise autocast-like:
+        the weight's 16 bits win), and results of no floating input (``torch.ones(n)``,
+        ``ids * 0.5``) in the default dtype."""
+        if inplace:
+            return bool(args) and is_island(args[0])
+        fl = [t for t in inputs if _floating(t)]
+        if not fl:
+            return True
+        if name in LOWP_OPS:
+            return all(is_island(t) for t in fl)
+        if name in NORM_OPS:
+            return bool(args) and is_island(args[0])
+        dims = [t for t in fl if t.dim()]
+        return any(is_island(t) for t in (dims or fl))
+
     # -- ops ---------------------------------------------------------------------------------
     def run_pure(self, func, name: str, rule: Rule, args, kwargs):
-        """scope "all": every op's floating output on the compute grid."""
+        """scope "all": every op's floating output on the compute grid, except in fp32 islands
+        (see :mod:`.dtypes`)."""
         key = self.module_name()
         fmt = rule.compute
         grid = name in GRID_OPS
         inplace = is_inplace(name)
+        if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
+            out = func(*args, **kwargs)
+            src = args[0] if args and _floating(args[0]) else None
+            if src is not None and is_island(src) and _floating(out):
+                setattr(out, LOGICAL, torch.float32)
+            elif src is not None and _floating(out):
+                _mark(out, fmt)
+            return out
+        inputs = tensors_in(args, tensors_in(kwargs, []))
+        if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
+                self._island(name, args, inplace, inputs):
+            if inplace:
+                return func(*args, **kwargs)
+            if torch.is_grad_enabled() and any(a.requires_grad for a in inputs):
+                # a 16-bit operand promoted to fp32: its gradient is cast back to 16 bits
+                args, kwargs = _map(lambda t: self._promoted(t, rule, key), (args, kwargs))
+                inputs = tensors_in(args, tensors_in(kwargs, []))
+            out = func(*args, **kwargs)
+
+            def island(o):
+                if _floating(o) and not any(o is a for a in inputs):
+                    setattr(o, LOGICAL, torch.float32)
+                return o
+
+            return _map(island, out)
         if not grid:
             okey = key  # one dynamic fixed-point group per module and role
+            lowp = name in LOWP_OPS
+
+            shape = None
+            if name in BROADCAST_OPS and rule.grads != FP32 and torch.is_grad_enabled():
+                fl = [t.shape for t in tensors_in(args, []) if _floating(t)]
+                try:
+                    shape = torch.broadcast_shapes(*fl) if len(fl) > 1 else None
+                except RuntimeError:
+                    shape = None
+
+            consumed = rule.grads != FP32 and torch.is_grad_enabled() and not inplace
 
             def rin(t):
-                return self._in(t, rule, okey + ".in")
+                if not lowp and is_island(t):  # a 0-dim fp32 value: used as it is
+                    return t
+                t = self._in(t, rule, okey + ".in")
+                if consumed and _floating(t) and t.requires_grad and t.grad_fn is not None \
+                        and not isinstance(t, nn.Parameter):
+                    with torch._C.DisableTorchFunction():
+                        _, bwd = self._fmts(rule, okey, t, None, True)
+                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator)
+                    _mark(t2, getattr(t, MARK, None)) if getattr(t, MARK, None) else None
+                    t = t2
+                if shape is not None and _floating(t) and t.requires_grad and \
+                        t.shape != shape and t.dim():
+                    with torch._C.DisableTorchFunction():
+                        _, bwd = self._fmts(rule, okey, t, None, True)
+                        t = _Broadcast.apply(t, shape, bwd, rule.grad_rounding, self.generator)
+                    _mark(t, rule.compute)
+                return t
 
             if name in BUFFER_OPS:
                 args = tuple(a if i in _BUFFER_POS else _map(rin, a) for i, a in enumerate(args))
@@ -475,11 +722,17 @@ class Emulation:
         if name == "batch_norm" and kernels.uses_batch_stats(args, kwargs):
             out = kernels.label_kernel_nodes(kernels.batch_norm(self, rule, key, *args, **kwargs),
                                              args, name)
+        elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
+                kernels.plain_embedding(args, kwargs):
+            out = kernels.embedding(self, rule, *args, **kwargs)
         elif name == "lstm" and kernels.plain_lstm(args, kwargs):
             with self._mode:  # each op of the cell is an op of its own, as in the CPU kernel
                 return kernels.lstm(*args)
         elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
             out = kernels.layer_norm(self, rule, key, *args)
+        elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs) \
+                and not kernels.flash_possible(args, kwargs):
+            out = kernels.attention_math(*args, **kwargs)
         elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):
             out = kernels.label_kernel_nodes(kernels.attention(self, rule, key, *args, **kwargs),
                                              args, name)

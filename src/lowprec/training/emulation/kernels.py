@@ -18,7 +18,13 @@ from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
 
 __all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "lstm",
-           "uses_batch_stats", "plain_attention", "plain_lstm", "label_kernel_nodes"]
+           "uses_batch_stats", "plain_attention", "plain_lstm", "label_kernel_nodes",
+           "embedding", "plain_embedding", "SEQUENTIAL_LIMIT", "flash_possible",
+           "attention_math"]
+
+# Above this many uses of one row in a batch, the embedding's backward sums in fp32 and rounds
+# once (as CUDA's kernel does) instead of replaying the CPU kernel's rounded additions.
+SEQUENTIAL_LIMIT = 1024
 
 
 def label_kernel_nodes(out: torch.Tensor, args, name: str) -> torch.Tensor:
@@ -60,9 +66,10 @@ def plain_lstm(args, kwargs) -> bool:
 
 
 def plain_attention(args, kwargs) -> bool:
-    """scaled_dot_product_attention without dropout or grouped heads, keys up to one block."""
-    if len(args) < 3 or any(k not in ("attn_mask", "dropout_p", "is_causal", "scale")
-                            for k in kwargs):
+    """scaled_dot_product_attention without dropout, keys up to one block (grouped heads:
+    ``enable_gqa``, as Hugging Face's sdpa attention passes it)."""
+    if len(args) < 3 or any(k not in ("attn_mask", "dropout_p", "is_causal", "scale",
+                                      "enable_gqa") for k in kwargs):
         return False
     return (not kwargs.get("dropout_p", 0.0) and len(args) <= 3 and args[0].dim() >= 2
             and args[1].shape[-2] <= 512)
@@ -252,6 +259,9 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
     rounds the output once. Sequences up to the kernel's 512-key block: one block, no
     rescaling. Measured: bit-exact with native fp16 on this CPU (tests/training/test_fidelity)."""
     sc = torch.tensor(scale if scale is not None else q.shape[-1] ** -0.5, dtype=torch.float32)
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped keys and values
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     s = (q @ k.transpose(-2, -1)) * sc
     if is_causal:
         L, S = q.shape[-2], k.shape[-2]
@@ -267,6 +277,37 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
     total = e.sum(-1, keepdim=True)
     total = torch.where(total == 0, torch.ones_like(total), total)
     return (p @ v) * (1 / total)
+
+
+def flash_possible(args, kwargs) -> bool:
+    """Whether torch's CPU SDPA would take its flash kernel: not with a mask that needs a
+    gradient (T5's learned position bias), where ``sdp_utils_cpp`` falls back to the math
+    path."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    return not (torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled())
+
+
+def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """Attention as torch's math path (``_scaled_dot_product_attention_math``) computes it for
+    16-bit inputs on CPU: upcast to fp32, q and k each scaled by sqrt(scale), scores, mask
+    added, a safe softmax, P @ V, all in fp32; the caller rounds the output once."""
+    sf = torch.tensor(scale if scale is not None else q.shape[-1] ** -0.5,
+                      dtype=torch.float32).sqrt()
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = (q * sf) @ (k.transpose(-2, -1) * sf)
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1),
+                          float("-inf"))
+    if attn_mask is not None:
+        s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+             else s + attn_mask)
+    p = torch.softmax(s, -1)
+    p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # _safe_softmax: masked rows 0
+    return p @ v
 
 
 def lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
@@ -398,3 +439,66 @@ def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-
 
     stat, grad = _kernel_roundings(rule)
     return _LayerNorm.apply(x, weight, bias, tuple(shape), eps, act, stat, grad)
+
+
+def plain_embedding(args, kwargs) -> bool:
+    """torch.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse) with a
+    dense gradient and no frequency scaling."""
+    a = list(args) + [None] * (5 - len(args))
+    scale = kwargs.get("scale_grad_by_freq", a[3])
+    sparse = kwargs.get("sparse", a[4])
+    return (len(args) >= 2 and torch.is_tensor(args[0]) and args[0].requires_grad
+            and args[0].dim() == 2 and not scale and not sparse)
+
+
+class _Embedding(torch.autograd.Function):
+    """Forward: the rows (a selection). Backward as ``embedding_dense_backward_cpu`` runs for
+    16-bit weights: ``index_add_`` into a 16-bit gradient, each addition rounded, in the order
+    of the indices (fp32 once above ``SEQUENTIAL_LIMIT`` uses of a row)."""
+
+    @staticmethod
+    def forward(ctx, weight, indices, padding_idx, fmt, mode):
+        ctx.save_for_backward(indices)
+        ctx.spec = (weight.shape, padding_idx, fmt, mode)
+        return torch.embedding(weight, indices, -1 if padding_idx is None else padding_idx)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (indices,) = ctx.saved_tensors
+        shape, padding_idx, fmt, mode = ctx.spec
+        ids = indices.reshape(-1)
+        g = g.reshape(-1, shape[1])
+        if padding_idx is not None and padding_idx >= 0:
+            keep = ids != padding_idx
+            ids, g = ids[keep], g[keep]
+        acc = torch.zeros(shape, dtype=g.dtype, device=g.device)
+        if ids.numel() == 0:
+            return acc, None, None, None, None
+        # the rank of each use among the uses of its row, in index order: additions of equal
+        # rank touch distinct rows and run together; ranks run in order
+        order = torch.argsort(ids, stable=True)
+        srt = ids[order]
+        pos = torch.arange(srt.numel(), device=ids.device)
+        first = torch.ones_like(srt, dtype=torch.bool)
+        first[1:] = srt[1:] != srt[:-1]
+        rank_sorted = pos - torch.where(first, pos, 0).cummax(0).values
+        rank = torch.empty_like(rank_sorted)
+        rank[order] = rank_sorted
+        top = int(rank_sorted.max())
+        if top >= SEQUENTIAL_LIMIT:
+            return quantize(acc.index_add_(0, ids, g), fmt, mode), None, None, None, None
+        for k in range(top + 1):
+            sel = (rank == k).nonzero().squeeze(1)
+            rows = ids[sel]
+            acc[rows] = quantize(acc[rows] + g[sel], fmt, mode)
+        return acc, None, None, None, None
+
+
+def embedding(engine, rule, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
+              sparse=False):
+    fmt = rule.params
+    if fmt not in NATIVE_DTYPES or NATIVE_DTYPES[fmt] == torch.float32:
+        return torch.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    pad = None if padding_idx is None or padding_idx < 0 else padding_idx
+    return _Embedding.apply(weight, indices, pad, fmt, Rounding.NEAREST_EVEN)

@@ -14,7 +14,8 @@ the CPU's (``prelu``, ``conv_tbc``, the fused ``lstm``/``gru`` of mkldnn).
 
 from __future__ import annotations
 
-__all__ = ["LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS",
+__all__ = ["LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS", "EMPTY_OPS",
+           "BROADCAST_OPS",
            "reduction_axes", "is_inplace"]
 
 # torch.autocast's lower-precision list (CUDA and CPU): inputs and weights are cast to the
@@ -71,8 +72,19 @@ GRID_OPS = frozenset({
     "minimum", "sort", "topk", "kthvalue", "median", "clone", "detach", "detach_", "embedding",
     "pad", "constant_pad_nd", "zero_", "fill_diagonal_", "pixel_shuffle", "pixel_unshuffle",
     "channel_shuffle", "unfold", "diagonal", "triu", "tril", "dropout_eval", "alias",
-    "as_strided", "T", "mT", "H", "mH", "type_as", "float", "to", "requires_grad_",
+    "as_strided", "T", "mT", "H", "mH", "requires_grad_",
 })
+
+# Elementwise ops that broadcast their operands: a native 16-bit backward computes each
+# operand's gradient at the output's full size (rounded) before summing it down to the operand.
+BROADCAST_OPS = frozenset({
+    "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "rsub", "mul", "__mul__",
+    "__rmul__", "div", "__truediv__", "__rtruediv__", "true_divide", "addcmul", "addcdiv",
+    "where", "lerp", "maximum", "minimum", "hypot", "atan2",
+})
+
+# Uninitialised memory: nothing to round (or to report) until an op writes it.
+EMPTY_OPS = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
 
 # Normalisations: the output has the dtype of the input (args[0]), whatever their parameters'.
 NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm",
