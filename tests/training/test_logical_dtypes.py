@@ -214,3 +214,38 @@ def test_llama_follows_native_fp16():
     assert res["forward"][0] <= 0.25 and res["grads"][0] <= 0.7, res
     for part in res.values():
         assert 0.9 <= part[1] <= 1.1, res
+
+
+def test_linear_on_a_non_contiguous_3d_input_rounds_twice_as_aten_does():
+    """nn.MultiheadAttention(batch_first=True) hands F.linear a transposed 3-D input; aten runs
+    matmul then add there (two fp16 roundings): bit-exact with native fp16."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, 16, generator=g).half().transpose(0, 1)
+    w = torch.randn(24, 16, generator=g).half()
+    b = torch.randn(24, generator=g).half()
+    native = torch.nn.functional.linear(x, w, b)
+    from lowprec.training.emulation import emulated
+
+    x32, w32, b32 = x.float(), w.float(), b.float()  # fp32 carriers of fp16 values
+    with emulated("16-true"):
+        out = torch.nn.functional.linear(x32, w32, b32)
+    assert torch.equal(out.half(), native)
+
+
+def test_multihead_attention_batch_first_follows_native_fp16():
+    from tests.training.test_fidelity import fidelity
+
+    class MHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(32, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.att(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 10, 32, generator=torch.Generator().manual_seed(1)).half().float()
+    res = fidelity(MHA(), x)
+    assert res["forward"][0] <= 0.5 and res["grads"][0] <= 0.5, res
+    for part in res.values():
+        assert 0.9 <= part[1] <= 1.1, res

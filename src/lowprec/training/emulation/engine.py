@@ -679,6 +679,7 @@ class Emulation:
                 return o
 
             return _map(island, out)
+        split = name == "linear" and kernels.split_linear(args, kwargs)  # before rounding
         if not grid:
             okey = key  # one dynamic fixed-point group per module and role
             lowp = name in LOWP_OPS
@@ -730,12 +731,19 @@ class Emulation:
                 return kernels.lstm(*args)
         elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
             out = kernels.layer_norm(self, rule, key, *args)
-        elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs) \
-                and not kernels.flash_possible(args, kwargs):
-            out = kernels.attention_math(*args, **kwargs)
         elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):
-            out = kernels.label_kernel_nodes(kernels.attention(self, rule, key, *args, **kwargs),
-                                             args, name)
+            qkv, kw = kernels.sdpa_arguments(args, kwargs)
+            if kernels.flash_possible(args, kwargs):
+                out = kernels.label_kernel_nodes(kernels.attention(self, rule, key, *qkv, **kw),
+                                                 qkv, name)
+            else:
+                out = kernels.attention_math(*qkv, **kw)
+        elif split:
+            # aten's linear on a non-contiguous N-d input with a bias: matmul, then add (two
+            # 16-bit results, two roundings), as nn.MultiheadAttention(batch_first=True) runs
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            out = self.round(func(x, w), rule, key) + b
         else:
             out = self._conv(func, name)(*args, **kwargs)
         if name in BUFFER_OPS:

@@ -20,7 +20,7 @@ from ...numerics.storage import NATIVE_DTYPES
 __all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "lstm",
            "uses_batch_stats", "plain_attention", "plain_lstm", "label_kernel_nodes",
            "embedding", "plain_embedding", "SEQUENTIAL_LIMIT", "flash_possible",
-           "attention_math"]
+           "attention_math", "split_linear", "sdpa_arguments"]
 
 # Above this many uses of one row in a batch, the embedding's backward sums in fp32 and rounds
 # once (as CUDA's kernel does) instead of replaying the CPU kernel's rounded additions.
@@ -65,15 +65,31 @@ def plain_lstm(args, kwargs) -> bool:
     return len(args[2]) == per_layer * args[4] and args[1][0].shape[-1] * 4 == args[2][0].shape[0]
 
 
+_SDPA_NAMES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(args, kwargs):
+    """(q, k, v) and the keywords of a scaled_dot_product_attention call, positional ones
+    (``F.multi_head_attention_forward`` passes the mask, dropout and causality by position)
+    named; None when the call has arguments this module does not know."""
+    if len(args) < 3 or len(args) > 3 + len(_SDPA_NAMES):
+        return None
+    kw = dict(zip(_SDPA_NAMES, args[3:]))
+    for k, v in kwargs.items():
+        if k not in _SDPA_NAMES or k in kw:
+            return None
+        kw[k] = v
+    return tuple(args[:3]), kw
+
+
 def plain_attention(args, kwargs) -> bool:
     """scaled_dot_product_attention without dropout, keys up to one block (grouped heads:
     ``enable_gqa``, as Hugging Face's sdpa attention passes it)."""
-    if len(args) < 3 or any(k not in ("attn_mask", "dropout_p", "is_causal", "scale",
-                                      "enable_gqa") for k in kwargs):
+    norm = sdpa_arguments(args, kwargs)
+    if norm is None:
         return False
-    return (not kwargs.get("dropout_p", 0.0) and len(args) <= 3 and args[0].dim() >= 2
-            and args[1].shape[-2] <= 512)
-
+    (q, k, _), kw = norm
+    return not kw.get("dropout_p", 0.0) and q.dim() >= 2 and k.shape[-2] <= 512
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -279,11 +295,21 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
     return (p @ v) * (1 / total)
 
 
+def split_linear(args, kwargs) -> bool:
+    """F.linear(x, W, b) that aten computes as ``matmul`` then ``add`` (``at::linear`` in
+    aten/src/ATen/native/Linear.cpp: a bias, an input of more than 2 dimensions that is not
+    contiguous), not as one addmm."""
+    if not args or not torch.is_tensor(args[0]) or args[0].dim() <= 2:
+        return False
+    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    return torch.is_tensor(b) and not args[0].is_contiguous()
+
+
 def flash_possible(args, kwargs) -> bool:
     """Whether torch's CPU SDPA would take its flash kernel: not with a mask that needs a
     gradient (T5's learned position bias), where ``sdp_utils_cpp`` falls back to the math
     path."""
-    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    mask = sdpa_arguments(args, kwargs)[1].get("attn_mask")
     return not (torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled())
 
 
