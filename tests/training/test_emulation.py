@@ -164,14 +164,24 @@ def test_mixed_policy_rounds_what_autocast_casts_lstm_addmm_and_the_attention_pr
     assert not all(on_grid(t) for args in seen.args["addmm"] for t in args)
 
 
-def test_packed_sequences_run_under_every_scope_all_policy():
+@pytest.mark.parametrize("layer", [
+    lambda: nn.LSTM(4, 6),
+    lambda: nn.GRU(4, 6, num_layers=2, dropout=0.2, bidirectional=True),
+    lambda: nn.RNN(4, 6, nonlinearity="relu")], ids=["lstm", "gru-2-layers-bidirectional", "rnn"])
+def test_packed_sequences_run_under_every_scope_all_policy(layer):
+    """The recurrent replay (emulation/recurrent_kernels.py) under formats with no 16-bit
+    kernel to follow: fixed point, dynamic fixed point, stochastic rounding."""
     torch.manual_seed(0)
-    for policy in ("16-true", "p=bf16,b=emulated", "fixed16-rn", "dfxp-10-12"):
-        model, _ = Precision(policy, seed=0).setup(nn.LSTM(4, 6))
+    for policy in ("16-true", "p=bf16,b=emulated", "fixed16-rn", "dfxp-10-12",
+                   "p=fp16,c=fp16:sr,g=fp16:sr,b=emulated"):
+        model, _ = Precision(policy, seed=0).setup(layer())
         packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 4), [5, 3])
         out, _ = model(packed)
         assert isinstance(out, nn.utils.rnn.PackedSequence)
+        assert torch.isfinite(out.data).all()
         out.data.sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all()
+                   for p in model.parameters()), policy
 
 
 def test_per_module_overrides_keep_norms_in_fp32_and_the_head_in_bf16():

@@ -224,6 +224,43 @@ class LSTMNet(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
+class GRUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru, self.head = nn.GRU(12, 24, batch_first=True), nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0][:, -1])
+
+
+class PackedBiLSTM(nn.Module):
+    """A bidirectional LSTM over a PackedSequence of unsorted lengths; every step's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(12, 24, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(48, 5)
+
+    def forward(self, x):
+        lengths = torch.tensor([7, 10, 4, 9])[:x.shape[0]]
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return self.head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]).sum(1)
+
+
+class StackedLSTM(nn.Module):
+    """Two layers, dropout between them (training mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(12, 24, num_layers=2, dropout=0.3, batch_first=True)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
 def _run(model, x, mode, match_cpu_kernels=False):
     m = copy.deepcopy(model)
     if mode == "native":
@@ -233,7 +270,9 @@ def _run(model, x, mode, match_cpu_kernels=False):
     elif mode == "emulated":
         m, _ = Precision("16-true", match_cpu_kernels=match_cpu_kernels).setup(m)
     m.train()
-    out = m(x)
+    with torch.random.fork_rng():
+        torch.manual_seed(7)  # dropout draws the same masks in every run
+        out = m(x)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
     (out * w).sum().backward()
     grads = [p.grad for p in m.parameters()]
@@ -314,16 +353,106 @@ def test_transformer_matches_native_fp16():
         assert 0.8 <= part[1] <= 1.25, res
 
 
-def test_lstm_is_as_accurate_as_native_fp16():
-    """The LSTM runs as ATen's CPU cell does (each gate op rounded): its error against float64
-    is native's (1.08x forward, 0.85x gradients; a single rounding of the fused cell gave 0.55x:
-    more accurate than fp16 really is). The distance to native stays near fp32's (1.06x / 0.76x)
-    because fp16 linear differs by one unit at times, and the recurrence spreads it."""
+RECURRENT = {"lstm": LSTMNet, "gru": GRUNet, "packed-bidirectional-lstm": PackedBiLSTM,
+             "2-layer-lstm-dropout": StackedLSTM}
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_layers_track_native_fp16(name):
+    """LSTM, GRU and RNN layers run op by op as ATen's CPU composite runs them in fp16
+    (emulation/recurrent_kernels.py): the input projection, each gate op of each step rounded,
+    at::linear's matmul-then-add for a batch_first input, dropout's noise drawn from torch's
+    generator as native draws it and rounded to fp16; backward, sigmoid's Half-arithmetic
+    derivative from the rounded output, each use's gradient rounded before autograd's 16-bit
+    sum, the per-step weight gradients summed in fp16. Measured on this CPU: 0.0 forward and
+    0.0 gradients for all four, errors 1.00 (bit-exact; before, the plain LSTM replayed under
+    the mode and the others one fp32 op: forward / gradients LSTM 1.06 / 0.76, GRU 1.20 /
+    0.97, packed bidirectional LSTM 1.00 / 0.82, 2-layer LSTM 0.70 / 0.66, errors 0.44-1.08;
+    benchmarks/fidelity_recurrent.py). Bound 0.5 (the issue's), not 0: fp16 linear sums in
+    its own order, one unit apart at times on other CPUs and shapes."""
     torch.manual_seed(0)
-    res = fidelity(LSTMNet(), _x(4, 10, 12))
+    res = fidelity(RECURRENT[name](), _x(4, 10, 12))
+    assert res["forward"][0] <= 0.5 and res["grads"][0] <= 0.5, res
     for part in res.values():
-        assert 0.8 <= part[1] <= 1.25, res
-    assert res["forward"][0] <= 1.1 and res["grads"][0] <= 0.8, res
+        assert 0.9 <= part[1] <= 1.1, res
+
+
+class AllOutputs(nn.Module):
+    """A recurrent layer's every output (the sequence and the final states), flattened into
+    one vector, so that each gets a gradient; ``packed``: fed a PackedSequence."""
+
+    def __init__(self, rnn, packed):
+        super().__init__()
+        self.rnn, self.packed = rnn, packed
+
+    def forward(self, x):  # x: (batch, time, features)
+        first = self.rnn.batch_first
+        if not first:
+            x = x.transpose(0, 1).contiguous()
+        if self.packed:
+            x = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([3, 6, 2]), batch_first=first,
+                                                  enforce_sorted=False)
+        out, states = self.rnn(x)
+        if self.packed:
+            out = nn.utils.rnn.pad_packed_sequence(out, batch_first=first)[0]
+        states = states if isinstance(states, tuple) else (states,)
+        return torch.cat([t.flatten() for t in (out, *states)])
+
+
+RNN_OPTIONS = {  # layer, packed input
+    "gru-bidirectional": (lambda: nn.GRU(5, 8, bidirectional=True, batch_first=True), False),
+    "gru-packed-bidirectional-2-layers-dropout": (
+        lambda: nn.GRU(5, 8, 2, dropout=0.3, bidirectional=True, batch_first=True), True),
+    "lstm-time-first": (lambda: nn.LSTM(5, 8), False),
+    "gru-time-first-packed": (lambda: nn.GRU(5, 8), True),
+    "lstm-projections-packed-bidirectional": (
+        lambda: nn.LSTM(5, 8, proj_size=4, bidirectional=True, batch_first=True), True),
+    "lstm-no-bias-3-layers-dropout": (
+        lambda: nn.LSTM(5, 8, 3, bias=False, dropout=0.5, batch_first=True), False),
+    "rnn-tanh-2-layers": (lambda: nn.RNN(5, 8, 2, batch_first=True), False),
+    "rnn-relu-packed-bidirectional": (
+        lambda: nn.RNN(5, 8, nonlinearity="relu", bidirectional=True, batch_first=True), True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections")
+@pytest.mark.parametrize("policy", list(DTYPES))
+@pytest.mark.parametrize("case", list(RNN_OPTIONS))
+def test_every_recurrent_option_tracks_the_native_16_bit_layer(case, policy):
+    """Each option of nn.GRU / nn.LSTM / nn.RNN through the op-by-op replay, every output and
+    parameter gradient against ``.half()`` / ``.bfloat16()``: at most half fp32's distance,
+    and dropout draws as many numbers from torch's generator as native does. Measured: 0.0,
+    bit-exact, for every case in both formats. Wider fp16 layers after the first (and without
+    biases) differ by one unit at times, fp16 linear summing in its own order (2-layer
+    bidirectional GRU of 24 units, dropout: 0.12 forward, 0.24 gradients)."""
+    dtype = DTYPES[policy]
+    make, packed = RNN_OPTIONS[case]
+    torch.manual_seed(0)
+    model = AllOutputs(make(), packed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    x = torch.randn(3, 6, 5, generator=torch.Generator().manual_seed(1)).to(dtype).float()
+    runs, rng = {}, {}
+    for mode in ("native", "emulated", "fp32"):
+        m, xm = copy.deepcopy(model), x
+        if mode == "native":
+            m, xm = m.to(dtype), x.to(dtype)
+        elif mode == "emulated":
+            pol = dataclasses.replace(parse_policy(policy), backend=Backend.EMULATED)
+            m, _ = Precision(pol).setup(m)
+        torch.manual_seed(7)
+        out = m(xm)
+        rng[mode] = torch.get_rng_state()
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        (out * w.to(out.dtype)).sum().backward()
+        runs[mode] = [out.detach().double(),
+                      torch.cat([p.grad.to(dtype).double().flatten() for p in m.parameters()])]
+    assert torch.equal(rng["emulated"], rng["native"])
+    for i, part in enumerate(("output", "gradients")):
+        d = float((runs["emulated"][i] - runs["native"][i]).norm())
+        d32 = float((runs["fp32"][i] - runs["native"][i]).norm())
+        assert d <= 0.5 * d32, (part, d / d32)
 
 
 # -- every op's output on the grid ------------------------------------------------------------

@@ -46,7 +46,7 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
-from . import kernels
+from . import kernels, recurrent_kernels
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -726,9 +726,9 @@ class Emulation:
         elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
                 kernels.plain_embedding(args, kwargs):
             out = kernels.embedding(self, rule, *args, **kwargs)
-        elif name == "lstm" and kernels.plain_lstm(args, kwargs):
-            with self._mode:  # each op of the cell is an op of its own, as in the CPU kernel
-                return kernels.lstm(*args)
+        elif name in recurrent_kernels.RNN_OPS and \
+                (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
+            out = recurrent_kernels.replay(self, rule, key, call)  # op by op, as ATen's CPU RNN
         elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
             out = kernels.layer_norm(self, rule, key, *args)
         elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):

@@ -1,10 +1,10 @@
 """Ops the emulation engine computes as torch's 16-bit CPU kernels do, not as one rounding.
 
 Their 16-bit implementations keep an intermediate in 16 bits (batch norm's statistics, the
-attention probabilities, every op of an LSTM cell); computing them in fp32 and rounding once
-would be more accurate than a 16-bit run really is (layer norm: its backward keeps 16-bit
-buffers). Each function returns the fp32 result the engine then rounds once; ``engine.round``
-rounds the 16-bit intermediates.
+attention probabilities); computing them in fp32 and rounding once would be more accurate than a
+16-bit run really is (layer norm: its backward keeps 16-bit buffers). Each function returns the
+fp32 result the engine then rounds once; ``engine.round`` rounds the 16-bit intermediates.
+Recurrent layers, every op of their cells a 16-bit tensor, are in :mod:`.recurrent_kernels`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from ...numerics.quantize import quantize
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
 
-__all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "lstm",
-           "uses_batch_stats", "plain_attention", "plain_lstm", "label_kernel_nodes",
+__all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "plain_formats",
+           "uses_batch_stats", "plain_attention", "label_kernel_nodes",
            "embedding", "plain_embedding", "SEQUENTIAL_LIMIT", "flash_possible",
            "attention_math", "split_linear", "sdpa_arguments"]
 
@@ -54,15 +54,6 @@ def uses_batch_stats(args, kwargs) -> bool:
     if kwargs or len(args) < 8 or not torch.is_tensor(args[0]) or args[0].dim() < 2:
         return False
     return bool(args[5]) or args[3] is None or args[4] is None
-
-
-def plain_lstm(args, kwargs) -> bool:
-    """_VF.lstm(input, (h0, c0), weights, has_biases, num_layers, dropout, train,
-    bidirectional, batch_first): not packed, unidirectional, no projections."""
-    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)) or args[7]:
-        return False
-    per_layer = 4 if args[3] else 2
-    return len(args[2]) == per_layer * args[4] and args[1][0].shape[-1] * 4 == args[2][0].shape[0]
 
 
 _SDPA_NAMES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -334,38 +325,6 @@ def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     p = torch.softmax(s, -1)
     p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # _safe_softmax: masked rows 0
     return p @ v
-
-
-def lstm(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional,
-          batch_first):
-    """A unidirectional LSTM as ATen's CPU implementation runs it for 16-bit dtypes
-    (``FullLayer`` and ``LSTMCell`` in aten/src/ATen/native/RNN.cpp): the input projection of
-    the whole sequence first, then per step gates = linear(h, W_hh, b_hh) + that step's
-    projection, the four activations, c = f * c + i * g and h = o * tanh(c), each op
-    producing a 16-bit tensor. Run under the mode, every one of them is rounded."""
-    h0, c0 = hx
-    stride = 4 if has_biases else 2
-    seq = x.transpose(0, 1) if batch_first else x
-    hs, cs = [], []
-    for layer in range(num_layers):
-        w = weights[layer * stride:(layer + 1) * stride]
-        b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
-        h, c = h0[layer], c0[layer]
-        proj = torch.nn.functional.linear(seq, w[0], b_ih)
-        outs = []
-        for t in range(proj.shape[0]):
-            gates = torch.nn.functional.linear(h, w[1], b_hh) + proj[t]
-            i, f, g, o = gates.chunk(4, 1)
-            i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
-            c = f * c + i * g
-            h = o * c.tanh()
-            outs.append(h)
-        seq = torch.stack(outs)
-        hs.append(h)
-        cs.append(c)
-        if dropout and train and layer < num_layers - 1:
-            seq = torch.nn.functional.dropout(seq, dropout)
-    return (seq.transpose(0, 1) if batch_first else seq), torch.stack(hs), torch.stack(cs)
 
 
 def plain_layer_norm(engine, rule, args, kwargs) -> bool:

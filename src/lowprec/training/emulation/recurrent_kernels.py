@@ -1,0 +1,367 @@
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) as ATen's CPU implementation runs them.
+
+For a 16-bit CPU tensor with gradients enabled (oneDNN takes fp16 only without gradients),
+``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh`` and ``torch.rnn_relu`` run the composite of
+aten/src/ATen/native/RNN.cpp, every op of it writing a 16-bit tensor:
+
+* per layer and direction, the input projection of the whole sequence first (``FullLayer``,
+  ``PackedLayer`` with ``pre_compute_input``): ``at::linear(input, w_ih, b_ih)``, one rounding
+  for a contiguous or 2-D input (addmm), two for a non-contiguous 3-D one (``batch_first``:
+  ``matmul`` rounded, then ``add_(bias)`` rounded: at::linear's own branch, Linear.cpp);
+* per step the cell (``LSTMCell``, ``GRUCell``, ``SimpleCell``), ``linear_hh`` an addmm of the
+  step's hidden state, each elementwise op rounded; with projections ``hy @ w_hr^T``;
+* the reverse direction walks the same projected input backwards, the outputs concatenated on
+  the last axis; a packed sequence shrinks (forwards) or grows (backwards) the hidden state as
+  the batch sizes change, as ``PackedLayer``/``ReversedPackedLayer`` slice and concatenate it;
+* between layers, in training, ``at::dropout``: a noise tensor drawn by ``bernoulli_(1 - p)``
+  from torch's global generator, divided by ``1 - p`` in the 16-bit dtype, multiplied in.
+
+The replay computes each op in fp32 and rounds its output with ``engine.round`` (forward to the
+compute format, the gradient reaching it to the gradient format, as the engine rounds every op),
+and for IEEE-style formats rounded to nearest (what a 16-bit kernel stands for) it rounds the
+backward as the 16-bit run's autograd does:
+
+* sigmoid and tanh are differentiated from their rounded output (the 16-bit result the forward
+  saved); fp16's ``sigmoid_backward`` runs in c10::Half arithmetic, each operation rounded;
+* a tensor used more than once (the hidden state: the output sequence and the next step; the
+  cell state; the GRU's new gate; a bidirectional layer's input) gets each use's gradient
+  rounded, then summed in 16 bits in the order autograd's 16-bit buffer adds them (for a GRU's
+  hidden state: output, h - n, linear_hh); the engine alone would sum fp32 terms, round once;
+* the weights every step uses (``w_hh``, ``b_hh``, ``w_hr``), when stored in the compute format
+  (16-true), get each step's gradient rounded and the steps' sum kept in that format, the last
+  step's first, as autograd accumulates a 16-bit weight's gradients; otherwise they reach the
+  parameter unrounded and summed in fp32, as the engine treats parameters.
+
+Dynamic fixed point, block formats and stochastic rounding run the same forward, differentiated
+op by op as the engine differentiates any op. Measured against ``model.half()`` and
+``model.bfloat16()`` on an AVX2 CPU: outputs and parameter gradients bit-exact for GRU, LSTM
+(packed, bidirectional, projections, dropout) and RNN, except where fp16 linear sums in its own
+order (wider layers after the first: one unit at times); tests/training/test_fidelity.py.
+Mixed policies do not come here: the engine's mixed path follows CUDA's autocast, which runs the
+whole layer as one cuDNN op in 16 bits (aten/src/ATen/cudnn/AutocastRNN.cpp), and rounds that
+op's inputs, weights and outputs. (CPU autocast differs: a GRU runs this composite with 16-bit
+linears and gates but an fp32 hidden state, an LSTM goes to oneDNN, which has no 16-bit LSTM
+on AVX2 CPUs.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ...numerics.formats import FP16
+from ...numerics.quantize import quantize
+from .kernels import plain_formats
+
+__all__ = ["RNN_OPS", "RecurrentCall", "parse", "replay"]
+
+# the torch functions nn.LSTM, nn.GRU and nn.RNN call (torch._VF), by the name the mode sees
+RNN_OPS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+
+@dataclass
+class RecurrentCall:
+    """One call of ``torch.lstm``/``gru``/``rnn_tanh``/``rnn_relu``, either overload:
+    ``(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``
+    or ``(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
+    bidirectional)`` (a ``PackedSequence``'s fields)."""
+
+    kind: str
+    x: torch.Tensor
+    batch_sizes: list[int] | None
+    hx: tuple  # (h0,) or, for the LSTM, (h0, c0): (layers * directions, batch, size)
+    params: list  # per layer and direction: (w_ih, w_hh, b_ih, b_hh, w_hr), None if absent
+    num_layers: int
+    dropout: float
+    train: bool
+    bidirectional: bool
+    batch_first: bool
+
+
+def parse(name: str, args, kwargs) -> RecurrentCall | None:
+    """The call, or None for what the replay does not stand for (keyword arguments, an
+    unexpected signature); the engine then runs torch's op and rounds its outputs."""
+    if name not in RNN_OPS or kwargs or len(args) != 9:
+        return None
+    packed = torch.is_tensor(args[1]) and not args[1].is_floating_point()
+    if packed:
+        x, sizes, hx, flat, has_biases, layers, p, train, bidir = args
+        batch_first = False
+    else:
+        x, hx, flat, has_biases, layers, p, train, bidir, batch_first = args
+        sizes = None
+    if (name == "lstm") != isinstance(hx, (tuple, list)):
+        return None
+    hx = tuple(hx) if name == "lstm" else (hx,)
+    tensors = [x, *hx, *flat]
+    if not all(torch.is_tensor(t) and t.is_floating_point() for t in tensors) or \
+            x.dim() != (2 if packed else 3) or len(hx) != (2 if name == "lstm" else 1):
+        return None
+    dirs = 2 if bidir else 1
+    proj = name == "lstm" and hx[0].shape[-1] != hx[1].shape[-1]
+    per = (4 if has_biases else 2) + int(proj)
+    if len(flat) != per * layers * dirs or hx[0].shape[0] != layers * dirs:
+        return None
+    params = []
+    for i in range(0, len(flat), per):
+        w = list(flat[i:i + per])
+        w_hr = w.pop() if proj else None
+        b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+        params.append((w[0], w[1], b_ih, b_hh, w_hr))
+    return RecurrentCall(name, x, sizes.tolist() if packed else None, hx, params, int(layers),
+                         float(p), bool(train), bool(bidir), bool(batch_first))
+
+
+class _Split(torch.autograd.Function):
+    """``n`` uses of one tensor (views of it). Backward: each use's gradient rounded (the 16-bit
+    tensor that use's backward writes), then summed in order, each sum rounded: autograd adds
+    the gradients of a 16-bit tensor's uses in its dtype, in the order their backward nodes
+    run. Without it the engine sums the unrounded fp32 terms and rounds once (two uses: a third
+    of an LSTM's cell-state gradients one unit off)."""
+
+    @staticmethod
+    def forward(ctx, t, n, rnd):
+        ctx.rnd = rnd
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for _ in range(n))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        rnd, total = ctx.rnd, None
+        for g in grads:
+            if g is not None:
+                total = rnd(g) if total is None else rnd(total + rnd(g))
+        return total, None, None
+
+
+class _Uses:
+    """The uses of a weight, one per step: each step's gradient rounded to the parameter
+    format, summed in it, the last step's first (what the backward of a 16-bit run gives a
+    16-bit weight used at every step); ``rnd`` None: plain uses."""
+
+    def __init__(self, w: torch.Tensor | None, rnd) -> None:
+        self.rest = w
+        self.rnd = rnd if w is not None and w.requires_grad and torch.is_grad_enabled() else None
+
+    def next(self) -> torch.Tensor | None:
+        if self.rnd is None:
+            return self.rest
+        use, self.rest = _Split.apply(self.rest, 2, self.rnd)
+        return use
+
+
+class _Activation(torch.autograd.Function):
+    """sigmoid or tanh rounded to the compute format, differentiated from that rounded output,
+    as the 16-bit backward kernels read the 16-bit output the forward saved (autograd's fp32
+    derivative uses the unrounded one: 47% (sigmoid), 62% (tanh) of fp16 input gradients off).
+    ``tanh_backward``: dy * (1 - y * y) in fp32, rounded once (BinaryOpsKernel.cpp, the
+    reduced-float branch). ``sigmoid_backward`` for float16 runs in c10::Half arithmetic, each
+    operation rounded: ((dy * (1 - y)) * y); for other formats in fp32, rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, sigmoid, fwd, grad, half_arith):
+        y = fwd(torch.sigmoid(x) if sigmoid else torch.tanh(x))
+        ctx.save_for_backward(y)
+        ctx.spec = (sigmoid, grad, half_arith)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        sigmoid, grad, half_arith = ctx.spec
+        dy = grad(dy)  # the gradient reaching the op's output, in the gradient format
+        if not sigmoid:
+            return grad(dy * (1 - y * y)), None, None, None, None
+        if half_arith:
+            return grad(grad(dy * grad(1 - y)) * y), None, None, None, None
+        return grad(dy * (1 - y) * y), None, None, None, None
+
+
+class _Replay:
+    """One call replayed; ``act`` rounds an op's output (and the gradient reaching it)."""
+
+    def __init__(self, engine, rule, key: str, kind: str) -> None:
+        self.engine, self.rule, self.key, self.kind = engine, rule, key, kind
+        # IEEE-style formats rounded to nearest stand for a 16-bit kernel: its backward's
+        # roundings are replayed too; other formats (dynamic fixed point, blocks, stochastic
+        # rounding) are differentiated op by op, as the engine differentiates any op
+        self.plain = plain_formats(rule)
+        self.uses_of_h = 2 if kind == "gru" else 1  # (h - n and) linear_hh
+
+        def grad(t):
+            return quantize(t, rule.grads)
+
+        def param(t):
+            return quantize(t, rule.params)
+
+        self.grad_rounding = grad if self.plain else None
+        self.weight_rounding = param if self.plain and rule.params == rule.compute else None
+
+    def act(self, t: torch.Tensor) -> torch.Tensor:
+        """An op's output on the compute grid; the gradient reaching it on the gradient grid."""
+        return self.engine.round(t, self.rule, self.key)
+
+    def split(self, t: torch.Tensor, n: int) -> tuple:
+        """``n`` uses of ``t``, their gradients rounded and summed as a 16-bit run sums them,
+        in this order (:class:`_Split`)."""
+        if n == 1 or self.grad_rounding is None or not (t.requires_grad and
+                                                         torch.is_grad_enabled()):
+            return (t,) * n
+        return _Split.apply(t, n, self.grad_rounding)
+
+    def activation(self, x, sigmoid: bool):
+        """sigmoid(x) or tanh(x) on the compute grid; plain formats: differentiated as the
+        16-bit kernels are (:class:`_Activation`)."""
+        if not self.plain or not (x.requires_grad and torch.is_grad_enabled()):
+            return self.act(x.sigmoid() if sigmoid else x.tanh())
+        rule = self.rule
+
+        def fwd(t):
+            return quantize(t, rule.compute)
+
+        return _Activation.apply(x, sigmoid, fwd, self.grad_rounding, rule.grads == FP16)
+
+    def linear(self, x, w, b):
+        """at::linear (Linear.cpp): addmm for 2-D and contiguous 3-D inputs, one rounding;
+        a non-contiguous 3-D input with a bias: matmul, then add_(bias), each rounded."""
+        if b is not None and x.dim() == 3 and not x.is_contiguous():
+            return self.act(self.act(torch.matmul(x, w.t())) + b)
+        return self.act(F.linear(x, w, b))
+
+    # -- cells (RNN.cpp's LSTMCell, GRUCell, SimpleCell with pre_compute_input) ----------------
+    def cell(self, xw, h_uses, c, uses):
+        """One step: ``xw`` the step's input projection, ``h_uses`` the cell's uses of the
+        hidden state (GRU: h - n, linear_hh; others: linear_hh), ``c`` the LSTM's cell state.
+        Returns the new (h, c); c is the use left for the next step or the final state."""
+        act, sig = self.act, self.activation
+        w_hh, b_hh = uses[0].next(), uses[1].next()
+        if self.kind == "lstm":
+            gates = act(act(F.linear(h_uses[0], w_hh, b_hh)) + xw)  # linear_hh(hx).add_(input)
+            i, f, g, o = gates.chunk(4, 1)
+            i, f, g, o = sig(i, True), sig(f, True), sig(g, False), sig(o, True)
+            c = act(act(f * c) + act(i * g))  # (forgetgate * cx).add_(ingate * cellgate)
+            c_here, c = self.split(c, 2)  # cy.tanh(), and the next step's forgetgate * cx
+            h = act(o * sig(c_here, False))
+            w_hr = uses[2].next()
+            if w_hr is not None:  # projections: matmul_hr
+                h = act(torch.matmul(h, w_hr.t()))
+            return h, c
+        if self.kind == "gru":
+            h_sub, h_lin = h_uses
+            ir, iz, in_ = xw.chunk(3, 1)
+            hr, hz, hn = act(F.linear(h_lin, w_hh, b_hh)).chunk(3, 1)
+            r = sig(act(hr + ir), True)
+            z = sig(act(hz + iz), True)
+            n_sub, n_add = self.split(sig(act(in_ + act(hn * r)), False), 2)
+            return act(act(act(h_sub - n_sub) * z) + n_add), None  # (h - n).mul_(z).add_(n)
+        pre = act(act(F.linear(h_uses[0], w_hh, b_hh)) + xw)
+        return (sig(pre, False) if self.kind == "rnn_tanh" else act(pre.relu())), None
+
+    def uses(self, p):
+        _, w_hh, _, b_hh, w_hr = p
+        return [_Uses(w, self.weight_rounding) for w in (w_hh, b_hh, w_hr)]
+
+    def after_step(self, h, whole_next: bool):
+        """The uses of a step's new hidden state: (output, the next step's uses) when the next
+        step takes the whole state (its uses and the output's sum in one buffer, in that
+        order: output, h - n, linear_hh); else (output, the rest), the rest to be sliced."""
+        if whole_next:
+            out, *h_uses = self.split(h, 1 + self.uses_of_h)
+            return out, None, h_uses
+        out, rest = self.split(h, 2)
+        return out, rest, None
+
+    # -- layers ---------------------------------------------------------------------------------
+    def full(self, x, state, p, reverse: bool):
+        """FullLayer over a (time, batch, features) input; ``reverse``: the backward direction
+        of FullBidirectionalLayer (same projection, steps walked backwards)."""
+        steps = self.linear(x, p[0], p[2]).unbind(0)
+        uses = self.uses(p)
+        h, c = state
+        h_uses = self.split(h, self.uses_of_h)
+        outs = [None] * len(steps)
+        order = list(range(len(steps)))[::-1 if reverse else 1]
+        for k, t in enumerate(order):
+            h, c = self.cell(steps[t], h_uses, c, uses)
+            outs[t], h, h_uses = self.after_step(h, k + 1 < len(order))
+        return torch.stack(outs), (h, c)
+
+    def packed(self, data, sizes, state, p, reverse: bool):
+        """PackedLayer (the hidden state shrinks as sequences end, the finished rows kept for
+        the final state) or ReversedPackedLayer (it grows from the initial state's rows)."""
+        steps = torch.split(self.linear(data, p[0], p[2]), sizes)
+        uses = self.uses(p)
+        h0, c0 = state
+        order = list(range(len(sizes)))[::-1 if reverse else 1]
+        finals, outs = [], [None] * len(sizes)
+        last = sizes[order[0]]
+        h, c = h0[:last], (c0[:last] if c0 is not None else None)
+        h_uses = None
+        for k, i in enumerate(order):
+            b = sizes[i]
+            if h_uses is None:
+                if b < last:  # PackedLayer: rows b..last are finished
+                    finals.append((h[b:last], c[b:last] if c is not None else None))
+                    h, c = h[:b], (c[:b] if c is not None else None)
+                elif b > last:  # ReversedPackedLayer: rows last..b join
+                    h = torch.cat([h, h0[last:b]])
+                    c = torch.cat([c, c0[last:b]]) if c is not None else None
+                h_uses = self.split(h, self.uses_of_h)
+            last = b
+            h, c = self.cell(steps[i], h_uses, c, uses)
+            whole = k + 1 < len(order) and sizes[order[k + 1]] == b
+            outs[i], h, h_uses = self.after_step(h, whole)
+        if reverse:
+            return torch.cat(outs, 0), (h, c)
+        finals.append((h, c))
+        finals.reverse()
+        hs = torch.cat([f[0] for f in finals], 0)
+        return torch.cat(outs, 0), (hs, torch.cat([f[1] for f in finals], 0) if c0 is not None
+                                     else None)
+
+    def dropout(self, x, p: float):
+        """at::dropout(input, p, train=true) on CPU (Dropout.cpp, ``_dropout_impl``): noise =
+        empty_like(input).bernoulli_(1 - p) (the same draws from torch's generator whatever the
+        dtype), noise.div_(1 - p) in the 16-bit dtype, input * noise."""
+        if p == 1:
+            return self.act(x * 0)
+        with torch.no_grad():
+            noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+        noise = self.engine.round(noise, self.rule, self.key, grads=False)
+        return self.act(x * noise)
+
+
+def replay(engine, rule, key: str, call: RecurrentCall):
+    """The outputs torch's op returns ((output, hy) or (output, hy, cy); ``output`` is the
+    packed data for a packed call), computed op by op as ATen's CPU composite does, each op's
+    output rounded by ``engine.round``; the caller rounds the outputs (already on the grid)."""
+    rp = _Replay(engine, rule, key, call.kind)
+    dirs = 2 if call.bidirectional else 1
+    hx = call.hx
+    states = [(hx[0][i], hx[1][i] if len(hx) > 1 else None) for i in range(hx[0].shape[0])]
+    x = call.x.transpose(0, 1) if call.batch_first else call.x
+    finals = []
+    for layer in range(call.num_layers):
+        results = []
+        for d, xd in enumerate(rp.split(x, dirs)):  # both directions project the same input
+            i = layer * dirs + d
+            if call.batch_sizes is None:
+                results.append(rp.full(xd, states[i], call.params[i], reverse=d == 1))
+            else:
+                results.append(rp.packed(xd, call.batch_sizes, states[i], call.params[i],
+                                         reverse=d == 1))
+        x = results[0][0] if dirs == 1 else torch.cat([r[0] for r in results], -1)
+        finals += [r[1] for r in results]
+        if call.dropout and call.train and layer < call.num_layers - 1:
+            x = rp.dropout(x, call.dropout)
+    if call.batch_first:
+        x = x.transpose(0, 1)
+    hy = torch.stack([f[0] for f in finals])
+    if call.kind != "lstm":
+        return x, hy
+    return x, hy, torch.stack([f[1] for f in finals])
