@@ -685,14 +685,17 @@ class Emulation:
             lowp = name in LOWP_OPS
 
             shape = None
-            if name in BROADCAST_OPS and rule.grads != FP32 and torch.is_grad_enabled():
+            # native 16-bit autograd: gradients held (and summed) in the tensor's 16-bit dtype;
+            # formats with no dtype (fp8, fixed point) keep one rounding of the fp32 sum
+            native_grads = format_dtype(rule.grads) is not None and torch.is_grad_enabled()
+            if name in BROADCAST_OPS and native_grads:
                 fl = [t.shape for t in tensors_in(args, []) if _floating(t)]
                 try:
                     shape = torch.broadcast_shapes(*fl) if len(fl) > 1 else None
                 except RuntimeError:
                     shape = None
 
-            consumed = rule.grads != FP32 and torch.is_grad_enabled() and not inplace
+            consumed = native_grads and not inplace
 
             def rin(t):
                 if not lowp and is_island(t):  # a 0-dim fp32 value: used as it is
@@ -703,7 +706,8 @@ class Emulation:
                     with torch._C.DisableTorchFunction():
                         _, bwd = self._fmts(rule, okey, t, None, True)
                         t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator)
-                    _mark(t2, getattr(t, MARK, None)) if getattr(t, MARK, None) else None
+                    if getattr(t, MARK, None) is not None:
+                        _mark(t2, getattr(t, MARK))
                     t = t2
                 if shape is not None and _floating(t) and t.requires_grad and \
                         t.shape != shape and t.dim():
