@@ -21,6 +21,8 @@ class DropPath(nn.Module):
         self.p = p
 
     def forward(self, x):
+        if not self.training:
+            return x
         keep = 1 - self.p
         mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
         return x * mask / keep
@@ -190,6 +192,7 @@ def test_advise_does_not_call_droppath_or_buckets_unsafe():
         adv = advise(model, _dataset(model), "fp16", batches=1, batch_size=8, lr=1.0)
         assert adv.nonfinite.forward is None, adv.nonfinite
         assert not any("overflows" in r for r in adv.reasons), adv.reasons
+        assert adv.verdict != "unsafe", adv.reasons
     hot = Buckets(scale=7e4)
     adv = advise(hot, _dataset(hot), "fp16", batches=1, batch_size=8)
     assert adv.verdict == "unsafe" and any("overflows" in r for r in adv.reasons)
