@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
-from ..numerics.quantize import quantize, quantize_
+from ..numerics.quantize import quantize_
 from ..numerics.rounding import check_generator
 from ..numerics.storage import format_of_dtype, storage_dtype
 from .emulation import Emulation
