@@ -245,12 +245,18 @@ def test_binary_trains_on_token_sequences():
 
 
 def test_torch_adam_with_fp16_state_warns_once_naming_lowprec_adam():
+    """At its first step, where the state and the gradients are known
+    (tests/training/test_torch_adam_warning.py has the cases)."""
     m = mlp()
-    with pytest.warns(UserWarning, match=r"lowprec\.optim\.Adam") as rec:
-        prec = Precision("16-true")
-        m, opt = prec.setup(m, torch.optim.Adam(m.parameters()))
-    assert len([w for w in rec if "eps" in str(w.message)]) == 1
+    prec = Precision("16-true")
+    m, opt = prec.setup(m, torch.optim.Adam(m.parameters()))
     x, y = batch()
+    with pytest.warns(lowprec.optim.OptimizerPrecisionWarning,
+                      match=r"lowprec\.optim\.Adam") as rec:
+        opt.zero_grad()
+        prec.backward(nn.functional.cross_entropy(m(x), y))
+        prec.step(opt)
+    assert len([w for w in rec if "eps" in str(w.message)]) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning while training
         opt.zero_grad()
@@ -260,7 +266,11 @@ def test_torch_adam_with_fp16_state_warns_once_naming_lowprec_adam():
                              ("16-true", lowprec.optim.Adam),
                              ("16-master", torch.optim.AdamW)):  # fp32 master state
             mm = mlp()
-            Precision(policy).setup(mm, make(mm.parameters()))
+            pp = Precision(policy)
+            mm, o = pp.setup(mm, make(mm.parameters()))
+            o.zero_grad()
+            pp.backward(nn.functional.cross_entropy(mm(pp.convert_input(x)).float(), y))
+            pp.step(o)
 
 
 def test_optimizer_setup_never_saw_is_refused():

@@ -342,3 +342,26 @@ def test_an_attention_mask_is_added_in_the_accumulator_under_mx_and_fp8():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         assert torch.isfinite(out).all(), policy
         assert (out - ref).abs().max() < 0.5, policy
+
+
+def test_uninitialised_buffers_are_neither_rounded_nor_observed_and_their_writer_is():
+    """torch.empty & co. hold stale memory, not values: rounding it made fp16 Inf that
+    first_nonfinite reported (timm's DropPath, ``x.new_empty(shape).bernoulli_(keep)``). The
+    in-place op that fills the buffer is rounded and observed like any op."""
+    from lowprec.training.emulation import emulated
+    from lowprec.training.emulation.engine import MARK
+
+    x = torch.randn(4, 3)
+    with emulated("16-true") as em:
+        seen = []
+        em.observers.append(lambda name, *rest: seen.append(name))
+        bufs = [torch.empty(64), x.new_empty((64,)), torch.empty_like(x),
+                torch.empty_strided((8, 8), (8, 1)), x.new_empty_strided((8,), (1,))]
+        filled = x.new_empty((1000,)).uniform_()
+        mask = x.new_empty((4, 1)).bernoulli_(0.7)
+    assert not {"empty", "new_empty", "empty_like", "empty_strided",
+                "new_empty_strided"} & set(seen), seen
+    assert all(getattr(b, MARK, None) is None for b in bufs)  # never rounded
+    assert seen.count("uniform_") == 1 and seen.count("bernoulli_") == 1, seen
+    assert on_grid(filled) and not on_grid(torch.rand(1000, generator=torch.Generator()))
+    assert set(mask.flatten().tolist()) <= {0.0, 1.0}

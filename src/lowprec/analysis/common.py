@@ -15,7 +15,8 @@ from ..training.policy import Backend, Policy
 from ..training.precision import Precision
 from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
 
-__all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model"]
+__all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model",
+           "parameter_groups"]
 
 
 def static_format(fmt: str | Format, what: str, hint: str = "") -> Format:
@@ -38,6 +39,20 @@ def run_model(model: nn.Module, inputs, output_fn=None) -> torch.Tensor:
     output stands for: ``output_fn(out)``, else a ``ModelOutput``'s or dict's ``logits``, else
     the first tensor of a tuple or dict (see :func:`lowprec.training.tree.output_tensor`)."""
     return output_tensor(call_model(model, inputs), output_fn)
+
+
+def parameter_groups(name: str, module: nn.Module) -> list[tuple[str, list]]:
+    """The parameters ``module`` (called ``name`` in its model) owns, as the analyses report
+    them: one group named by the module's path; the root module's own parameters (a ViT's
+    ``cls_token`` and ``pos_embed``, the weight and bias of a bare ``nn.Linear``) one group
+    each, named by the parameter, since torch names the root module "" (lost updates printed
+    "layer  loses 93%"). Each group is a list of (parameter name, parameter)."""
+    own = list(module.named_parameters(recurse=False))
+    if not own:
+        return []
+    if name:
+        return [(name, own)]
+    return [(pname, [(pname, p)]) for pname, p in own]
 
 
 def _strip_hooks(model: nn.Module) -> nn.Module:

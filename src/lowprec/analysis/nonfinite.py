@@ -5,21 +5,34 @@ stores it: under emulation, after the rounding that turns 70000 into fp16's Inf)
 module path and op name (``"layers.0" / "add"``), wherever it runs: a leaf layer, a residual add
 in a container's ``forward``, a functional call, the loss. Backward: the first op whose backward
 produced a non-finite gradient for one of its inputs (after the rounding of the policy's gradient
-format) while the gradient reaching its output was finite. Each finding carries its input and
+format) while the gradient reaching its output had none. Each finding carries its input and
 output ranges.
 
-An op is reported only where it *produced* the Inf/NaN: every floating input and every number
-it was given was finite. A value a model writes on purpose (an attention mask filled with -inf,
-``torch.full(..., -inf)``) and everything computed from it is not an overflow and is not
-reported; an overflow that happens downstream of such a mask, in an op whose own inputs are
-finite, still is.
+A non-finite value is reported only where the format made it and something uses it:
+
+* **fp32 has none there.** The same model (same weights, same random draws: the global
+  generator is replayed) runs first in fp32, observed the same way; ops are matched by
+  (module, op name, occurrence), and only positions where the fp32 op's output (or gradient) is
+  finite count. ``torch.log(0) = -inf`` that fp32 computes too, an attention mask filled with
+  -inf and what is computed from it, a fully masked row's NaN: the model's own, not an overflow.
+  An op fp32 does not run (the emulation's LSTM kernel runs the gates as ops of their own)
+  counts only if it produced the value from finite inputs and finite numbers. Under an
+  all-fp32 policy there is no twin to compare with: every non-finite value counts.
+* **A later op reads it** (forward): an op that reads the tensor while it still holds those
+  values and whose own output then holds a non-finite value fp32 does not have, or the tensor is
+  the model's output or the loss. A value selected away (``torch.where(mask, torch.log(x), 0)``,
+  T5's relative-position buckets) or overwritten in place is read by nobody and not reported.
+
+Uninitialised buffers (``torch.empty``, ``x.new_empty``: timm's DropPath) are not values: the
+engine neither rounds nor shows them (:data:`lowprec.training.emulation.oplists.EMPTY_OPS`)
+and neither does the native probe; the op that fills them is observed like any other.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,10 +40,12 @@ from torch.overrides import TorchFunctionMode
 
 from ..numerics.formats import FP32
 from ..numerics.quantize import quantize
-from ..training.emulation import op_name
+from ..training.emulation import Emulation, op_name
+from ..training.emulation.oplists import EMPTY_OPS
+from ..training.policy import parse_policy
 from ..training.precision import Precision
-from ..training.tree import tensors_in
-from .common import run_model, static_format, tensor_range
+from ..training.tree import cast_floating, tensors_in
+from .common import fp32_twin, run_model, static_format, tensor_range
 
 __all__ = ["first_nonfinite", "NonFiniteReport", "Finding"]
 
@@ -63,6 +78,7 @@ class NonFiniteReport:
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MISSING = object()  # an op (or gradient) the fp32 twin has no counterpart for
 
 
 def _floats(obj) -> list:
@@ -90,15 +106,77 @@ def _merge(tensors) -> dict:
     return tensor_range(torch.cat([t.detach().float().flatten() for t in tensors]))
 
 
-class _Recorder:
-    """Sees every op (name, module, inputs, outputs); keeps the first non-finite findings."""
+def _bad(t: torch.Tensor) -> torch.Tensor | None:
+    """Where ``t`` is Inf or NaN (a bool tensor), or None when it is finite."""
+    bad = ~torch.isfinite(t)
+    return bad if bool(bad.any()) else None
 
-    def __init__(self, grad_fmt) -> None:
+
+def _new(bad: torch.Tensor | None, ref) -> tuple[torch.Tensor | None, bool]:
+    """The non-finite positions fp32 has finite (``ref``: fp32's mask, None when fp32 is
+    finite, _MISSING when fp32 has no such op), and whether fp32 was compared with."""
+    if bad is None:
+        return None, True
+    if ref is _MISSING or (ref is not None and ref.shape != bad.shape):
+        return bad, False
+    if ref is None:
+        return bad, True
+    new = bad & ~ref.to(bad.device)
+    return (new if bool(new.any()) else None), True
+
+
+def _storages(ts) -> set[int]:
+    out = set()
+    for t in ts:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (a functional or meta tensor)
+            continue
+        if ptr:
+            out.add(ptr)
+    return out
+
+
+@dataclass
+class _Reference:
+    """What the fp32 twin computed: per op, where its floating outputs (and the gradients
+    reaching them) are non-finite; None for a finite one."""
+
+    outputs: dict = field(default_factory=dict)  # (module, op, n) -> (mask or None, ...)
+    grads: dict = field(default_factory=dict)  # ((module, op, n), i) -> mask or None
+    compare: bool = True  # False: an all-fp32 policy, nothing to compare with
+
+
+@dataclass
+class _Candidate:
+    """An op whose output holds non-finite values fp32 does not; a finding once read."""
+
+    finding: Finding
+    tensors: list  # its outputs holding them, and where
+    masks: list
+    storages: set
+    read: bool = False
+
+    def still_there(self) -> bool:
+        """The values have not been overwritten since (an in-place write, ``bernoulli_``)."""
+        return any(bool((~torch.isfinite(t) & m).any()) for t, m in zip(self.tensors, self.masks))
+
+
+class _Recorder:
+    """Sees every op (name, module, inputs, outputs). Without ``reference`` it records the fp32
+    twin's non-finite positions into ``self.seen``; with one, it finds the policy's findings."""
+
+    def __init__(self, grad_fmt, reference: _Reference | None = None) -> None:
         self.grad_fmt = grad_fmt
+        self.reference = reference
+        self.seen = _Reference()
+        self.counts: dict[tuple[str, str], int] = {}
+        self.pending: list[_Candidate] = []
         self.forward: list[Finding] = []
         self.backward: list[Finding] = []
-        self.consumer: dict[int, tuple[str, str]] = {}  # id(tensor) -> last op that read it
-        self.grad_at: dict[tuple[str, str], dict] = {}  # op -> range of its output's gradient
+        self.consumer: dict[int, tuple] = {}  # id(tensor) -> key of the last op that read it
+        self.grad_at: dict[tuple, tuple[dict, bool]] = {}  # op -> its output's gradient: range,
+        # and whether it held non-finite values fp32's has not
         self.keep: list = []  # tensors whose ids are keys above stay alive
 
     def observe(self, op: str, module: str, args, kwargs, out) -> None:
@@ -107,30 +185,83 @@ class _Recorder:
             outs = _floats(out)
             if not outs:
                 return
+            n = self.counts.get((module, op), 0)
+            self.counts[(module, op)] = n + 1
+            key = (module, op, n)
+            if self.reference is None:
+                self.seen.outputs[key] = tuple(_bad(o) for o in outs)
+            else:
+                self._forward(key, ins, outs, args, kwargs)
             for a in ins:
-                self.consumer[id(a)] = (module, op)
+                self.consumer[id(a)] = key
             self.keep.extend(ins)
-            if (not self.forward and not _finite(outs) and _finite(ins)
-                    and _numbers_finite(args) and _numbers_finite(kwargs)):
-                self.forward.append(Finding(module, op, _merge(ins), _merge(outs)))
-        for o in outs:
+        for i, o in enumerate(outs):
             if o.requires_grad and o.grad_fn is not None:
-                o.register_hook(self._on_grad(o, (module, op)))
+                o.register_hook(self._on_grad(o, key, i))
 
-    def _on_grad(self, o: torch.Tensor, producer: tuple[str, str]):
-        key = id(o)
+    def _compared(self, key, i, o) -> tuple[torch.Tensor | None, bool]:
+        ref = self.reference
+        if not ref.compare:  # all-fp32 policy: as if fp32 had no such op
+            return _bad(o), False
+        refs = ref.outputs.get(key, ())
+        return _new(_bad(o), refs[i] if i < len(refs) else _MISSING)
+
+    def _forward(self, key, ins, outs, args, kwargs) -> None:
+        compared = [self._compared(key, i, o) for i, o in enumerate(outs)]
+        fresh = [(o, m, known) for o, (m, known) in zip(outs, compared) if m is not None]
+        if not fresh:
+            return
+        # this op's output holds non-finite values fp32's does not: the candidates it read
+        # (through any view of their storage) while they still held theirs reach it
+        read = _storages(ins)
+        for c in self.pending:
+            if not c.read and c.storages & read and c.still_there():
+                c.read = True
+        if any(c.read for c in self.pending):
+            return  # an earlier op's values are read: any finding from here on comes later
+        if not all(known for _, _, known in fresh) and not (
+                _finite(ins) and _numbers_finite(args) and _numbers_finite(kwargs)):
+            # no fp32 op to compare with: only what it made from finite inputs counts
+            fresh = [f for f in fresh if f[2]]
+            if not fresh:
+                return
+        self.pending.append(_Candidate(Finding(key[0], key[1], _merge(ins), _merge(outs)),
+                                       [o for o, _, _ in fresh], [m for _, m, _ in fresh],
+                                       _storages(o for o, _, _ in fresh)))
+
+    def end_forward(self, *results) -> None:
+        """The model's output and the loss are read (by the caller, by backward)."""
+        if self.reference is None:
+            return
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            final = _storages(t for t in _floats(results) if _bad(t) is not None)
+            for c in self.pending:
+                if not c.read and c.storages & final and c.still_there():
+                    c.read = True
+            self.forward = [c.finding for c in self.pending if c.read][:1]
+            self.pending.clear()
+
+    def _on_grad(self, o: torch.Tensor, key: tuple, i: int):
+        tid = id(o)
 
         def hook(g):
             # g: the gradient the consumers' backward produced for this output, rounded as the
             # gradient format stores it
             fmt = self.grad_fmt
             gq = quantize(g, fmt) if fmt != FP32 and g.dtype in _FLOATS[:3] else g
-            self.grad_at[producer] = tensor_range(gq)
-            if not self.backward and not bool(torch.isfinite(gq).all()):
-                cons = self.consumer.get(key, ("loss", "loss"))
-                upstream = self.grad_at.get(cons, {"inf": 0, "nan": 0})
-                if upstream.get("inf", 0) == 0 and upstream.get("nan", 0) == 0:
-                    self.backward.append(Finding(cons[0], cons[1], upstream, tensor_range(gq)))
+            bad = _bad(gq)
+            if self.reference is None:
+                self.seen.grads[(key, i)] = bad
+                return None
+            new = bad if not self.reference.compare else \
+                _new(bad, self.reference.grads.get((key, i), _MISSING))[0]
+            self.grad_at[key] = (tensor_range(gq), new is not None)
+            if not self.backward and new is not None:
+                cons = self.consumer.get(tid)
+                upstream, upstream_new = self.grad_at.get(cons, ({"inf": 0, "nan": 0}, False))
+                if not upstream_new:
+                    name, op = cons[:2] if cons is not None else ("loss", "loss")
+                    self.backward.append(Finding(name, op, upstream, tensor_range(gq)))
             return None
         return hook
 
@@ -146,40 +277,35 @@ class _Probe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.recorder.observe(op_name(func), self.where(), args, kwargs, out)
+        name = op_name(func)
+        if name not in EMPTY_OPS:  # stale memory, not values (see the docstring)
+            self.recorder.observe(name, self.where(), args, kwargs, out)
         return out
 
 
-def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
-                    output_fn=None) -> NonFiniteReport:
-    """Run one training step's forward and backward of a copy of ``model`` under ``policy``
-    and name the first op that produced Inf/NaN in each pass."""
-    prec = Precision(policy)
-    # the gradients are rounded here as their format stores them: a static grid is needed
-    static_format(prec.policy.grads, f"first_nonfinite (policy {prec.policy}, gradients in "
-                  f"{prec.policy.grads})", "give a policy whose gradient format is static")
-    twin, _ = prec.setup(copy.deepcopy(model))
-    inputs, targets = batch
-    em = prec.emulation
-    rec = _Recorder(prec.policy.grads if em is not None else FP32)
+def _run(model: nn.Module, rec: _Recorder, em: Emulation | None, inputs, targets, loss_fn,
+         output_fn, autocast) -> torch.Tensor:
+    """One forward and backward of ``model``, every op shown to ``rec`` (by the engine ``em``,
+    or by a probe and module hooks); returns the loss."""
     handles = []
     stack: list[str] = []
     if em is not None:
         em.observers.append(rec.observe)  # the engine reports each op after its rounding
     else:  # native: track the running module for the probe
-        for name, m in twin.named_modules():
+        for name, m in model.named_modules():
             handles.append(m.register_forward_pre_hook(lambda m, a, n=name: stack.append(n)))
             handles.append(m.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1],
                                                    always_call=True))
     probe_model = contextlib.nullcontext() if em is not None else \
         _Probe(rec, lambda: stack[-1] if stack else "")
     try:
-        twin.train()
-        with prec.autocast():
+        model.train()
+        with autocast():
             with probe_model:
-                out = run_model(twin, prec.convert_input(inputs), output_fn)
+                out = run_model(model, inputs, output_fn)
             with _Probe(rec, lambda: "loss"):
                 loss = loss_fn(out, targets)
+        rec.end_forward(out, loss)
         if loss.requires_grad:
             loss.float().backward()
     finally:
@@ -187,5 +313,40 @@ def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
             h.remove()
         if em is not None:
             em.observers.remove(rec.observe)
+    return loss
+
+
+def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
+                    output_fn=None) -> NonFiniteReport:
+    """Run one training step's forward and backward of a copy of ``model`` under ``policy``
+    and name the first op that produced Inf/NaN in each pass that fp32 does not produce there
+    and that a later op reads (see the module docstring)."""
+    prec = Precision(policy)
+    # the gradients are rounded here as their format stores them: a static grid is needed
+    static_format(prec.policy.grads, f"first_nonfinite (policy {prec.policy}, gradients in "
+                  f"{prec.policy.grads})", "give a policy whose gradient format is static")
+    low, _ = prec.setup(copy.deepcopy(model))
+    inputs, targets = batch
+    em = prec.emulation
+    ref = _Reference(compare=False)
+    if not prec.policy.is_fp32:
+        # the fp32 twin, observed the same way (the engine with an fp32 rule expands the same
+        # functions into the same ops), from the same state of the global generator
+        twin = fp32_twin(model)
+        em32 = Emulation(twin, parse_policy("32-true")) if em is not None else None
+        rec32 = _Recorder(FP32)
+        devices = sorted({p.device.index or 0 for p in twin.parameters()
+                          if p.device.type == "cuda"})
+        try:
+            with torch.random.fork_rng(devices=devices):
+                _run(twin, rec32, em32, cast_floating(inputs, torch.float32), targets, loss_fn,
+                     output_fn, contextlib.nullcontext)
+        finally:
+            if em32 is not None:
+                em32.detach()
+        ref = rec32.seen
+    rec = _Recorder(prec.policy.grads if em is not None else FP32, ref)
+    loss = _run(low, rec, em, prec.convert_input(inputs), targets, loss_fn, output_fn,
+                prec.autocast)
     return NonFiniteReport(rec.forward[0] if rec.forward else None,
                            rec.backward[0] if rec.backward else None, float(loss.detach()))

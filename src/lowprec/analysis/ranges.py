@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .common import fresh_grads, run_model, static_format
+from .common import fresh_grads, parameter_groups, run_model, static_format
 from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
@@ -49,7 +49,7 @@ def classify(values: torch.Tensor, fmt: Format) -> dict:
 
 @dataclass
 class RoleStats:
-    layer: str
+    layer: str  # module path; a parameter the root module owns: its own name
     role: str  # weights, activations, activation_grads, weight_grads, optimizer_state
     n: int
     overflow: float
@@ -117,18 +117,18 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
             (loss.float() * loss_scale).backward()
             stats: list[RoleStats] = []
             for name, m in model.named_modules():
-                own = [(n, p) for n, p in m.named_parameters(recurse=False)]
-                if own:
+                for label, own in parameter_groups(name, m):
                     w = torch.cat([p.detach().flatten() for _, p in own])
-                    stats.append(_stats(name, "weights", w, fmt))
+                    stats.append(_stats(label, "weights", w, fmt))
                     gs = [p.grad.flatten() for _, p in own if p.grad is not None]
                     if gs:
-                        stats.append(_stats(name, "weight_grads", torch.cat(gs), fmt))
+                        stats.append(_stats(label, "weight_grads", torch.cat(gs), fmt))
                     if optimizer is not None:
                         st = [v.flatten() for _, p in own for v in optimizer.state.get(p, {}).values()
                               if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
                         if st:
-                            stats.append(_stats(name, "optimizer_state", torch.cat(st).float(), fmt))
+                            stats.append(_stats(label, "optimizer_state", torch.cat(st).float(),
+                                                fmt))
                 if name in acts:
                     stats.append(_stats(name, "activations", torch.cat([a.flatten() for a in
                                                                         acts[name]]), fmt))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .common import fresh_grads, run_model, static_format
+from .common import fresh_grads, parameter_groups, run_model, static_format
 from ..numerics.formats import Format
 from ..numerics.quantize import quantize
 from ..numerics.rounding import check_generator
@@ -26,7 +26,7 @@ __all__ = ["lost_updates", "lost_fractions", "LostUpdates"]
 
 @dataclass(frozen=True)
 class LostUpdates:
-    layer: str
+    layer: str  # module path; a parameter the root module owns: its own name
     n: int  # elements with a nonzero update
     nearest: float
     stochastic: float
@@ -66,13 +66,15 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
     with fresh_grads(model):
         loss_fn(run_model(model, inputs, output_fn), targets).float().backward()
         rows = []
-        for name, m in model.named_modules():
-            own = [p for p in m.parameters(recurse=False) if p.grad is not None]
-            if not own:
-                continue
-            w = torch.cat([p.detach().float().flatten() for p in own])
-            g = torch.cat([p.grad.float().flatten() for p in own])
-            dw = -lr * g if optimizer == "sgd" else -lr * g / (g.abs() + eps)
-            f = lost_fractions(w, dw, fmt, gen)
-            rows.append(LostUpdates(name, f["n"], f["nearest"], f["stochastic"], f["kahan"]))
+        for mname, m in model.named_modules():
+            for name, group in parameter_groups(mname, m):
+                own = [p for _, p in group if p.grad is not None]
+                if not own:
+                    continue
+                w = torch.cat([p.detach().float().flatten() for p in own])
+                g = torch.cat([p.grad.float().flatten() for p in own])
+                dw = -lr * g if optimizer == "sgd" else -lr * g / (g.abs() + eps)
+                f = lost_fractions(w, dw, fmt, gen)
+                rows.append(LostUpdates(name, f["n"], f["nearest"], f["stochastic"],
+                                        f["kahan"]))
     return rows

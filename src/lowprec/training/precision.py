@@ -36,13 +36,14 @@ import torch
 from torch import nn
 
 from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
-from ..numerics.quantize import quantize, quantize_
+from ..numerics.quantize import quantize_
 from ..numerics.rounding import check_generator
-from ..numerics.storage import storage_dtype
+from ..numerics.storage import format_of_dtype, storage_dtype
 from .emulation import Emulation
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
+from .optim.torch_adam import TORCH_ADAMS, OptimizerPrecisionWarning, adam_risks, adam_warning
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
 from .recurrent import install_fp32_fallback
 from .regimes import GroupKey, Regime, Role, regimes_for
@@ -136,6 +137,7 @@ class Precision:
         self._added: list = []  # parameters the regimes added to the model
         self._optimizers: dict[int, object] = {}  # id -> optimizer setup configured or returned
         self._given: dict[int, object] = {}  # id of an optimizer setup wrapped -> the wrapper
+        self._adam_checked: "weakref.WeakSet" = weakref.WeakSet()  # optimizers past a first step
         self._unscaled: dict[int, bool] = {}  # id of an optimizer unscale_() ran on -> found_inf
 
     # -- regimes -----------------------------------------------------------------------------
@@ -256,7 +258,6 @@ class Precision:
         self._optimizers[id(out)] = out
         if out is not optimizer:
             self._given[id(optimizer)] = out
-        self._warn_adam_eps(optimizer, out)
         return out
 
     def _needs_wrap(self) -> bool:
@@ -267,31 +268,42 @@ class Precision:
         return (pol.master is not None or pol.update is not WriteBack.NEAREST
                 or (self.backend is Backend.EMULATED and lowp_storage))
 
-    def _warn_adam_eps(self, given, out) -> None:
-        """torch's Adam computes sqrt(v) + eps in the dtype of its state: with fp16 state,
-        eps = 1e-8 rounds to 0 (fp16's smallest subnormal is 6e-8) and so do squared gradients
-        below 6e-8, so the update divides by zero (NaN within a few steps, as ``model.half()``
-        with torch.optim.Adam does). lowprec's Adam keeps the maths in fp32 and stores sqrt(v)."""
-        if not isinstance(given, (torch.optim.Adam, torch.optim.AdamW)):
+    def _check_torch_adam(self, optimizer, scale: float) -> None:
+        """At an optimizer's first step: a torch Adam (AdamW, NAdam, RAdam), wrapped or not,
+        whose eps or second moment will be lost in the formats it actually runs in (the dtype
+        of its state, the state format the wrapper rounds it to, its gradients now) gets one
+        warning saying what happens and what to use (:mod:`.optim.torch_adam`)."""
+        if optimizer in self._adam_checked:
             return
-        pol = self.policy
-        if isinstance(out, FormatOptimizer):
-            fmt = FP32 if out.masters is not None else pol.optimizer_state
-        elif self.backend is Backend.NATIVE and pol.scope is Scope.ALL:
-            fmt = pol.params
-        else:
+        self._adam_checked.add(optimizer)
+        wrapper = optimizer if isinstance(optimizer, FormatOptimizer) else None
+        adam = wrapper.optimizer if wrapper is not None else optimizer
+        if not isinstance(adam, TORCH_ADAMS):
             return
-        eps = float(given.defaults.get("eps", 1e-8))
-        if fmt == FP32 or isinstance(fmt, DynamicFixedFormat):  # its range is set per group
-            return
-        if quantize(torch.tensor([eps]), fmt).item() != 0:
-            return
-        warnings.warn(
-            f"torch.optim.{type(given).__name__} keeps its state in {fmt} under policy {pol}, "
-            f"where eps={eps:g} rounds to 0 and small squared gradients flush to zero: its "
-            "update divides by zero and turns NaN. Use lowprec.optim.Adam / lowprec.optim.AdamW "
-            "(fp32 maths, sqrt of the second moment stored), or o=fp32 in the policy.",
-            UserWarning, stacklevel=4)  # the caller of setup()
+        model_of = {}  # the wrapped optimizer steps fp32 masters: the model's gradients
+        if wrapper is not None and wrapper.masters is not None:
+            model_of = {id(m): p for m, p in zip(wrapper.masters, wrapper.model_params)}
+
+        def entries():
+            for group in adam.param_groups:
+                for s in group["params"]:
+                    if s.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                        continue
+                    p = model_of.get(id(s), s)
+                    state = format_of_dtype(s.dtype)  # torch's state: zeros_like(param)
+                    if wrapper is not None and wrapper.masters is None:
+                        sf = wrapper.storage.sformat(p)  # rounded to it after each step
+                        state = sf if sf != FP32 else state
+                    # the fused kernel computes in fp32; the for-each and single-tensor paths
+                    # in the state's dtype
+                    arith = FP32 if group.get("fused") else format_of_dtype(s.dtype)
+                    g = None if p.grad is None else p.grad.float() / scale
+                    yield group["eps"], group["betas"], arith, state, g
+
+        risks = adam_risks(entries())
+        if risks:
+            warnings.warn(adam_warning(type(adam).__name__, self.policy, risks),
+                          OptimizerPrecisionWarning, stacklevel=4)  # the caller of step()
 
     @torch.no_grad()
     def _store_emulated(self, model: nn.Module) -> None:
@@ -458,6 +470,7 @@ class Precision:
             found_inf = unscaled
         skip = found_inf and self.loss_scale.skips_nonfinite
         if not skip:
+            self._check_torch_adam(optimizer, scale if takes_scale else 1.0)
             if takes_scale and scale != 1.0:
                 optimizer.step(grad_scale=1.0 / scale)
             else:

@@ -322,7 +322,7 @@ class _Mode(TorchFunctionMode):
             out = em.run_pure(func, name, rule, args, kwargs)
         else:
             out = em.run_mixed(func, name, rule, args, kwargs)
-        if em.observers:
+        if em.observers and name not in EMPTY_OPS:  # nothing to see before it is written
             for fn in em.observers:
                 fn(name, em.module_name(), args, kwargs, out)
         return out
@@ -778,6 +778,8 @@ class Emulation:
         key = self.module_name()
         fmt = rule.compute
         okey = key  # one dynamic fixed-point group per module and role
+        if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
+            return func(*args, **kwargs)
         if name in LOWP_OPS:
             # the additive operand (bias, attention mask) stays fp32 for block and Inf-less
             # formats: the hardware adds it to the fp32 accumulator (see ACCUMULATOR_INPUTS)

@@ -15,8 +15,7 @@ the CPU's (``prelu``, ``conv_tbc``, the fused ``lstm``/``gru`` of mkldnn).
 from __future__ import annotations
 
 __all__ = ["LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS", "EMPTY_OPS",
-           "BROADCAST_OPS",
-           "reduction_axes", "is_inplace"]
+           "BROADCAST_OPS", "reduction_axes", "is_inplace"]
 
 # torch.autocast's lower-precision list (CUDA and CPU): inputs and weights are cast to the
 # compute dtype, the result is produced in it (fp32 accumulation inside the kernel).
@@ -84,7 +83,6 @@ BROADCAST_OPS = frozenset({
 })
 
 # Uninitialised memory: nothing to round (or to report) until an op writes it.
-EMPTY_OPS = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
 
 # Normalisations: the output has the dtype of the input (args[0]), whatever their parameters'.
 NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm",
@@ -94,7 +92,20 @@ NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm",
 # rounded copies, and are rounded in place to the buffer format afterwards.
 BUFFER_OPS = frozenset({"batch_norm", "instance_norm", "native_batch_norm"})
 
-# Calls that produce no floating values worth looking at (attribute reads, shape queries).
+# Buffers whose memory is not initialised: they hold whatever bytes were there (a float32 view
+# of stale memory can be 1e38 or NaN), not values any op computed. Neither rounded (rounding
+# garbage makes it fp16 Inf) nor shown to observers (first_nonfinite reported
+# ``x.new_empty(shape).bernoulli_(keep)``, timm's DropPath, as "8 Inf" in 19 of 20 runs under
+# 16-true). The in-place op that writes them (bernoulli_, fill_, copy_, uniform_) is an op like
+# any other: rounded, and observed with the values it wrote. ``resize_`` may grow a tensor into
+# uninitialised memory the same way.
+EMPTY_OPS = frozenset({
+    "empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "empty_permuted",
+    "resize_", "resize_as_",
+})
+
+# Calls that produce no floating values worth looking at (attribute reads, shape queries): run
+# as they are, not rounded, not observed.
 PASS_OPS = frozenset({
     "__get__", "__set__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr",
     "element_size", "is_floating_point", "is_complex", "storage_offset", "__len__", "__bool__",

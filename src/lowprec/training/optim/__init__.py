@@ -23,8 +23,9 @@ from .adam import Adam, AdamW
 from .base import LowPrecisionOptimizer
 from .protocol import PolicyOptimizer
 from .sgd import SGD
+from .torch_adam import OptimizerPrecisionWarning
 from .wrapper import FormatOptimizer
 from .writeback import Storage
 
 __all__ = ["SGD", "Adam", "AdamW", "FormatOptimizer", "LowPrecisionOptimizer", "PolicyOptimizer",
-           "Storage"]
+           "Storage", "OptimizerPrecisionWarning"]
