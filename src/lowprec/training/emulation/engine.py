@@ -657,10 +657,11 @@ class Emulation:
         if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
             out = func(*args, **kwargs)
             src = args[0] if args and _floating(args[0]) else None
-            if src is not None and is_island(src) and _floating(out):
-                setattr(out, LOGICAL, torch.float32)
-            elif src is not None and _floating(out):
-                _mark(out, fmt)
+            if src is not None and _floating(out) and out is not src:  # the source's dtype
+                if is_island(src):
+                    setattr(out, LOGICAL, torch.float32)
+                elif getattr(src, MARK, None) is not None:
+                    _mark(out, getattr(src, MARK))
             return out
         inputs = tensors_in(args, tensors_in(kwargs, []))
         if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
