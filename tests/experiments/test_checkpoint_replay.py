@@ -5,6 +5,7 @@ task had sent) resumes to exactly the numbers of an uninterrupted comparison."""
 import sqlite3
 
 import pytest
+import torch
 
 from lowprec.experiments import CompareConfig, run_compare
 from lowprec.experiments import runner
@@ -59,3 +60,35 @@ def test_rows_a_checkpoint_covers_are_replayed_on_resume(tmp_path, monkeypatch):
     got = stored(out)
     assert [r[:2] for r in got["epochs"]] == [r[:2] for r in reference["epochs"]]
     assert got == reference
+
+
+@pytest.mark.timeout(600)
+def test_16_bit_run_checkpoints_are_half_the_size_and_resume_identically(tmp_path, monkeypatch):
+    """A run folder's checkpoint under emulated 16-true holds fp16 weights and fp16 momentum,
+    as a native run's: about half the 32-true checkpoint (measured here on the MLP: 32-true
+    422,921 B, native fp16 220,429 B, emulated 16-true 219,657 B, was 321,289 B). Interrupted
+    after it, the run resumes to the uninterrupted run's numbers."""
+    cfg = dict(CONFIG, policies=("32-true", "16-true"), epochs=2)
+    reference = stored(run_compare(CompareConfig(out=str(tmp_path / "ref"), **cfg)))
+    out = tmp_path / "r"
+    save = runner.atomic_save
+    seen = {}
+
+    def save_then_stop(obj, path):
+        save(obj, path)
+        seen[path.name.split("_seed")[0]] = (path.stat().st_size, obj)
+        if "16-true" in path.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "atomic_save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(CompareConfig(out=str(out), **cfg))
+    monkeypatch.undo()
+    (size32, _), (size16, ckpt) = seen["32-true"], seen["16-true"]
+    assert size16 < 0.55 * size32, (size16, size32)
+    assert {t.dtype for t in ckpt["model"].values()} == {torch.float16}
+    assert {v.dtype for s in ckpt["optimizer"]["state"].values() for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0} == {torch.float16}
+    assert "trace" not in ckpt["precision"]
+    run_compare(CompareConfig(out=str(out), resume=True, **cfg))
+    assert stored(out) == reference

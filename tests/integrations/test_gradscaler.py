@@ -4,6 +4,9 @@ Linear(8, 8), SGD with lr 1, scale 128 grown by 2 every step, an Inf injected in
 gradients at iteration 2; the run with scaling must end with the control run's parameters,
 gradients and optimizer state, and the scale 128 * 2**3 * 0.5."""
 
+import io
+import warnings
+
 import pytest
 import torch
 
@@ -260,3 +263,174 @@ def test_init_scale_with_a_precision_without_dynamic_scale_is_refused(policy):
     with pytest.raises(ValueError, match="not dynamic"):
         GradScaler(lowprec.Precision(policy), init_scale=8.0)
     GradScaler(lowprec.Precision(policy))  # no scale argument: its own loss scale
+
+
+# -- torch's signature, the set-up warning, autocast, a float32 scale (issue 22) ---------------
+
+def lockstep(ref, mine, steps, factor=lambda i: 1.0):
+    """Train two copies of torch's scaling case, one under each scaler, comparing the scale
+    and every weight after each step; ``factor(i)`` multiplies the loss of step i."""
+    _, a, _, opt_a, data, loss_fn, _ = scaling_case()
+    _, b, _, opt_b, _, _, _ = scaling_case()
+    scales = []
+    for i in range(steps):
+        x, y = data[i % len(data)]
+        for model, opt, sc in ((a, opt_a, ref), (b, opt_b, mine)):
+            opt.zero_grad()
+            sc.scale(loss_fn(model(x), y) * factor(i)).backward()
+            sc.step(opt)
+            sc.update()
+        assert mine.get_scale() == ref.get_scale(), (i, mine.get_scale(), ref.get_scale())
+        scales.append(ref.get_scale())
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q), i
+    return scales
+
+
+def test_torchs_signature_device_first():
+    for device in ("cuda", "cpu", "cuda:1", "xpu", "mps", torch.device("cpu")):
+        s = GradScaler(device)
+        assert s.device == torch.device(device) and str(s.precision.policy) == "32-true"
+    s = GradScaler("cpu", 2.0**10, 4.0, 0.25, 7, True)  # torch's positional order
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(),
+            s.get_growth_interval(), s.is_enabled()) == (1024.0, 4.0, 0.25, 7, True)
+    s = GradScaler(device="cuda", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                   growth_interval=2000, enabled=True)
+    assert s.get_scale() == 2.0**16 and s.device.type == "cuda"
+    assert GradScaler().device == torch.device("cuda")  # torch's default
+    s = GradScaler("cuda", policy="16-true")
+    assert str(s.precision.policy) == "16-true"
+    assert repr(s) == "GradScaler('cuda', policy='16-true', scale=65536, enabled=True)"
+    # the earlier signature: a policy first
+    s = GradScaler("16-true", init_scale=8.0)
+    assert str(s.precision.policy) == "16-true" and s.device is None and s.get_scale() == 8.0
+    prec = lowprec.Precision("16-mixed")
+    assert GradScaler(prec).precision is prec
+    assert GradScaler("cpu", policy=prec).precision is prec
+    with pytest.raises(TypeError, match="policy twice"):
+        GradScaler("16-true", policy="bf16-true")
+    with pytest.raises(TypeError, match=r"policy is a keyword.*policy='16-true'"):
+        GradScaler("cuda", "16-true")
+    with pytest.raises(ValueError, match="unknown policy 'cuda0'"):
+        GradScaler("cuda0")  # not a device torch knows: read as a policy, refused as one
+    with pytest.raises(TypeError, match="device"):
+        GradScaler(3)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(32, 8), \
+        torch.randint(0, 4, (32,))
+
+
+def _loop(scaler, model, opt, x, y, steps=3):
+    for _ in range(steps):
+        opt.zero_grad()
+        with scaler.autocast():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_a_policy_without_setup_warns_once():
+    model, opt, x, y = _tiny()
+    scaler = GradScaler("cpu", policy="16-true")
+    with pytest.warns(UserWarning, match="no model was set up") as caught:
+        _loop(scaler, model, opt, x, y)
+    assert len([w for w in caught if "no model was set up" in str(w.message)]) == 1
+    for scaler in (GradScaler("cpu"), GradScaler("cpu", policy="16-true")):
+        model, opt, x, y = _tiny()
+        if str(scaler.precision.policy) != "32-true":
+            model, opt = scaler.setup(model, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _loop(scaler, model, opt, x, y)
+        assert scaler.precision.steps == 3
+
+
+def test_autocast_runs_the_policy_as_torch_autocast_runs():
+    # 16-mixed on the CPU: emulated, a linear layer's output on the fp16 grid inside only
+    model, opt, x, y = _tiny()
+    scaler = GradScaler("cpu", policy="16-mixed")
+    model, opt = scaler.setup(model, opt)
+    with scaler.autocast():
+        inside = model[0](x)
+    with scaler.autocast("cpu", dtype=torch.float16, cache_enabled=True):
+        again = model[0](x)
+    with scaler.autocast(enabled=False):
+        outside = model[0](x)
+    assert torch.equal(inside, lowprec.quantize(inside, "fp16")) and torch.equal(inside, again)
+    assert not torch.equal(outside, lowprec.quantize(outside, "fp16"))
+    with pytest.raises(ValueError, match="computes in fp16"):
+        scaler.autocast(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="on cpu"):
+        scaler.autocast("cuda")
+    # bf16-mixed on the CPU: torch.autocast itself
+    model, opt, x, y = _tiny()
+    scaler = GradScaler("cpu", policy="bf16-mixed")
+    model, opt = scaler.setup(model, opt)
+    with scaler.autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+    with scaler.autocast():
+        out = model(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    _loop(scaler, model, opt, x, y)
+    # fp32: nothing to do, as torch's loop with autocast left out
+    with GradScaler("cpu").autocast():
+        assert model[0](x).dtype == torch.float32
+
+
+def test_scale_at_the_top_of_float32_follows_torch():
+    """2**127 * 2 is Inf in float32: torch keeps 2**127 (a double would have grown, clamped
+    to float32's max 3.4028e38)."""
+    kw = dict(init_scale=2.0**127, growth_interval=1)
+    scales = lockstep(torch.amp.GradScaler("cpu", **kw), GradScaler("cpu", **kw), 6,
+                      factor=lambda i: 1e-30 if i < 3 else 1e3)
+    assert scales[0] == 2.0**127  # grown to Inf: not applied
+    assert scales[-1] < 2.0**127  # the larger losses overflowed and backed off
+
+
+@pytest.mark.parametrize("growth,backoff,init", [(1.7, 0.3, 3.0), (1.1, 0.9, 1000.1),
+                                                 (3.0, 0.7, 2.0**-100)])
+def test_non_power_of_two_factors_follow_torch_in_float32(growth, backoff, init):
+    kw = dict(init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=1)
+    scales = lockstep(torch.amp.GradScaler("cpu", **kw), GradScaler("cpu", **kw), 24,
+                      factor=lambda i: 1e38 if i % 5 == 4 else 1.0)
+    # the same steps in double arithmetic leave torch's float32 values: the test can tell
+    double, ref = init, []
+    for i in range(24):
+        double = double * backoff if i % 5 == 4 else double * growth
+        ref.append(double)
+    assert any(s != d for s, d in zip(scales, ref))
+
+
+def test_loss_scale_rounds_to_float32_as_torchs_kernel():
+    from lowprec.training.loss_scale import DynamicLossScale, to_f32
+
+    ls = DynamicLossScale(init=2.0**127, growth=2.0, interval=1, max=torch.finfo().max)
+    ls.update(False)
+    assert ls.scale == 2.0**127  # Inf in float32: not applied
+    scale = torch.full((), 2.0**127)
+    torch._amp_update_scale_(scale, torch.zeros((), dtype=torch.int32), torch.zeros(()),
+                             2.0, 0.5, 1)
+    assert scale.item() == 2.0**127
+    assert DynamicLossScale(init=0.1).scale == to_f32(0.1) != 0.1
+    with pytest.raises(ValueError, match="float32"):
+        DynamicLossScale(init=1e39, max=1e39)
+
+
+def test_scaler_state_does_not_grow_from_step_10_to_100():
+    model, opt, x, y = _tiny()
+    scaler = GradScaler("cpu", policy="16-true", init_scale=2.0**10, growth_interval=7)
+    model, opt = scaler.setup(model, opt)
+    sizes = {}
+    for step in range(1, 101):
+        _loop(scaler, model, opt, x, y, steps=1)
+        if step in (10, 100):
+            buf = io.BytesIO()
+            torch.save(scaler.state_dict(), buf)
+            sizes[step] = len(buf.getvalue())
+    assert sizes[10] == sizes[100], sizes
+    assert len(scaler.precision.trace) == 100  # kept in memory, whole

@@ -47,7 +47,7 @@ def test_every_regime_trains_a_few_steps(name):
     again.setup(small_cnn(), SGD(small_cnn().parameters(), lr=0.1))
     again.load_state_dict(st)
     back = again.state_dict()
-    assert back["regimes"] == st["regimes"] and back["trace"] == st["trace"]
+    assert back["regimes"] == st["regimes"] and "trace" not in st  # constant size
     assert torch.equal(back["generator"], st["generator"])
     if name.startswith("dfxp"):  # every role's ranges travel, not an empty dict
         assert len(st["regimes"]["dynamic_fixed"]["ranges"]) > 10

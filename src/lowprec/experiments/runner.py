@@ -466,7 +466,9 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         if status == "diverged":
             break
         records.append(record)
-        atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+        # the weights as a native run stores them (emulated fp16 as float16: half the bytes);
+        # load_state_dict copies them back into the float32 carriers exactly
+        atomic_save({"model": prec.checkpoint_state_dict(), "optimizer": opt.state_dict(),
                      "precision": prec.state_dict(), "epoch": epoch,
                      "rng": torch.get_rng_state(), "records": records}, ckpt_path)
     if status == "finished":

@@ -1,12 +1,16 @@
 """``GradScaler``: ``torch.amp.GradScaler``'s interface over a lowprec :class:`Precision`.
 
-Code written for torch.amp runs unchanged but for the constructor::
+Code written for torch.amp runs with the import changed: ``GradScaler("cuda")`` (torch's
+signature: ``device, init_scale, growth_factor, backoff_factor, growth_interval, enabled``) is
+torch's scaler over the user's own ``torch.autocast``. A lowprec policy is one keyword more::
 
-    scaler = lowprec.integrations.GradScaler("16-true")     # was torch.amp.GradScaler("cuda")
+    scaler = lowprec.integrations.GradScaler("cuda", policy="16-true")  # torch: GradScaler("cuda")
     model, optimizer = scaler.setup(model, optimizer)        # fp16 parameters (or model.half())
     for x, y in loader:
         optimizer.zero_grad()
-        scaler.scale(loss_fn(model(x), y)).backward()
+        with scaler.autocast():                              # torch: torch.autocast("cuda", ...)
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
         scaler.unscale_(optimizer)                           # optional: clip unscaled gradients
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
@@ -18,17 +22,23 @@ unscaling in fp16 flushes gradients below 2**-24 to zero. This one accepts them:
 ``1 / scale`` into their fp32 arithmetic; with ``unscale_`` they are unscaled in place, in their
 own dtype, as clipping needs. The scale follows torch's rule (Micikevicius et al. 2018): halve
 and skip the step on Inf/NaN, multiply by ``growth_factor`` after ``growth_interval`` clean
-steps; ``state_dict`` uses torch's keys, so checkpoints load either way.
+steps, the scale a float32 value computed as torch's kernel computes it (same values at
+2**127 and with growth factors that are not powers of two; one difference: it never backs off
+below float32's smallest normal, where torch's goes on to subnormals and 0); ``state_dict``
+uses torch's keys, so checkpoints load either way.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import nullcontext
 
 import torch
 
 from ..training.loss_scale import DynamicLossScale
-from ..training.policy import Policy
+from ..numerics.storage import storage_dtype
+from ..training.policy import Policy, Scope
 from ..training.precision import Precision
 
 __all__ = ["GradScaler"]
@@ -73,20 +83,56 @@ def _growth_interval(value) -> int:
     return int(value)
 
 
+def _as_device(value) -> torch.device | None:
+    """``value`` as a torch.device if it names one (``"cuda"``, ``"cpu"``, ``"cuda:1"``,
+    ``"xpu"``, ``"mps"``, a torch.device), else None. No policy name or spec is a device
+    string torch accepts, so a first positional argument is read unambiguously."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            return None
+    return None
+
+
 class GradScaler:
-    """See the module docstring. ``precision``: a policy name or spec (a :class:`Precision`
-    is built with this scaler's dynamic loss scale), or a :class:`Precision`. The scale
-    arguments follow torch.amp.GradScaler (defaults ``init_scale=2.0**16``,
-    ``growth_factor=2.0``, ``backoff_factor=0.5``, ``growth_interval=2000``) and are checked as
-    torch checks them (growth > 1, backoff in (0, 1), a positive int interval, a positive
-    finite init). With a Precision, those given set its dynamic loss scale (the scale starts
+    """See the module docstring. torch.amp.GradScaler's signature, same defaults and checks
+    (growth > 1, backoff in (0, 1), a positive int interval, a positive finite init):
+    ``device`` (``"cuda"``, ``"cpu"``... or a torch.device; recorded: the scaler works on the
+    device the gradients are on, where torch's disables itself with a warning when CUDA is
+    missing), ``init_scale=2.0**16``, ``growth_factor=2.0``,
+    ``backoff_factor=0.5``, ``growth_interval=2000``, ``enabled=True``.
+
+    ``policy``: a policy name or spec (a :class:`Precision` is built with this scaler's
+    dynamic loss scale), a :class:`Policy` or a :class:`Precision`; ``"32-true"`` when not
+    given, which is torch's scaler over the loop's own autocast. A policy string (or Policy,
+    Precision) in first place, as earlier versions took it, is still read as the policy.
+    With a Precision, the scale arguments given set its dynamic loss scale (the scale starts
     at ``init_scale``, within the policy's ``[min, max]``); a Precision without a dynamic loss
     scale refuses them (its policy has ``ls=none`` or ``ls=static:S``)."""
 
-    def __init__(self, precision: str | Policy | Precision = "32-true", *,
+    def __init__(self, device: str | torch.device | None = "cuda",
                  init_scale: float | None = None, growth_factor: float | None = None,
                  backoff_factor: float | None = None, growth_interval: int | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, *, policy: str | Policy | Precision | None = None
+                 ) -> None:
+        dev = _as_device(device) if device is not None else torch.device("cuda")
+        if dev is None:
+            if not isinstance(device, (str, Policy, Precision)):
+                raise TypeError(f"GradScaler's first argument is the device ('cuda', 'cpu', a "
+                                f"torch.device) or a policy, got {type(device).__name__}")
+            if policy is not None:
+                raise TypeError(f"GradScaler got the policy twice: {device!r:.40} in first "
+                                f"place and policy={policy!r:.40}; the first argument is the "
+                                "device ('cuda', 'cpu')")
+            policy, dev = device, None  # the earlier signature: GradScaler("16-true", ...)
+        self.device = dev
+        policy = "32-true" if policy is None else policy
+        if isinstance(init_scale, (str, Policy, Precision)):
+            raise TypeError(f"init_scale={init_scale!r:.40}: the policy is a keyword, "
+                            f"GradScaler({str(device)!r}, policy={str(init_scale)!r})")
         given = {k: v for k, v in (("init_scale", init_scale), ("growth_factor", growth_factor),
                                    ("backoff_factor", backoff_factor),
                                    ("growth_interval", growth_interval)) if v is not None}
@@ -94,7 +140,8 @@ class GradScaler:
         growth = _growth_factor(given.get("growth_factor", 2.0))
         backoff = _backoff_factor(given.get("backoff_factor", 0.5))
         interval = _growth_interval(given.get("growth_interval", 2000))
-        if isinstance(precision, Precision):
+        if isinstance(policy, Precision):
+            precision = policy
             ls = precision.loss_scale
             if given and not isinstance(ls, DynamicLossScale):
                 raise ValueError(
@@ -114,17 +161,18 @@ class GradScaler:
                 if "growth_interval" in given:
                     ls.interval = interval
             self.precision = precision
-        elif isinstance(precision, (str, Policy)):
+        elif isinstance(policy, (str, Policy)):
             # torch's scale has no floor and no ceiling but fp32's own range
             finfo = torch.finfo(torch.float32)
-            self.precision = Precision(precision, loss_scale=DynamicLossScale(
+            self.precision = Precision(policy, loss_scale=DynamicLossScale(
                 init, growth, backoff, interval, min=finfo.tiny, max=finfo.max))
         else:
-            raise TypeError(f"GradScaler takes a policy name, spec, Policy or Precision, got "
-                            f"{type(precision).__name__}")
+            raise TypeError(f"GradScaler's policy is a policy name, spec, Policy or Precision, "
+                            f"got {type(policy).__name__}")
         self._enabled = bool(enabled)
         self._stage: dict[int, str] = {}
         self._found: dict[int, bool] = {}
+        self._warned_not_set_up = False
 
     # -- set-up ------------------------------------------------------------------------------
     def setup(self, model, optimizer=None):
@@ -134,11 +182,59 @@ class GradScaler:
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def _check_set_up(self, what: str) -> None:
+        """Warn (once per scaler) when a policy that is not fp32 drives a loop whose model was
+        never given to ``setup``: nothing would run in the policy's formats."""
+        prec = self.precision
+        if self._warned_not_set_up or prec.model is not None or prec.policy.is_fp32:
+            return
+        self._warned_not_set_up = True
+        warnings.warn(
+            f"GradScaler.{what}() under policy {prec.policy}, but no model was set up: the "
+            "model trains in fp32 with loss scaling only. Call model, optimizer = "
+            "scaler.setup(model, optimizer) before the loop (or use policy='32-true' with "
+            "your own torch.autocast)", UserWarning, stacklevel=3)
+
     # -- the loop ----------------------------------------------------------------------------
+    def autocast(self, device_type: str | None = None, dtype: torch.dtype | None = None,
+                 enabled: bool = True, cache_enabled: bool | None = None):
+        """The policy's autocast, used as ``torch.autocast`` is in a GradScaler loop::
+
+            with scaler.autocast():            # or scaler.autocast("cuda", torch.float16)
+                loss = loss_fn(model(x), y)
+
+        Mixed policies (``16-mixed``...) compute matmul layers in the compute format inside it
+        (torch.autocast on the native backend, the emulation's rounding otherwise); pure
+        policies and fp32 have nothing to do there. torch.autocast's arguments are accepted:
+        ``device_type`` and ``dtype``, if given, must agree with the set-up model's device and
+        the policy's compute format (the policy says the format, not this call);
+        ``enabled=False`` is a no-op context; ``cache_enabled`` is ignored."""
+        prec = self.precision
+        if not enabled:
+            return nullcontext()
+        if device_type is not None:
+            if not isinstance(device_type, str):
+                raise TypeError(f"device_type={device_type!r:.40} must be a str such as "
+                                "'cuda' or 'cpu', as torch.autocast takes it")
+            if prec.device is not None and torch.device(device_type).type != prec.device.type:
+                raise ValueError(f"autocast(device_type={device_type!r}) but the model set up "
+                                 f"by this scaler is on {prec.device.type}")
+        pol = prec.policy
+        compute = pol.compute if pol.scope is Scope.MATMUL else pol.params
+        if dtype is not None and dtype != storage_dtype(compute):
+            raise ValueError(f"autocast(dtype={dtype}) but this scaler's policy {pol} computes "
+                             f"in {compute}: the policy names the format (GradScaler(..., "
+                             "policy=...))")
+        self._check_set_up("autocast")
+        if prec.model is None:
+            return nullcontext()
+        return prec.autocast()
+
     def scale(self, outputs):
         """``outputs`` (a tensor or a nested list/tuple of them) times the scale, in fp32."""
         if not self._enabled:
             return outputs
+        self._check_set_up("scale")
         s = self.precision.loss_scale.scale
         if torch.is_tensor(outputs):
             return outputs.float() * s
@@ -166,6 +262,7 @@ class GradScaler:
         refused, as torch's scaler refuses it (``None`` is accepted: accelerate passes it)."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
+        self._check_set_up("step")
         closure = kwargs.pop("closure", args[0] if args else None)
         if closure is not None or kwargs or len(args) > 1:
             raise RuntimeError("Closure use is not currently supported if GradScaler is "
@@ -280,4 +377,6 @@ class GradScaler:
             setattr(ls, k, v)
 
     def __repr__(self) -> str:
-        return f"GradScaler({self.precision.policy}, scale={self.get_scale():g})"
+        dev = "" if self.device is None else f"{str(self.device)!r}, "
+        return (f"GradScaler({dev}policy={str(self.precision.policy)!r}, "
+                f"scale={self.get_scale():g}, enabled={self._enabled})")

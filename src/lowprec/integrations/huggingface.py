@@ -1,7 +1,6 @@
 """The Hugging Face ``Trainer`` under a lowprec policy: two changed lines in a script.
 
-    from lowprec.integrations.huggingface import LowprecTrainer    # was: from accelerate.optimizer import AcceleratedOptimizer
-from transformers import Trainer
+    from lowprec.integrations.huggingface import LowprecTrainer    # was: from transformers import Trainer
 
     trainer = LowprecTrainer(policy="p=bf16:stochastic", model=model, args=args,
                              train_dataset=train)                  # was: Trainer(model=..., ...)
@@ -17,9 +16,17 @@ through accelerate's own scaler hook: the accelerator's ``scaler`` is a
 accelerated optimizer's ``step`` unscales, checks, steps and updates the scale. Gradient clipping
 (``max_grad_norm``) sees unscaled gradients. Leave ``fp16``/``bf16`` in ``TrainingArguments``
 off: the policy says what runs in which format.
+
+Saved models and checkpoints look like a native run's: emulated 16-bit weights are written as
+fp16/bf16 tensors (fp8 as float8; :meth:`lowprec.Precision.checkpoint_state_dict`) and
+config.json names that dtype, so ``from_pretrained`` gives 16-bit tensors; resuming copies them
+back into the float32 carriers bit for bit. ``scaler.pt`` holds the loss scale and the
+Precision's constant-size state (the per-step trace stays in ``trainer.lowprec.trace``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
@@ -72,6 +79,32 @@ class LowprecTrainer(Trainer):
     def create_optimizer(self, model=None):
         self.optimizer = self.lowprec.setup_optimizer(super().create_optimizer(model))
         return self.optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's save (``save_model`` and every checkpoint) with the weights as a
+        native run stores them, and config.json's dtype theirs."""
+        if state_dict is None:
+            state_dict = self.model.state_dict()
+        state_dict = self.lowprec.checkpoint_state_dict(state_dict)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        first = next((n for n, p in model.named_parameters() if p.is_floating_point()), None)
+        saved = state_dict.get(first) if first is not None else None
+        saved = saved.dtype if torch.is_tensor(saved) else None  # save_pretrained empties it
+        super()._save(output_dir, state_dict=state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        config = getattr(model, "config", None)
+        if (not self.args.should_save or config is None or saved is None
+                or not os.path.isfile(os.path.join(output_dir, "config.json"))
+                or saved == getattr(model, "dtype", saved)):
+            return
+        # save_pretrained wrote the dtype of the model's first parameter (float32 carriers):
+        # name the dtype its weights were saved in, as a native run's config does
+        before = config.dtype
+        config.dtype = str(saved).split(".")[1]
+        try:
+            config.save_pretrained(output_dir)
+        finally:
+            config.dtype = before
 
     def autocast_smart_context_manager(self, cache_enabled=True):
         return self.lowprec.autocast()

@@ -6,6 +6,12 @@
     trainer = L.Trainer(plugins=[LowprecPrecision("p=bf16:kahan")], max_epochs=2)
     trainer.fit(model, loader)
 
+Lightning's own ``precision=`` takes only its names (``"16-true"``, ``"bf16-mixed"``...) and
+refuses a lowprec spec or a plugin object there: a lowprec policy goes in ``plugins=``, or
+through :class:`Trainer`, Lightning's Trainer whose ``precision=`` also takes any lowprec
+policy name, compact spec, Policy, Precision or plugin
+(``Trainer(precision="p=bf16:kahan", max_epochs=2)``).
+
 ``LowprecPrecision`` implements ``lightning.pytorch.plugins.precision.Precision``: the module is
 converted in place (:meth:`lowprec.Precision.setup`), each optimizer that ``configure_optimizers``
 returns is configured or wrapped (master weights, stochastic or Kahan write-back; schedulers keep
@@ -13,7 +19,12 @@ working, the wrapper shares their parameter groups), ``training_step`` runs insi
 autocast, the loss is multiplied by the loss scale before ``backward``, the closure runs before
 the step, gradients are unscaled before ``on_before_optimizer_step`` and clipping (as Lightning's
 ``MixedPrecision`` does), a step with Inf/NaN gradients is skipped and the scale backs off; the
-Precision's state (loss scale, step counts, generator) is saved in checkpoints.
+Precision's state (loss scale, step counts, generator; constant size, the per-step trace stays
+in ``plugin.lowprec.trace``) is saved in checkpoints. Checkpoints hold the weights as a native
+run stores them: emulated 16-bit parameters as fp16/bf16 tensors, fp8 as float8
+(:meth:`lowprec.Precision.checkpoint_state_dict`; a ``weights_only`` checkpoint, which Lightning
+writes without the plugin's hook, keeps the float32 carriers), and 16-bit optimizer state in
+its own dtype; loading copies them back into the float32 carriers bit for bit.
 ``LowprecFabricPrecision`` is the same for ``lightning.fabric.Fabric(plugins=[...])``.
 """
 
@@ -23,6 +34,7 @@ from contextlib import contextmanager
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch import Trainer as LightningTrainer
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 
 from ..training.optim import FormatOptimizer
@@ -30,7 +42,7 @@ from ..training.policy import Policy
 from ..training.precision import Precision
 from ..training.tree import cast_floating
 
-__all__ = ["LowprecPrecision", "LowprecFabricPrecision"]
+__all__ = ["LowprecPrecision", "LowprecFabricPrecision", "Trainer"]
 
 # Lightning's names for the model summary's size estimate; other policies count as 32 bits
 _LIGHTNING_NAMES = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
@@ -84,6 +96,11 @@ class _Common:
     def load_state_dict(self, state_dict: dict) -> None:
         self.lowprec.load_state_dict(state_dict)
 
+    def __repr__(self) -> str:
+        # Lightning prints plugins in its messages ("Received both `precision=16-mixed` and
+        # `plugins=...`"): the policy, not an address
+        return f"{type(self).__name__}({str(self.lowprec.policy)!r})"
+
 
 class LowprecPrecision(_Common, TrainerPrecision):
     """A lowprec policy as a ``lightning.pytorch`` precision plugin (see the module docstring).
@@ -118,6 +135,12 @@ class LowprecPrecision(_Common, TrainerPrecision):
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val,
                                        error_if_nonfinite=False)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The weights as a native run stores them (emulated fp16 as torch.float16...)."""
+        if "state_dict" in checkpoint and self.lowprec.model is not None:
+            checkpoint["state_dict"] = self.lowprec.checkpoint_state_dict(
+                checkpoint["state_dict"])
 
 
 class LowprecFabricPrecision(_Common, FabricPrecision):
@@ -157,3 +180,30 @@ class LowprecFabricPrecision(_Common, FabricPrecision):
             for p in opt.model_params:
                 p.grad = None
         return stepped
+
+
+# Lightning's legacy precision values, as its connector reads them
+_LIGHTNING_ALIASES = {16: "16-mixed", "16": "16-mixed", 32: "32-true", "32": "32-true",
+                      "bf16": "bf16-mixed"}
+
+
+class Trainer(LightningTrainer):
+    """``lightning.pytorch.Trainer`` whose ``precision=`` takes a lowprec policy: a name
+    (Lightning's, ``"16-true"``, or lowprec's, ``"16-master"``), a compact spec
+    (``"p=bf16:kahan"``), a :class:`Policy`, a :class:`lowprec.Precision` or a
+    :class:`LowprecPrecision`; it runs as ``LowprecPrecision`` in ``plugins`` (after any
+    plugins given). Every other argument is Lightning's."""
+
+    def __init__(self, *args, precision: str | int | Policy | Precision | LowprecPrecision
+                 = "32-true", plugins=None, **kwargs) -> None:
+        if not isinstance(precision, LowprecPrecision):
+            if isinstance(precision, bool) or not isinstance(precision,
+                                                             (str, int, Policy, Precision)):
+                raise TypeError(f"precision={precision!r:.60} must be a lowprec policy name or "
+                                "spec, a Policy, a lowprec.Precision or a LowprecPrecision")
+            precision = LowprecPrecision(_LIGHTNING_ALIASES.get(precision, precision))
+        if plugins is None:
+            plugins = []
+        elif not isinstance(plugins, (list, tuple)):
+            plugins = [plugins]
+        super().__init__(*args, plugins=[*plugins, precision], **kwargs)

@@ -5,6 +5,13 @@ flush to zero; multiplying the loss by S shifts every gradient up by S before it
 the optimizer divides by S in fp32. Too large an S overflows (Inf/NaN); too small leaves values
 underflowing. ``DynamicLossScale`` follows torch.amp.GradScaler: halve on a non-finite gradient
 and skip that step, double after ``interval`` clean steps.
+
+The scale is a float32 value, as torch.amp.GradScaler keeps it (``_scale``, a float32 tensor):
+every scale set or computed is rounded to float32, and growth and backoff follow torch's
+``_amp_update_scale_`` kernel (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp): the product
+``scale * factor`` taken in double and rounded to float32, a grown scale that rounds to Inf not
+applied. A Python double would differ from torch's scale after a few steps of a growth factor
+that is not a power of two, and at the top of float32's range (2**127 * 2 is Inf in float32).
 """
 
 from __future__ import annotations
@@ -12,10 +19,12 @@ from __future__ import annotations
 import math
 import re
 
+import torch
 from torch import is_tensor as torch_is_tensor
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "make_loss_scale",
-           "parse_loss_scale", "loss_scale_spec", "LOSS_SCALE_GRAMMAR", "DYNAMIC_OPTIONS"]
+           "parse_loss_scale", "loss_scale_spec", "to_f32", "LOSS_SCALE_GRAMMAR",
+           "DYNAMIC_OPTIONS"]
 
 #: Options of a dynamic scale, in the canonical order of a spec.
 DYNAMIC_OPTIONS = ("init", "growth", "backoff", "interval", "min", "max")
@@ -25,6 +34,15 @@ LOSS_SCALE_GRAMMAR = ("none, static:S (S > 0), dynamic, or dynamic:OPT=V;OPT=V..
                       "min, max (0 < min <= init <= max; defaults 1 and 2**24, widened to hold "
                       "init), each once, "
                       "e.g. dynamic:init=1024;growth=4")
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def to_f32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (ties to even), as a Python float; Inf beyond
+    float32's range (C++'s ``static_cast<float>`` of a double, which torch's kernel does)."""
+    return torch.tensor(float(value), dtype=torch.float64).float().item()
 
 
 def _short(spec: str, limit: int = 60) -> str:
@@ -114,7 +132,16 @@ class LossScale:
     skips_nonfinite = True
 
     def __init__(self, scale: float) -> None:
-        self.scale = float(scale)
+        self.scale = scale
+
+    @property
+    def scale(self) -> float:
+        """The scale, a float32 value (as torch's GradScaler holds it)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = to_f32(value)
 
     def update(self, found_inf: bool) -> None:  # pragma: no cover - overridden
         pass
@@ -132,10 +159,10 @@ class LossScale:
         if torch_is_tensor(v) and v.numel() == 1:
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or not v > 0:
+                or not v > 0 or not 0 < to_f32(v) < math.inf:
             raise ValueError(f"loss-scale state: scale={v!r:.40} must be a positive "
-                             "finite number")
-        return float(v)
+                             "finite number within float32's range")
+        return to_f32(v)
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = self._checked_scale(state)
@@ -165,8 +192,9 @@ class StaticLossScale(LossScale):
     """A fixed scale; a step whose gradients hold Inf/NaN is skipped and counted."""
 
     def __init__(self, scale: float) -> None:
-        if not scale > 0 or not math.isfinite(scale):
-            raise ValueError(f"scale={scale!r} must be a positive finite number")
+        if not scale > 0 or not math.isfinite(scale) or not 0 < to_f32(scale) < math.inf:
+            raise ValueError(f"scale={scale!r} must be a positive finite number within "
+                             "float32's range")
         super().__init__(scale)
 
     def update(self, found_inf: bool) -> None:
@@ -190,6 +218,10 @@ class DynamicLossScale(LossScale):
                 raise ValueError(f"{name}={v!r} must be a finite number")
         if not init > 0:
             raise ValueError(f"init={init!r} must be positive")
+        for name, v in (("init", init), ("min", min), ("max", max)):
+            if v > _F32_MAX or 0 < v and to_f32(v) == 0:
+                raise ValueError(f"{name}={v!r} is outside float32's range (the scale is a "
+                                 "float32, as torch.amp.GradScaler's)")
         if not growth > 1:
             raise ValueError(f"growth={growth!r} must be > 1")
         if not 0 < backoff < 1:
@@ -204,17 +236,23 @@ class DynamicLossScale(LossScale):
             raise ValueError(f"init={init!r} must be in [min, max] = [{min:g}, {max:g}]")
         super().__init__(init)
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
-        self.min, self.max = float(min), float(max)
+        self.min, self.max = to_f32(min), to_f32(max)
         self.good_steps = 0
 
     def update(self, found_inf: bool) -> None:
+        """torch's ``_amp_update_scale_``: the product in double, rounded to float32 (the
+        ``scale`` setter); a grown scale that is Inf in float32 is not applied. Then the
+        bounds: ``min`` (torch has none: its scale can back off to subnormals and 0) and
+        ``max``."""
         if found_inf:
-            self.scale = max(self.scale * self.backoff, self.min)
+            self.scale = max(to_f32(self.scale * self.backoff), self.min)
             self.good_steps = 0
         else:
             self.good_steps += 1
             if self.good_steps >= self.interval:  # >=: the interval may have been lowered
-                self.scale = min(self.scale * self.growth, self.max)
+                grown = to_f32(self.scale * self.growth)
+                if math.isfinite(grown):
+                    self.scale = min(grown, self.max)
                 self.good_steps = 0
 
     def state_dict(self) -> dict:

@@ -38,7 +38,7 @@ from torch import nn
 from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
 from ..numerics.quantize import quantize_
 from ..numerics.rounding import check_generator
-from ..numerics.storage import format_of_dtype, storage_dtype
+from ..numerics.storage import compact, format_of_dtype, storage_dtype
 from .emulation import Emulation
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
@@ -503,22 +503,71 @@ class Precision:
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """What resuming needs, of constant size: the loss scale, the step counts, the
+        generator, the regimes' state. The per-step trace is not in it (it would grow with the
+        run, in every checkpoint): it stays in ``self.trace``, and the experiment runner stores
+        it in results.db as each epoch ends."""
         return {
             "policy": self.policy.spec,
             "loss_scale": self.loss_scale.state_dict(),
             "steps": self.steps,
             "skipped": self.skipped,
             "nonfinite": self.nonfinite,
-            "trace": list(self.trace),
             "generator": None if self.generator is None else self.generator.get_state(),
             "regimes": {r.name: r.state_dict() for r in self.regimes},
         }
+
+    def _stored_formats(self) -> dict[str, Format]:
+        """Name -> format of each parameter and buffer the emulation keeps on a format's grid
+        (the tensors ``_store_emulated`` rounds); empty for the native backend, whose tensors
+        are already in their dtype."""
+        em, model = self.emulation, self.model
+        if em is None or model is None or self.backend is not Backend.EMULATED:
+            return {}
+        out: dict[str, Format] = {}
+        for name, _ in model.named_parameters(remove_duplicate=False):
+            out[name] = em.param_format(name)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            fmt = em.param_format(name)
+            if (b.is_floating_point() and em.rule_of(name).scope == "all"
+                    and not isinstance(fmt, DynamicFixedFormat)):
+                out[name] = fmt
+        return {k: f for k, f in out.items() if f != FP32}
+
+    def checkpoint_state_dict(self, state_dict: dict | None = None) -> dict:
+        """``state_dict`` (default: the set-up model's ``state_dict()``) as a native run stores
+        it: each tensor the emulation keeps on a format's grid in float32 is converted to that
+        format's own torch dtype (:func:`lowprec.numerics.storage.compact`: fp16 and bf16, fp8
+        in torch's float8 dtypes) when every bit survives; formats torch has no dtype for stay
+        float32. An emulated 16-true model is saved as ``torch.float16``, half the bytes, like
+        ``model.half()``'s; ``model.load_state_dict`` copies the values back into the float32
+        carriers exactly. Keys are the model's own names; a tensor under several keys (tied
+        weights) stays one shared tensor; other entries are returned as they are."""
+        if state_dict is None:
+            if self.model is None:
+                raise RuntimeError("checkpoint_state_dict() needs setup(model) first, or a "
+                                   "state_dict")
+            state_dict = self.model.state_dict()
+        formats = self._stored_formats()
+        out = copy.copy(state_dict)  # an OrderedDict keeps its _metadata (versions)
+        done: dict = {}  # one converted tensor per source view: shared tensors stay shared
+        for key, t in state_dict.items():
+            fmt = formats.get(key)
+            if fmt is None or not torch.is_tensor(t):
+                continue
+            view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                    tuple(t.stride()), t.dtype, fmt)
+            if view not in done:
+                done[view] = compact(t, fmt)
+            out[key] = done[view]
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict):
             raise TypeError(f"a Precision state must be a dict from state_dict(), got "
                             f"{type(state).__name__}")
-        missing = [k for k in ("loss_scale", "steps", "skipped", "trace") if k not in state]
+        # "trace": in the states of lowprec before the trace left them (still read)
+        missing = [k for k in ("loss_scale", "steps", "skipped") if k not in state]
         if missing:
             raise ValueError(f"not a Precision state_dict: missing {', '.join(missing)} (keys "
                              f"given: {', '.join(map(str, list(state)[:8]))})")
@@ -532,7 +581,7 @@ class Precision:
             if counts[k] > counts["steps"]:
                 raise ValueError(f"Precision state: {k}={counts[k]} exceeds steps="
                                  f"{counts['steps']}")
-        if not isinstance(state["trace"], (list, tuple)):
+        if not isinstance(state.get("trace", []), (list, tuple)):
             raise ValueError(f"Precision state: trace must be a list, got "
                              f"{type(state['trace']).__name__}")
         copy.deepcopy(self.loss_scale).load_state_dict(state["loss_scale"])
@@ -555,7 +604,8 @@ class Precision:
         self.loss_scale.load_state_dict(state["loss_scale"])
         self.steps, self.skipped, self.nonfinite = (counts["steps"], counts["skipped"],
                                                     counts["nonfinite"])
-        self.trace = list(state["trace"])
+        if "trace" in state:  # an older state carried the trace: kept in memory as it was
+            self.trace = list(state["trace"])
         if gen_state is not None and self.generator is not None:
             self.generator.set_state(gen_state)
 

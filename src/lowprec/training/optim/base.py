@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import BF16, FP32, FixedFormat, FloatFormat, Format
-from ...numerics.storage import storage_dtype
+from ...numerics.storage import compact, storage_dtype
 from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, write
 
@@ -43,16 +43,33 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
     def configure_storage(self, **kwargs) -> None:
         self.configure(**kwargs)
 
+    def state_dict(self) -> dict:
+        """torch's state_dict, each state tensor in its format's own dtype where torch has one
+        narrower than the carrier (:func:`lowprec.numerics.storage.compact`: fp8 state held in
+        float32 is saved as float8); 16-bit state is held in its dtype already."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for i, s in sd["state"].items():
+            layout = self.state_layout(params[i])
+            state[i] = {k: compact(v, layout[k]) if k in layout and torch.is_tensor(v) else v
+                        for k, v in s.items()}
+        return {**sd, "state": state}
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts floating state to the parameter's dtype when loading; lowprec keeps each
-        tensor's own dtype (fp32 master weights of fp16 parameters must stay fp32)."""
+        """torch casts floating state to the parameter's dtype when loading; lowprec gives each
+        tensor the dtype this optimizer holds it in (its format's storage dtype: fp32 master
+        weights of fp16 parameters stay fp32, fp8 state saved as float8 returns to its float32
+        carrier), exactly."""
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params):
+            layout = self.state_layout(p)
             for key, val in state_dict["state"].get(pid, {}).items():
                 if torch.is_tensor(val):
-                    self.state[p][key] = val.to(device=p.device, copy=True)
+                    dtype = storage_dtype(layout[key]) if key in layout else val.dtype
+                    self.state[p][key] = val.to(device=p.device, dtype=dtype, copy=True)
 
     # -- state in a format -----------------------------------------------------------------
     def _state_tensor(self, p, like32: torch.Tensor, fmt: Format) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import FP32, Format
-from ...numerics.storage import format_of_dtype, storage_dtype
+from ...numerics.storage import compact, format_of_dtype, storage_dtype
 from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to
 
@@ -171,21 +171,43 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         return layout
 
     def state_dict(self) -> dict:
+        """The wrapped optimizer's state_dict, the masters and the Kahan compensations. Without
+        masters the wrapped optimizer's state lies on the state format's grid in the
+        parameters' dtype (float32 carriers under emulation): it is saved in the format's own
+        dtype (:func:`lowprec.numerics.storage.compact`: fp16 momentum as float16, as a native
+        run holds it), and the wrapped optimizer's ``load_state_dict`` casts it back to the
+        parameters' dtype, exactly."""
+        inner = self.optimizer.state_dict()
+        st = self.storage
+        if self.masters is None:
+            state = {}
+            for i, s in inner["state"].items():
+                fmt = st.sformat(self.model_params[i])
+                state[i] = {k: compact(v, fmt) if torch.is_tensor(v) and v.dim() > 0 else v
+                            for k, v in s.items()}
+            inner = {**inner, "state": state}
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": inner,
             "masters": None if self.masters is None else [m.detach().clone() for m in self.masters],
-            "compensation": {i: self.compensation[id(p)].clone()
+            "compensation": {i: compact(self.compensation[id(p)], st.pformat(p)).clone()
                              for i, p in enumerate(self.model_params) if id(p) in self.compensation},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        # torch's load_state_dict replaces the optimizer's param_groups and state objects:
+        # share the new ones (a scheduler built on this wrapper sets the rate the step uses)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
         if state.get("masters") is not None:
             with torch.no_grad():
                 for m, v in zip(self.masters, state["masters"]):
                     m.copy_(v)
-        self.compensation = {id(self.model_params[int(i)]): v.clone()
-                             for i, v in state.get("compensation", {}).items()}
+        self.compensation = {}
+        for i, v in state.get("compensation", {}).items():
+            p = self.model_params[int(i)]
+            self.compensation[id(p)] = v.to(dtype=storage_dtype(self.storage.pformat(p)),
+                                            copy=True)
 
     def __repr__(self) -> str:
         return f"FormatOptimizer({type(self.optimizer).__name__}, masters={self.masters is not None})"
