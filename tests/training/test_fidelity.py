@@ -368,7 +368,7 @@ def test_recurrent_layers_track_native_fp16(name):
     0.0 gradients for all four, errors 1.00 (bit-exact; before, the plain LSTM replayed under
     the mode and the others one fp32 op: forward / gradients LSTM 1.06 / 0.76, GRU 1.20 /
     0.97, packed bidirectional LSTM 1.00 / 0.82, 2-layer LSTM 0.70 / 0.66, errors 0.44-1.08;
-    benchmarks/fidelity_recurrent.py). Bound 0.5 (the issue's), not 0: fp16 linear sums in
+    benchmarks/fidelity_models.py). Bound 0.5 (the issue's), not 0: fp16 linear sums in
     its own order, one unit apart at times on other CPUs and shapes."""
     torch.manual_seed(0)
     res = fidelity(RECURRENT[name](), _x(4, 10, 12))

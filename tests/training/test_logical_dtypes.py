@@ -232,16 +232,20 @@ def test_linear_on_a_non_contiguous_3d_input_rounds_twice_as_aten_does():
     assert torch.equal(out.half(), native)
 
 
+class MHA(nn.Module):
+    """nn.MultiheadAttention(batch_first=True): F.linear on a transposed 3-D input, SDPA
+    called positionally."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.att(x, x, x, need_weights=False)[0]
+
+
 def test_multihead_attention_batch_first_follows_native_fp16():
     from tests.training.test_fidelity import fidelity
-
-    class MHA(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.att = nn.MultiheadAttention(32, 4, batch_first=True)
-
-        def forward(self, x):
-            return self.att(x, x, x, need_weights=False)[0]
 
     torch.manual_seed(0)
     x = torch.randn(4, 10, 32, generator=torch.Generator().manual_seed(1)).half().float()
