@@ -149,12 +149,13 @@ def test_native_backend_warns_that_it_does_not_apply():
 def test_the_engine_uses_it_when_asked(reference_conv):
     x, w, b, conf = _case("stride2_bias")
     native = F.conv2d(x, w, b, *conf).float()
+    args = _f32(x, w, b)  # fp32 carriers made outside: inside, .float() is an fp32 island
     with emulated("16-true", match_cpu_kernels=True):
-        ours = F.conv2d(*_f32(x, w, b), *conf)
+        ours = F.conv2d(*args, *conf)
     with emulated("16-true"):
-        default = F.conv2d(*_f32(x, w, b), *conf)
+        default = F.conv2d(*args, *conf)
     assert torch.equal(ours, native)
-    assert torch.equal(default, F.conv2d(*_f32(x, w, b), *conf).half().float())
+    assert torch.equal(default, F.conv2d(*args, *conf).half().float())
 
 
 def test_precision_trains_with_it_and_stays_bit_exact_with_native(reference_conv):
