@@ -193,34 +193,88 @@ class _Round(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+class _Sum:
+    """The 16-bit sum native autograd forms of the gradients an activation's consumers send
+    back: each arrival added to the running sum and rounded (``InputBuffer::add`` in the
+    tensor's dtype), in the order the backward runs the consumers. Shared by the
+    :class:`_Consumed` / :class:`_Upcast` nodes of one tensor; ``n`` counts them."""
+
+    __slots__ = ("n", "seen", "task", "value")
+
+    def __init__(self) -> None:
+        self.n, self.seen, self.task, self.value = 0, 0, None, None
+
+    def add(self, g: torch.Tensor, fmt, mode, gen) -> torch.Tensor:
+        """``g`` (rounded) arrives; returns what to hand autograd instead: the change in the
+        rounded running sum, so that autograd's fp32 sum of the consumers' returns is the
+        rounded sum (telescoping; each difference of two 16-bit values is exact in fp32 but
+        for exponents more than 13 binades apart)."""
+        if self.n <= 1:
+            return g
+        task = torch._C._current_graph_task_id()
+        if self.value is None or task != self.task or self.value.shape != g.shape:
+            self.task, self.value, self.seen = task, g, 1
+            return g
+        new = quantize(self.value + g, fmt(g) if callable(fmt) else fmt, mode, generator=gen)
+        out = new - self.value
+        self.seen += 1
+        self.value = None if self.seen >= self.n else new  # every consumer in: let it go
+        return out
+
+
+SUM = "_lowprec_sum"  # attribute of an activation: its consumers' _Sum
+
+
+def _consumer_sum(t: torch.Tensor) -> _Sum:
+    acc = getattr(t, SUM, None)
+    if acc is None:
+        acc = _Sum()
+        try:
+            setattr(t, SUM, acc)
+        except (AttributeError, RuntimeError):
+            pass
+    acc.n += 1
+    return acc
+
+
 class _Upcast(torch.autograd.Function):
     """A 16-bit value cast up (``h.to(torch.float32)``): a copy, exact; the gradient reaching
-    it is cast back to the 16-bit format, as the cast's backward does natively."""
+    it is cast back to the 16-bit format, as the cast's backward does natively, and added to
+    the tensor's other consumers' (``acc``: :class:`_Sum`, or None)."""
 
     @staticmethod
-    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
-        ctx.spec = (bwd, bmode, gen)
+    def forward(ctx, x, fwd, bwd, mode, bmode, gen, acc=None):
+        ctx.spec = (bwd, bmode, gen, acc)
         return x.clone()
 
-    backward = _Round.backward
+    @staticmethod
+    def backward(ctx, g):
+        bwd, bmode, gen, acc = ctx.spec
+        if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
+            g = _fresh(quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen))
+            if acc is not None:
+                g = acc.add(g, bwd, bmode, gen)
+        return g, None, None, None, None, None, None
 
 
 class _Consumed(torch.autograd.Function):
     """An activation an op reads: unchanged forward; the gradient this one op sends back to it
-    is rounded before autograd adds it to the other consumers' (a native 16-bit run sums its
-    consumers' 16-bit gradients, each rounded, in the tensor's dtype)."""
+    is rounded, then added to the other consumers' as a native 16-bit run adds them (one
+    16-bit sum per arrival, in the tensor's dtype: :class:`_Sum`)."""
 
     @staticmethod
-    def forward(ctx, x, bwd, bmode, gen):
-        ctx.spec = (bwd, bmode, gen)
+    def forward(ctx, x, bwd, bmode, gen, acc=None):
+        ctx.spec = (bwd, bmode, gen, acc)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        bwd, bmode, gen = ctx.spec
+        bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
             g = quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen)
-        return g, None, None, None
+            if acc is not None:
+                g = acc.add(g, bwd, bmode, gen)
+        return g, None, None, None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -585,7 +639,9 @@ class Emulation:
             elif x.requires_grad and torch.is_grad_enabled():
                 r = self._cast_rule(rule, sfmt)
                 _, bwd = self._fmts(r, key, x, None, True)
-                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self.generator)
+                acc = _consumer_sum(x) if x.grad_fn is not None and bwd is not None and \
+                    format_dtype(r.grads) is not None else None
+                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self.generator, acc)
             else:
                 y = x.clone()
             if target != torch.float32:
@@ -625,7 +681,9 @@ class Emulation:
             _, bwd = self._fmts(r, key, t, None, True)
             if bwd is None:
                 return t
-            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self.generator)
+            acc = _consumer_sum(t) if t.grad_fn is not None and \
+                format_dtype(r.grads) is not None else None
+            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self.generator, acc)
 
     @staticmethod
     def _island(name: str, args, inplace: bool, inputs) -> bool:
@@ -705,7 +763,8 @@ class Emulation:
                         and not isinstance(t, nn.Parameter):
                     with torch._C.DisableTorchFunction():
                         _, bwd = self._fmts(rule, okey, t, None, True)
-                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator)
+                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator,
+                                             _consumer_sum(t))
                     if getattr(t, MARK, None) is not None:
                         _mark(t2, getattr(t, MARK))
                     t = t2
