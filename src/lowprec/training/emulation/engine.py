@@ -46,7 +46,7 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
-from . import kernels, recurrent_kernels
+from . import backward_kernels, kernels, recurrent_kernels
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -801,6 +801,11 @@ class Emulation:
                                                  qkv, name)
             else:
                 out = kernels.attention_math(*qkv, **kw)
+        elif name in backward_kernels.REPLAYED and kernels.plain_formats(rule) and \
+                (opts := backward_kernels.replayable(name, args, kwargs)) is not False:
+            # differentiated from its rounded output, in 16-bit arithmetic, as the native
+            # backward does (exp, tanh, sigmoid, softmax...)
+            out = backward_kernels.replayed(rule, name, func, args, kwargs, opts)
         elif split:
             # aten's linear on a non-contiguous N-d input with a bias: matmul, then add (two
             # 16-bit results, two roundings), as nn.MultiheadAttention(batch_first=True) runs
