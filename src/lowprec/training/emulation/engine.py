@@ -410,9 +410,17 @@ class Emulation:
         self._mode = _Mode(self)
         self._depth = 0
         self._pnames: dict[int, str] = {}
+        self._tied: set = set()
+        self._param_sums: dict = {}  # id(tied parameter) -> its _Sum in this forward
         self._cast_rules: dict = {}
         if model is not None:
             self._pnames = {id(p): n for n, p in model.named_parameters()}
+            # parameters under more than one name (tied embeddings): each use's gradient is
+            # summed into the 16-bit gradient as native autograd sums them (_Sum)
+            names: dict = {}
+            for _, p in model.named_parameters(remove_duplicate=False):
+                names[id(p)] = names.get(id(p), 0) + 1
+            self._tied = {i for i, n in names.items() if n > 1}
             self._attach(model)
 
     # -- modules -----------------------------------------------------------------------------
@@ -480,6 +488,7 @@ class Emulation:
                 return None
             self._mode.__enter__()
             self._depth += 1
+            self._param_sums = {}
             if rule.active and rule.scope == "all":  # the model's floating inputs
                 return (_map(lambda t: self._in(t, rule, "input"), args),
                         _map(lambda t: self._in(t, rule, "input"), kwargs))
@@ -563,7 +572,11 @@ class Emulation:
         _mark(t, rule.compute)
 
     def _in(self, t, rule: Rule, key: str):
-        if not _floating(t) or _marked(t, rule.compute):
+        if not _floating(t):
+            return t
+        if _marked(t, rule.compute):
+            if self._tied and id(t) in self._tied and isinstance(t, nn.Parameter):
+                return self._tied_use(t, rule)
             return t
         if isinstance(t, nn.Parameter):
             # the op sees the rounded weight; its gradient reaches the parameter unrounded: the
@@ -571,6 +584,23 @@ class Emulation:
             # their storage format at the step)
             return self.round(t, rule, self._pnames.get(id(t), key), grads=False)
         return self.round(t, rule, key)
+
+    def _tied_use(self, p: nn.Parameter, rule: Rule) -> torch.Tensor:
+        """One use of a parameter stored in a 16-bit format under several names: its
+        gradient rounded to that format and added to the other uses' with a rounding per
+        add, as autograd sums a 16-bit parameter's gradients (the sum then accumulates
+        into ``p.grad`` in fp32, as every parameter gradient does)."""
+        if not (p.requires_grad and torch.is_grad_enabled()) or \
+                format_dtype(rule.params) is None:
+            return p
+        acc = self._param_sums.get(id(p))
+        if acc is None:
+            acc = self._param_sums[id(p)] = _Sum()
+        acc.n += 1
+        with torch._C.DisableTorchFunction():
+            out = _Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self.generator, acc)
+        _mark(out, rule.compute)
+        return out
 
     # -- logical dtypes ----------------------------------------------------------------------
     def logical_dtype(self, t: torch.Tensor) -> torch.dtype:
@@ -788,6 +818,8 @@ class Emulation:
                                              args, name)
         elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
                 kernels.plain_embedding(args, kwargs):
+            if self._tied and id(args[0]) in self._tied and _marked(args[0], fmt):
+                args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
             out = kernels.embedding(self, rule, *args, **kwargs)
         elif name in recurrent_kernels.RNN_OPS and \
                 (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
