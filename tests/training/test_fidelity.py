@@ -228,6 +228,9 @@ BACKWARD_OPS = {
     "matmul": (lambda a: a["x"] @ a["y"].transpose(-1, -2), "xy", *ACCUM),
     "bmm": (lambda a: torch.bmm(a["A"], a["B"]), "AB", *ACCUM),
     "linear": (lambda a: F.linear(a["x"], a["W"], a["b"]), "xWb", *ACCUM),
+    # a non-contiguous 3-D input: aten's matmul then add, the bias gradient the add's 16-bit
+    # gradient summed down (sum_to_size)
+    "linear_split": (lambda a: F.linear(a["x"].transpose(0, 1), a["W"], a["b"]), "xWb", *ACCUM),
     # attention: cpu_flash_attention_backward replayed (kernels._FlashAttention); dQ's
     # rowsum(dO * O) against dO @ V^T cancels where a row attends to one key, and the
     # kernel's fp32 sums run in their own order: measured 1 unit on 1-2 of 1280 fp16
