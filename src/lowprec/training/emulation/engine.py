@@ -46,7 +46,7 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
-from . import kernels, recurrent_kernels
+from . import backward_kernels, kernels, recurrent_kernels
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -193,34 +193,88 @@ class _Round(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+class _Sum:
+    """The 16-bit sum native autograd forms of the gradients an activation's consumers send
+    back: each arrival added to the running sum and rounded (``InputBuffer::add`` in the
+    tensor's dtype), in the order the backward runs the consumers. Shared by the
+    :class:`_Consumed` / :class:`_Upcast` nodes of one tensor; ``n`` counts them."""
+
+    __slots__ = ("n", "seen", "task", "value")
+
+    def __init__(self) -> None:
+        self.n, self.seen, self.task, self.value = 0, 0, None, None
+
+    def add(self, g: torch.Tensor, fmt, mode, gen) -> torch.Tensor:
+        """``g`` (rounded) arrives; returns what to hand autograd instead: the change in the
+        rounded running sum, so that autograd's fp32 sum of the consumers' returns is the
+        rounded sum (telescoping; each difference of two 16-bit values is exact in fp32 but
+        for exponents more than 13 binades apart)."""
+        if self.n <= 1:
+            return g
+        task = torch._C._current_graph_task_id()
+        if self.value is None or task != self.task or self.value.shape != g.shape:
+            self.task, self.value, self.seen = task, g, 1
+            return g
+        new = quantize(self.value + g, fmt(g) if callable(fmt) else fmt, mode, generator=gen)
+        out = new - self.value
+        self.seen += 1
+        self.value = None if self.seen >= self.n else new  # every consumer in: let it go
+        return out
+
+
+SUM = "_lowprec_sum"  # attribute of an activation: its consumers' _Sum
+
+
+def _consumer_sum(t: torch.Tensor) -> _Sum:
+    acc = getattr(t, SUM, None)
+    if acc is None:
+        acc = _Sum()
+        try:
+            setattr(t, SUM, acc)
+        except (AttributeError, RuntimeError):
+            pass
+    acc.n += 1
+    return acc
+
+
 class _Upcast(torch.autograd.Function):
     """A 16-bit value cast up (``h.to(torch.float32)``): a copy, exact; the gradient reaching
-    it is cast back to the 16-bit format, as the cast's backward does natively."""
+    it is cast back to the 16-bit format, as the cast's backward does natively, and added to
+    the tensor's other consumers' (``acc``: :class:`_Sum`, or None)."""
 
     @staticmethod
-    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
-        ctx.spec = (bwd, bmode, gen)
+    def forward(ctx, x, fwd, bwd, mode, bmode, gen, acc=None):
+        ctx.spec = (bwd, bmode, gen, acc)
         return x.clone()
 
-    backward = _Round.backward
+    @staticmethod
+    def backward(ctx, g):
+        bwd, bmode, gen, acc = ctx.spec
+        if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
+            g = _fresh(quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen))
+            if acc is not None:
+                g = acc.add(g, bwd, bmode, gen)
+        return g, None, None, None, None, None, None
 
 
 class _Consumed(torch.autograd.Function):
     """An activation an op reads: unchanged forward; the gradient this one op sends back to it
-    is rounded before autograd adds it to the other consumers' (a native 16-bit run sums its
-    consumers' 16-bit gradients, each rounded, in the tensor's dtype)."""
+    is rounded, then added to the other consumers' as a native 16-bit run adds them (one
+    16-bit sum per arrival, in the tensor's dtype: :class:`_Sum`)."""
 
     @staticmethod
-    def forward(ctx, x, bwd, bmode, gen):
-        ctx.spec = (bwd, bmode, gen)
+    def forward(ctx, x, bwd, bmode, gen, acc=None):
+        ctx.spec = (bwd, bmode, gen, acc)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        bwd, bmode, gen = ctx.spec
+        bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
             g = quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen)
-        return g, None, None, None
+            if acc is not None:
+                g = acc.add(g, bwd, bmode, gen)
+        return g, None, None, None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -356,9 +410,17 @@ class Emulation:
         self._mode = _Mode(self)
         self._depth = 0
         self._pnames: dict[int, str] = {}
+        self._tied: set = set()
+        self._param_sums: dict = {}  # id(tied parameter) -> its _Sum in this forward
         self._cast_rules: dict = {}
         if model is not None:
             self._pnames = {id(p): n for n, p in model.named_parameters()}
+            # parameters under more than one name (tied embeddings): each use's gradient is
+            # summed into the 16-bit gradient as native autograd sums them (_Sum)
+            names: dict = {}
+            for _, p in model.named_parameters(remove_duplicate=False):
+                names[id(p)] = names.get(id(p), 0) + 1
+            self._tied = {i for i, n in names.items() if n > 1}
             self._attach(model)
 
     # -- modules -----------------------------------------------------------------------------
@@ -426,6 +488,7 @@ class Emulation:
                 return None
             self._mode.__enter__()
             self._depth += 1
+            self._param_sums = {}
             if rule.active and rule.scope == "all":  # the model's floating inputs
                 return (_map(lambda t: self._in(t, rule, "input"), args),
                         _map(lambda t: self._in(t, rule, "input"), kwargs))
@@ -509,7 +572,11 @@ class Emulation:
         _mark(t, rule.compute)
 
     def _in(self, t, rule: Rule, key: str):
-        if not _floating(t) or _marked(t, rule.compute):
+        if not _floating(t):
+            return t
+        if _marked(t, rule.compute):
+            if self._tied and id(t) in self._tied and isinstance(t, nn.Parameter):
+                return self._tied_use(t, rule)
             return t
         if isinstance(t, nn.Parameter):
             # the op sees the rounded weight; its gradient reaches the parameter unrounded: the
@@ -517,6 +584,23 @@ class Emulation:
             # their storage format at the step)
             return self.round(t, rule, self._pnames.get(id(t), key), grads=False)
         return self.round(t, rule, key)
+
+    def _tied_use(self, p: nn.Parameter, rule: Rule) -> torch.Tensor:
+        """One use of a parameter stored in a 16-bit format under several names: its
+        gradient rounded to that format and added to the other uses' with a rounding per
+        add, as autograd sums a 16-bit parameter's gradients (the sum then accumulates
+        into ``p.grad`` in fp32, as every parameter gradient does)."""
+        if not (p.requires_grad and torch.is_grad_enabled()) or \
+                format_dtype(rule.params) is None:
+            return p
+        acc = self._param_sums.get(id(p))
+        if acc is None:
+            acc = self._param_sums[id(p)] = _Sum()
+        acc.n += 1
+        with torch._C.DisableTorchFunction():
+            out = _Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self.generator, acc)
+        _mark(out, rule.compute)
+        return out
 
     # -- logical dtypes ----------------------------------------------------------------------
     def logical_dtype(self, t: torch.Tensor) -> torch.dtype:
@@ -585,7 +669,9 @@ class Emulation:
             elif x.requires_grad and torch.is_grad_enabled():
                 r = self._cast_rule(rule, sfmt)
                 _, bwd = self._fmts(r, key, x, None, True)
-                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self.generator)
+                acc = _consumer_sum(x) if x.grad_fn is not None and bwd is not None and \
+                    format_dtype(r.grads) is not None else None
+                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self.generator, acc)
             else:
                 y = x.clone()
             if target != torch.float32:
@@ -625,7 +711,9 @@ class Emulation:
             _, bwd = self._fmts(r, key, t, None, True)
             if bwd is None:
                 return t
-            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self.generator)
+            acc = _consumer_sum(t) if t.grad_fn is not None and \
+                format_dtype(r.grads) is not None else None
+            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self.generator, acc)
 
     @staticmethod
     def _island(name: str, args, inplace: bool, inputs) -> bool:
@@ -706,7 +794,8 @@ class Emulation:
                         and not isinstance(t, nn.Parameter):
                     with torch._C.DisableTorchFunction():
                         _, bwd = self._fmts(rule, okey, t, None, True)
-                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator)
+                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator,
+                                             _consumer_sum(t))
                     if getattr(t, MARK, None) is not None:
                         _mark(t2, getattr(t, MARK))
                     t = t2
@@ -730,6 +819,8 @@ class Emulation:
                                              args, name)
         elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
                 kernels.plain_embedding(args, kwargs):
+            if self._tied and id(args[0]) in self._tied and _marked(args[0], fmt):
+                args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
             out = kernels.embedding(self, rule, *args, **kwargs)
         elif name in recurrent_kernels.RNN_OPS and \
                 (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
@@ -743,6 +834,11 @@ class Emulation:
                                                  qkv, name)
             else:
                 out = kernels.attention_math(*qkv, **kw)
+        elif name in backward_kernels.REPLAYED and kernels.plain_formats(rule) and \
+                (opts := backward_kernels.replayable(name, args, kwargs)) is not False:
+            # differentiated from its rounded output, in 16-bit arithmetic, as the native
+            # backward does (exp, tanh, sigmoid, softmax...)
+            out = backward_kernels.replayed(rule, name, func, args, kwargs, opts)
         elif split:
             # aten's linear on a non-contiguous N-d input with a bias: matmul, then add (two
             # 16-bit results, two roundings), as nn.MultiheadAttention(batch_first=True) runs

@@ -256,19 +256,18 @@ def _kernel_exp(d: torch.Tensor) -> torch.Tensor:
     return e + (fast - e).detach()  # the kernel's values; the gradient of exp
 
 
-def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
-               is_causal=False, scale=None, enable_gqa=False):
-    """Attention as torch's CPU flash kernel computes it in 16 bits (``cpu_flash_attention`` in
-    aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, FlashAttention-2's algorithm): scores
-    q @ k^T in fp32, scaled, masked; exp(s - max) in fp32 by the vectorised ``fexp_u20`` (whole
-    vectors of keys; std::exp on the remainder), rounded to the 16-bit format for the P @ V
-    product (accumulated in fp32), times 1 / (fp32 row sum of the unrounded exps); the caller
-    rounds the output once. Sequences up to the kernel's 512-key block: one block, no
-    rescaling. Measured: bit-exact with native fp16 on this CPU (tests/training/test_fidelity)."""
-    sc = torch.tensor(scale if scale is not None else q.shape[-1] ** -0.5, dtype=torch.float32)
-    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped keys and values
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+def _fexp_values(d: torch.Tensor) -> torch.Tensor:
+    """``_kernel_exp``'s values without autograd: fexp_u20 on whole vectors, exp on the rest."""
+    lanes = _vector_lanes()
+    n = d.shape[-1] // lanes * lanes if lanes else 0
+    if not n:
+        return torch.exp(d)
+    return torch.cat([fexp_u20(d[..., :n]), torch.exp(d[..., n:])], -1)
+
+
+def _flash_scores(q, k, sc, attn_mask, is_causal):
+    """scale * q @ k^T, causal positions -inf, plus the mask (-inf where a bool mask is
+    False): the fp32 scores both directions of the flash kernel compute."""
     s = (q @ k.transpose(-2, -1)) * sc
     if is_causal:
         L, S = q.shape[-2], k.shape[-2]
@@ -277,6 +276,106 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
     if attn_mask is not None:
         s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
              else s + attn_mask)
+    return s
+
+
+def _q_split(length: int) -> int:
+    # the kernels' query block (q_split_size) for a sequence of ``length`` queries
+    return 256 if length >= 768 else 64 if length >= 192 else 32
+
+
+def _grouped(t: torch.Tensor, rep: int) -> torch.Tensor:
+    return t if rep == 1 else t.repeat_interleave(rep, dim=-3)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Forward: :func:`attention`'s values, the output rounded to ``act`` here (its backward
+    reads the rounded output, as the kernel reads the 16-bit ``out``). Backward as
+    ``cpu_flash_attention_backward`` (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) runs
+    in 16 bits, measured against torch 2.13 on this CPU:
+
+    * P recomputed in fp32 as exp(s - logsumexp) (ATen's vectorised exp: torch.exp's), with
+      logsumexp = max + log(sum of the forward's fexp_u20 values);
+    * dV += P16^T @ dO and dK += scale * dS16^T @ Q, one 16-bit rounding per query block of
+      32/64/256 rows (``q_split_size``) and per query head of a key/value group (grouped
+      heads: each query head's product is added to the 16-bit dK/dV buffer in turn, the
+      buffer rounded after each add);
+    * dP = dO @ V^T in fp32, dsum = rowsum(dO * O16) in fp32, dS = P * (dP - dsum) with the
+      fp32 P, rounded to 16 bits; dQ = scale * dS16 @ K rounded once (one key block: up to 512
+      keys)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad):
+        rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
+        K, V = _grouped(k, rep), _grouped(v, rep)
+        s = _flash_scores(q, K, sc, attn_mask, is_causal)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
+        e = _fexp_values(s - m)
+        total = e.sum(-1, keepdim=True)
+        total = torch.where(total == 0, torch.ones_like(total), total)
+        out = act((act(e) @ V) * (1 / total))
+        ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total))
+        ctx.spec = (is_causal, sc, act, grad, rep)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        q, k, v, attn_mask, out, lse = ctx.saved_tensors
+        is_causal, sc, act, grad, rep = ctx.spec
+        K, V = _grouped(k, rep), _grouped(v, rep)
+        p = torch.exp(_flash_scores(q, K, sc, attn_mask, is_causal) - lse)
+        dsum = (do * out).sum(-1, keepdim=True)
+        ds = grad(p * (do @ V.transpose(-2, -1) - dsum))
+        dq = grad((ds @ K) * sc) if ctx.needs_input_grad[0] else None
+        dk = dv = None
+        L, split = q.shape[-2], _q_split(q.shape[-2])
+        blocks = [slice(i, min(i + split, L)) for i in range(0, L, split)]
+
+        def accumulate(parts):  # [..., H, S, D] per query block -> the 16-bit buffer's sums
+            if rep > 1:
+                parts = [t.unflatten(-3, (-1, rep)) for t in parts]
+                parts = [t.select(-3, r) for r in range(rep) for t in parts]
+            acc = grad(parts[0])
+            for t in parts[1:]:
+                acc = grad(acc + t)
+            return acc
+
+        if ctx.needs_input_grad[1]:
+            dst = ds.transpose(-2, -1)
+            dk = accumulate([(dst[..., b] @ q[..., b, :]) * sc for b in blocks])
+        if ctx.needs_input_grad[2]:
+            pt = act(p).transpose(-2, -1)
+            dv = accumulate([pt[..., b] @ do[..., b, :] for b in blocks])
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
+               is_causal=False, scale=None, enable_gqa=False):
+    """Attention as torch's CPU flash kernel computes it in 16 bits (``cpu_flash_attention`` in
+    aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, FlashAttention-2's algorithm): scores
+    q @ k^T in fp32, scaled, masked; exp(s - max) in fp32 by the vectorised ``fexp_u20`` (whole
+    vectors of keys; std::exp on the remainder), rounded to the 16-bit format for the P @ V
+    product (accumulated in fp32), times 1 / (fp32 row sum of the unrounded exps); the caller
+    rounds the output once. Sequences up to the kernel's 512-key block: one block, no
+    rescaling. Measured: bit-exact with native fp16 on this CPU (tests/training/test_fidelity).
+    Formats a 16-bit kernel stands for (:func:`plain_formats`) take the kernel's backward too
+    (:class:`_FlashAttention`); others differentiate these fp32 ops."""
+    sc = torch.tensor(scale if scale is not None else q.shape[-1] ** -0.5, dtype=torch.float32)
+    if plain_formats(rule) and torch.is_grad_enabled() and \
+            not (torch.is_tensor(attn_mask) and attn_mask.requires_grad):
+        def act(t):
+            return quantize(t, rule.compute)
+
+        def grad(t):
+            return quantize(t, rule.grads)
+
+        return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), sc, act, grad)
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped keys and values
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    s = _flash_scores(q, k, sc, attn_mask, is_causal)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
     e = _kernel_exp(s - m)
@@ -298,10 +397,15 @@ def split_linear(args, kwargs) -> bool:
 
 def flash_possible(args, kwargs) -> bool:
     """Whether torch's CPU SDPA would take its flash kernel: not with a mask that needs a
-    gradient (T5's learned position bias), where ``sdp_utils_cpp`` falls back to the math
-    path."""
-    mask = sdpa_arguments(args, kwargs)[1].get("attn_mask")
-    return not (torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled())
+    gradient (T5's learned position bias) nor for 3-D inputs, where ``sdp_utils_cpp`` falls
+    back to the math path."""
+    (q, k, v), kw = sdpa_arguments(args, kwargs)
+    mask = kw.get("attn_mask")
+    if torch.is_tensor(mask) and mask.requires_grad and torch.is_grad_enabled():
+        return False
+    # sdp_utils_cpp's other checks: 4-D inputs, one head size, unit stride along it
+    return (all(t.dim() == 4 and t.stride(-1) == 1 for t in (q, k, v)) and
+            q.shape[-1] == k.shape[-1] == v.shape[-1])
 
 
 def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
