@@ -79,10 +79,18 @@ def choose_backend(policy: Policy, facts: DeviceFacts, *,
     if not can_be_native(pol):
         return BackendChoice(Backend.EMULATED, "native needs fp32/fp16/bf16 formats with "
                              "gradients in the compute format")
-    lowp = {f for f in (pol.params, pol.compute, pol.grads) if f != FP32}
-    if facts.type == "cuda" or lowp <= {BF16}:
-        return BackendChoice(Backend.NATIVE, "bf16 on any device, fp16 on CUDA")
-    return BackendChoice(Backend.EMULATED, "fp16 on a CPU")
+    lowp = sorted({f for f in (pol.params, pol.compute, pol.grads) if f != FP32}, key=str)
+    slow = []
+    fast = []
+    for fmt in lowp:
+        ok, why = native_speed(fmt, facts)
+        (fast if ok else slow).append(f"{fmt}: {why}")
+    where = facts.describe()
+    if slow:
+        return BackendChoice(Backend.EMULATED, f"{where} has no fast kernels for "
+                             f"{'; '.join(slow)}", automatic=True)
+    return BackendChoice(Backend.NATIVE, f"{where} has fast kernels ({'; '.join(fast)})",
+                         automatic=True)
 
 
 _ANNOUNCED: set = set()
