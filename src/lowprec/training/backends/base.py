@@ -131,8 +131,8 @@ def register_backend(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
     """Register ``cls`` for its ``kind`` (usable as a decorator); one class per kind."""
     if not (isinstance(cls, type) and issubclass(cls, PrecisionBackend)):
         raise TypeError(f"a backend must be a PrecisionBackend subclass, got {cls!r}")
-    kind = Backend.parse(getattr(cls, "kind", None)) if isinstance(
-        getattr(cls, "kind", None), str) else None
+    kind = getattr(cls, "kind", None)
+    kind = Backend.parse(kind) if isinstance(kind, str) else None
     if kind is None or kind is Backend.AUTO:
         raise ValueError(f"{cls.__name__}.kind must be a Backend other than auto")
     if BACKENDS.get(kind, cls) is not cls:
