@@ -12,6 +12,17 @@ from lowprec.numerics import kernel
 IMPLS = ["kernel", "torch"] if kernel.available() else ["torch"]
 
 
+def native(policy: str) -> str:
+    """``policy`` forced onto the native backend (``auto`` emulates 16-bit formats on CPUs
+    without fast kernels for them): for tests of what native runs do, on any CPU."""
+    import dataclasses
+
+    from lowprec import parse_policy
+    from lowprec.training.policy import Backend
+
+    return dataclasses.replace(parse_policy(policy), backend=Backend.NATIVE).spec
+
+
 def assert_same_values(got, expected, context=""):
     """Equal values, equal signs of zero, NaN where NaN; reports the first mismatches."""
     got = np.asarray(got.double().cpu() if torch.is_tensor(got) else got, dtype=np.float64).ravel()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lowprec.cli import main
 from lowprec.experiments.results import ResultsDB
@@ -30,6 +31,13 @@ def test_compare_stores_everything_and_writes_the_report(tmp_path):
     r = runs[0]
     assert r["config"]["data"] == "digits" and r["versions"]["torch"] and r["hardware"]["cpus"]
     assert r["policy_spec"].startswith("p=fp32")
+    for run in runs:  # the backend each run took, why, and the facts auto decided by
+        choice = run["hardware"]["backend_choice"]
+        assert choice["backend"] == run["backend"] and choice["reason"]
+        assert run["hardware"]["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    by_policy = {run["policy"]: run for run in runs}
+    assert by_policy["16-true"]["hardware"]["backend_choice"]["automatic"]  # auto chose
+    assert not by_policy["32-true"]["hardware"]["backend_choice"]["automatic"]
     for run in runs:
         ep = db.epochs(run["run_id"])
         assert [e["epoch"] for e in ep] == [0, 1]

@@ -13,6 +13,8 @@ import torch
 import lowprec
 from lowprec.integrations import GradScaler
 
+from helpers import native
+
 
 def scaling_case(dtype=torch.float32, optimizer_kwargs=None):
     torch.manual_seed(0)
@@ -367,9 +369,9 @@ def test_autocast_runs_the_policy_as_torch_autocast_runs():
         scaler.autocast(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="on cpu"):
         scaler.autocast("cuda")
-    # bf16-mixed on the CPU: torch.autocast itself
+    # bf16-mixed run natively on the CPU: torch.autocast itself
     model, opt, x, y = _tiny()
-    scaler = GradScaler("cpu", policy="bf16-mixed")
+    scaler = GradScaler("cpu", policy=native("bf16-mixed"))
     model, opt = scaler.setup(model, opt)
     with scaler.autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(x)

@@ -14,7 +14,7 @@ from lowprec.analysis import certify, first_nonfinite, layer_errors, low_precisi
 from lowprec.analysis.common import run_model
 from lowprec.training.regimes.binary import FeatureBatchNorm
 
-from helpers import assert_same_bits
+from helpers import assert_same_bits, native
 
 
 def mlp(seed=0, d_in=6, d_out=3):
@@ -142,7 +142,7 @@ class KwargsNet(nn.Module):
 @pytest.mark.parametrize("policy", ["bf16-true", "p=fp16,b=native"])
 def test_native_policies_cast_kwargs_and_nested_containers(policy):
     model = KwargsNet()
-    prec = Precision(policy)
+    prec = Precision(native(policy))
     model, _ = prec.setup(model)
     x, _ = batch()
     extra = {"shift": [torch.randn(8)]}

@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from helpers import small_cnn, train_steps
+from helpers import native, small_cnn, train_steps
 from torch import nn
 
 from lowprec import Precision
@@ -108,7 +108,7 @@ def test_tied_weights_stay_one_tensor_and_fp32_parts_stay_fp32():
 
 @pytest.mark.parametrize("policy", ["32-true", "bf16-true", "16-mixed"])
 def test_native_and_fp32_tensors_are_left_as_they_are(policy):
-    prec = Precision(policy)
+    prec = Precision(native(policy) if policy == "bf16-true" else policy)
     model, _ = prec.setup(small_cnn())
     sd = model.state_dict()
     out = prec.checkpoint_state_dict(sd)

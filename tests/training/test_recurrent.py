@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from lowprec import Precision
 from lowprec.training import recurrent
 
-from helpers import assert_same_bits
+from helpers import assert_same_bits, native
 
 LAYERS = {
     "lstm": lambda: nn.LSTM(4, 8, num_layers=2, batch_first=True),
@@ -42,7 +42,7 @@ def first(out) -> torch.Tensor:
 
 
 def setup(policy: str, layer: nn.Module) -> tuple[Precision, list]:
-    prec = Precision(policy)
+    prec = Precision(native(policy))  # the fallback belongs to the native backend
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prec.setup(layer)

@@ -33,6 +33,7 @@ from ..analysis.certify import certify
 from .config import CompareConfig, RunError, lr_at, split_models
 from .data import Dataset, load_checked_dataset
 from .models import build_checked_model
+from ..training.hardware import device_facts
 from ..training.optim import SGD, Adam
 from ..training.precision import Precision
 from .results import NOT_REQUESTED, ResultsDB, is_blank
@@ -64,7 +65,8 @@ def environment() -> dict:
         pass
     hw = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-          "kernel": _kernel.available(), "platform": platform.platform()}
+          "kernel": _kernel.available(), "platform": platform.platform(),
+          "cpu": device_facts("cpu").to_json()}  # what backend=auto decides by
     if torch.cuda.is_available():
         hw["cuda"] = torch.cuda.get_device_name(0)
     return {"versions": versions, "git": git, "hardware": hw}
@@ -321,7 +323,8 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env
     run_id = run_id_of(policy, seed)
     db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
-                 hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg)})
+                 hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg),
+                           "backend_choice": prec.backend_choice.to_json()})
     db.set_backend(run_id, prec.backend)
     batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
     db.record_memory(run_id, _measure_memory(prec, model, batch))

@@ -2,6 +2,7 @@
 and a plain-torch path that give the same bits), its autograd wrappers and storage sizes.
 Nothing here knows about models or training."""
 
+from . import ops  # registers the lowprec::quantize custom op (torch.compile)
 from .autograd import Quantizer, quantize_ste
 from .formats import (
     BF16,

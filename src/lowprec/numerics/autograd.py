@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .formats import Format, parse_format
-from .ops import quantize_call
+from .quantize import quantize
 from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize_ste", "Quantizer"]
@@ -25,8 +25,8 @@ class _QuantizeSTE(torch.autograd.Function):
             return x.view_as(x)
         if callable(fwd):  # a format chosen from the tensor itself (dynamic fixed point)
             fwd = fwd(x)
-        # through the lowprec::quantize custom op, so torch.compile keeps it in the graph
-        return quantize_call(x, fwd, fwd_round, fwd_bits or 0, generator)
+        # inside torch.compile, one lowprec::quantize node (lowprec.numerics.ops)
+        return quantize(x, fwd, fwd_round, generator=generator, random_bits=fwd_bits or None)
 
     @staticmethod
     def backward(ctx, grad):
@@ -34,7 +34,8 @@ class _QuantizeSTE(torch.autograd.Function):
         if callable(bwd) and grad is not None:
             bwd = bwd(grad)
         if bwd is not None and grad is not None:
-            grad = quantize_call(grad, bwd, bwd_round, bwd_bits or 0, generator)
+            grad = quantize(grad, bwd, bwd_round, generator=generator,
+                            random_bits=bwd_bits or None)
         return grad, None, None, None, None, None, None, None
 
 

@@ -4,6 +4,14 @@ One pure function does the numerics; modules, optimizers and analysis are thin w
 Two paths compute it with identical bits: the compiled kernel (float32 CPU tensors, one fused
 pass, several threads) and a plain-torch path (any device). ``impl=`` chooses one explicitly,
 which the tests and the benchmark use to compare them.
+
+Inside ``torch.compile`` (``torch.compiler.is_compiling()``), :func:`quantize` and
+:func:`quantize_` are one node of the graph: the ``lowprec::quantize`` custom op
+(:mod:`.ops`), whose implementation is this eager function, so compiled code gets the eager
+bits. The format and rounding become constants of the graph; stochastic rounding's two keys
+travel as a tensor, ``seed=`` (:func:`seed_tensor` draws them from a generator, as the eager
+path does), because a graph cannot hold a ``torch.Generator``: given a generator instead, the
+keys are drawn outside the graph (one graph break; ``fullgraph=True`` refuses it).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
 from .rounding import Rounding, check_generator, parse_rounding
 
-__all__ = ["quantize", "quantize_", "draw_seed", "block_shifts"]
+__all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # formats whose nearest-even rounding torch's casts perform exactly (the plain-torch fast path)
@@ -30,17 +38,39 @@ _NATIVE_CASTS = {
 Impl = Literal["auto", "kernel", "torch"]
 
 
-def draw_seed(generator: torch.Generator | None = None) -> tuple[int, int]:
-    """Two 32-bit keys for the counter-based generator of stochastic rounding.
+def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
+    """Two 32-bit keys for the counter-based generator of stochastic rounding, as an int64
+    tensor of shape (2,) on the generator's device: what ``quantize(..., seed=)`` takes.
 
     They come from ``generator`` (or torch's default CPU generator, i.e. ``torch.manual_seed``),
-    so the same seed gives the same bits on any device and any number of threads.
+    so the same seed gives the same bits on any device and any number of threads;
+    ``quantize(x, fmt, "stochastic", seed=seed_tensor(g))`` equals ``quantize(x, fmt,
+    "stochastic", generator=g)`` from the same state of ``g``.
     """
     check_generator(generator)
     device = generator.device if generator is not None else "cpu"
-    k = torch.randint(0, 2**32, (2,), generator=generator, dtype=torch.int64, device=device)
-    k0, k1 = k.tolist()
+    return torch.randint(0, 2**32, (2,), generator=generator, dtype=torch.int64, device=device)
+
+
+def draw_seed(generator: torch.Generator | None = None) -> tuple[int, int]:
+    """:func:`seed_tensor`'s two keys as Python integers."""
+    k0, k1 = seed_tensor(generator).tolist()
     return int(k0), int(k1)
+
+
+def _keys_of(seed) -> tuple[int, int]:
+    """The two keys of a ``seed=`` tensor; TypeError or ValueError naming what is wrong."""
+    if not torch.is_tensor(seed) or seed.is_floating_point() or seed.is_complex() \
+            or seed.dtype == torch.bool:
+        raise TypeError(f"seed must be an integer tensor of two keys (lowprec.numerics."
+                        f"quantize.seed_tensor), got {type(seed).__name__}"
+                        + (f" of {seed.dtype}" if torch.is_tensor(seed) else ""))
+    if seed.numel() != 2:
+        raise ValueError(f"seed must hold two keys, got {seed.numel()} values")
+    k0, k1 = (int(v) for v in seed.reshape(2).tolist())
+    if not (0 <= k0 < 2**32 and 0 <= k1 < 2**32):
+        raise ValueError(f"seed keys must lie in [0, 2**32), got {k0}, {k1}")
+    return k0, k1
 
 
 def _check_input(x) -> None:
@@ -158,6 +188,7 @@ def quantize(
     *,
     generator: torch.Generator | None = None,
     random_bits: int | None = None,
+    seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Return ``x`` rounded onto the grid of ``fmt``: same dtype, shape and device.
@@ -169,15 +200,24 @@ def quantize(
         rounding: a :class:`Rounding` or its name (``"nearest"``, ``"stochastic"``, ``"sr8"``...).
         generator: source of the stochastic-rounding seed (default: torch's global generator).
         random_bits: random bits per element for ``stochastic_limited`` (default 8).
+        seed: stochastic rounding's two keys as an integer tensor (:func:`seed_tensor`), in
+            place of a draw from ``generator``; what compiled code passes to stay one graph.
         impl: ``"kernel"``, ``"torch"`` or ``"auto"`` (kernel for CPU float32 when built).
 
     NaN stays NaN. Inf and values beyond ``fmt.max`` follow the format's overflow rule
     (IEEE 754 section 7.4 for the directed modes: rounding toward zero gives ±max). -0 is kept
     where the format has it. The result carries no autograd history: use
     :func:`lowprec.quantize_ste` or :class:`lowprec.Quantizer` to quantize inside a model.
+    Inside ``torch.compile`` it is one node, the ``lowprec::quantize`` op (module docstring).
     """
+    if torch.compiler.is_compiling() and impl == "auto":
+        spelled = _spelled(fmt, rounding, random_bits)
+        if spelled is not None:
+            return _as_op(x, spelled, generator, seed)
     _check_input(x)
     check_generator(generator)
+    if generator is not None and seed is not None:
+        raise ValueError("give a generator or a seed, not both")
     fmt = parse_format(fmt)
     mode, rbits = parse_rounding(rounding, random_bits)
     if impl not in ("auto", "kernel", "torch"):
@@ -190,7 +230,10 @@ def quantize(
         if isinstance(fmt, BinaryFormat):
             out = _binary(xf)
         else:
-            seed = draw_seed(generator) if mode.is_stochastic else (0, 0)
+            if not mode.is_stochastic:
+                seed = (0, 0)
+            else:
+                seed = draw_seed(generator) if seed is None else _keys_of(seed)
             code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
             if isinstance(fmt, BlockFormat):
                 out = _blocks(xf, fmt, code, rmask, seed, impl)
@@ -211,10 +254,20 @@ def quantize_(
     *,
     generator: torch.Generator | None = None,
     random_bits: int | None = None,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy."""
+    """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
+    Inside ``torch.compile``: the op's result copied into ``x``."""
+    if torch.compiler.is_compiling():
+        spelled = _spelled(fmt, rounding, random_bits)
+        if spelled is not None:
+            with torch.no_grad():
+                x.copy_(_as_op(x, spelled, generator, seed))
+            return x
     _check_input(x)
     check_generator(generator)
+    if generator is not None and seed is not None:
+        raise ValueError("give a generator or a seed, not both")
     fmt = parse_format(fmt)
     mode, rbits = parse_rounding(rounding, random_bits)
     with torch.no_grad():
@@ -225,9 +278,54 @@ def quantize_(
             and x.numel() > 0
             and _use_kernel(x, "auto")
         ):
-            seed = draw_seed(generator) if mode.is_stochastic else (0, 0)
-            _elementwise(x, fmt, ROUNDING_CODES[mode], random_mask(rbits), seed, "kernel", x)
+            keys = ((draw_seed(generator) if seed is None else _keys_of(seed))
+                    if mode.is_stochastic else (0, 0))
+            _elementwise(x, fmt, ROUNDING_CODES[mode], random_mask(rbits), keys, "kernel", x)
             return x
-        x.copy_(quantize(x, fmt, mode, generator=generator, random_bits=rbits or None))
+        x.copy_(quantize(x, fmt, mode, generator=generator, random_bits=rbits or None,
+                         seed=seed))
     return x
 
+
+
+# -- inside torch.compile: one lowprec::quantize node ---------------------------------------------
+_SPELLED: dict = {}
+
+
+@torch.compiler.assume_constant_result  # evaluated while tracing; a constant of the graph
+def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool] | None:
+    """(format, rounding mode, random bits, stochastic?) as the op's constant arguments: the
+    format's canonical string, which parses back to it; None where there is none (dynamic
+    fixed point, a bad argument): the eager code is traced then, and says what is wrong."""
+    key = (fmt, rounding, random_bits)
+    try:
+        if key in _SPELLED:
+            return _SPELLED[key]
+    except TypeError:  # an unhashable argument
+        return None
+    try:
+        f = parse_format(fmt)
+        mode, bits = parse_rounding(rounding, random_bits)
+        spell = str(f)
+        ok = (isinstance(f, (FloatFormat, FixedFormat, BlockFormat, BinaryFormat))
+              and parse_format(spell) == f)
+        hit = (spell, mode.value, int(bits or 0), mode.is_stochastic) if ok else None
+    except (TypeError, ValueError):
+        hit = None
+    _SPELLED[key] = hit
+    return hit
+
+
+@torch.compiler.disable  # a torch.Generator cannot enter a graph: drawn between graphs
+def _seed_between_graphs(generator) -> torch.Tensor:
+    return seed_tensor(generator)
+
+
+def _as_op(x: torch.Tensor, spelled: tuple, generator, seed) -> torch.Tensor:
+    fmt, mode, bits, stochastic = spelled
+    if not stochastic:
+        seed = None
+    elif seed is None:
+        seed = _seed_between_graphs(generator)
+    # the op has no autograd formula: like the eager function, the result carries no history
+    return torch.ops.lowprec.quantize.default(x.detach(), fmt, mode, bits, seed)

@@ -9,12 +9,13 @@
         prec.backward(loss)
         prec.step(optimizer)        # unscale, check Inf/NaN, skip or step, update the scale
 
-Backends. ``native`` runs real torch dtypes (``model.half()``, ``torch.autocast``); it needs
-every format to be fp32, fp16 or bf16. ``emulated`` keeps fp32 tensors and rounds values onto the
-policy's grids at every op (:mod:`lowprec.training.emulation`); it accepts any format.
-``auto`` picks native where the
-hardware runs the dtype fast (any of the three on CUDA; fp32 and bf16 on CPU, where bf16 uses
-AMX) and emulation otherwise (fp16 on CPU, whose convolution backward is a slow reference kernel).
+Backends (:mod:`lowprec.training.backends`, one plug-in each). ``native`` runs real torch dtypes
+(``model.half()``, ``torch.autocast``); it needs every format to be fp32, fp16 or bf16.
+``emulated`` keeps fp32 tensors and rounds values onto the policy's grids at every op
+(:mod:`lowprec.training.emulation`); it accepts any format. ``auto`` picks native where the
+device has fast kernels for the dtype (tensor cores on CUDA; AVX512-BF16 or AMX for bf16 on a
+CPU, AVX512-FP16 or AMX-FP16 for fp16: :mod:`lowprec.training.hardware`) and emulation
+otherwise, and says which once per process and policy (``prec.backend_choice`` holds it).
 ``match_cpu_kernels=True`` makes emulated 2-D convolutions sum in the order of that reference
 kernel (:mod:`lowprec.numerics.summation`): their forward is then bit-exact with ``model.half()``
 on CPUs where it runs (benchmarks/summation.py gives the cost).
@@ -35,26 +36,23 @@ import warnings
 import torch
 from torch import nn
 
-from ..numerics.formats import BF16, FP16, FP32, DynamicFixedFormat, Format
-from ..numerics.quantize import quantize_
+from ..numerics.formats import FP32, Format
 from ..numerics.rounding import check_generator
-from ..numerics.storage import compact, format_of_dtype, storage_dtype
+from ..numerics.storage import compact, format_of_dtype
+from .backends import BackendChoice, PrecisionBackend, announce, backend_class, choose_backend
 from .emulation import Emulation
+from .hardware import device_facts
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
 from .optim.torch_adam import TORCH_ADAMS, OptimizerPrecisionWarning, adam_risks, adam_warning
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
-from .recurrent import install_fp32_fallback
-from .regimes import GroupKey, Regime, Role, regimes_for
-from .tree import cast_floating, map_floating
+from .regimes import GroupKey, Regime, regimes_for
 
 # models a Precision has converted (weak: a model's copy is not in it; a dead model leaves it)
 _SET_UP: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 __all__ = ["Precision"]
-
-_NATIVE_FORMATS = (FP32, FP16, BF16)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -80,15 +78,6 @@ def _count_of(state: dict, key: str) -> int:
             or v < 0 or v != int(v):
         raise ValueError(f"Precision state: {key}={v!r:.40} must be an integer >= 0")
     return int(v)
-
-
-def _can_be_native(policy: Policy) -> bool:
-    roles = [policy.params, policy.compute, policy.grads, policy.optimizer_state]
-    if policy.master is not None:
-        roles.append(policy.master)
-    if policy.is_fp32:
-        return True
-    return all(f in _NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
 
 
 class Precision:
@@ -123,17 +112,16 @@ class Precision:
         self.generator = generator
         # the regimes this policy needs, chosen by the registry (lowprec.training.regimes)
         self.regimes: list[Regime] = regimes_for(self.policy, generator)
-        self.backend: Backend | None = None
+        self.backend: Backend | None = None  # the kind, once setup chose it
+        self.backend_choice: BackendChoice | None = None  # the kind and why
         self.device: torch.device | None = None
-        self.emulation: Emulation | None = None
+        self._backend: PrecisionBackend | None = None  # the plug-in (lowprec.training.backends)
         self.optimizer = None
         self.model: nn.Module | None = None
-        self._names: dict[int, str] = {}
         self.steps = 0
         self.skipped = 0
         self.nonfinite = 0
         self.trace: list[dict] = []
-        self._handles: list = []
         self._added: list = []  # parameters the regimes added to the model
         self._optimizers: dict[int, object] = {}  # id -> optimizer setup configured or returned
         self._given: dict[int, object] = {}  # id of an optimizer setup wrapped -> the wrapper
@@ -153,21 +141,21 @@ class Precision:
             options.update(regime.engine_options())
         return options
 
+    @property
+    def emulation(self) -> Emulation | None:
+        """The emulation engine the model runs under (None on the native backend)."""
+        return None if self._backend is None else self._backend.engine
+
     # -- set-up ------------------------------------------------------------------------------
-    def resolve_backend(self, device: torch.device) -> Backend:
-        pol = self.policy
-        if pol.backend is Backend.NATIVE:
-            if not _can_be_native(pol):
-                raise ValueError(
-                    f"policy {pol} cannot run natively: native needs fp32/fp16/bf16 formats with "
-                    "gradients in the compute format; use backend=emulated")
-            return Backend.NATIVE
-        if pol.backend is Backend.EMULATED or not _can_be_native(pol):
-            return Backend.EMULATED if not pol.is_fp32 else Backend.NATIVE
-        lowp = {f for f in (pol.params, pol.compute, pol.grads) if f != FP32}
-        if device.type == "cuda" or lowp <= {BF16}:
-            return Backend.NATIVE
-        return Backend.EMULATED
+    def choose_backend(self, device: torch.device | str) -> BackendChoice:
+        """The backend this Precision runs on ``device`` and why (``b=auto``: by the device's
+        facts, :mod:`lowprec.training.backends.choice`); ValueError where the policy forces
+        one it cannot have."""
+        return choose_backend(self.policy, device_facts(device), overrides=bool(self.overrides))
+
+    def resolve_backend(self, device: torch.device | str) -> Backend:
+        """The backend this Precision runs on ``device`` (see :meth:`choose_backend`)."""
+        return self.choose_backend(device).backend
 
     def setup(self, model: nn.Module, optimizer=None):
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
@@ -179,61 +167,24 @@ class Precision:
             raise RuntimeError("this model is already set up by another Precision (their "
                                "roundings would stack); build a fresh model per Precision")
         _SET_UP.add(model)
-        pol = self.policy
         self.device = _device_of(model)
-        self.backend = self.resolve_backend(self.device)
-        if self.overrides and self.backend is Backend.NATIVE:
-            if pol.backend is Backend.NATIVE:
-                raise ValueError("per-module overrides need backend=emulated (or auto)")
-            self.backend = Backend.EMULATED
+        facts = device_facts(self.device)
+        choice = choose_backend(self.policy, facts, overrides=bool(self.overrides))
+        announce(self.policy, choice, facts, stacklevel=2)  # once per process and policy
+        self.backend_choice, self.backend = choice, choice.backend
+        self._backend = backend_class(choice.backend)(
+            self.policy, self.device, generator=self.generator, resolve=self._resolve,
+            engine_options=self._engine_options(), overrides=self.overrides,
+            match_cpu_kernels=self.match_cpu_kernels)
         self.model = model
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
         added: list = []
         for regime in self.regimes:
             added += regime.prepare(model)
-        if any(regime.replaces_compute for regime in self.regimes):
-            # the prepared model computes in the policy's compute format itself: no hooks
-            self.emulation = None
-        elif self.backend is Backend.NATIVE:
-            if self.match_cpu_kernels:
-                warnings.warn(f"match_cpu_kernels=True has no effect: policy {pol} runs on the "
-                              f"native backend (torch's own kernels); it applies to emulated "
-                              f"policies (b=emulated)", stacklevel=2)
-            if pol.scope is Scope.ALL and pol.params != FP32:
-                dtype = storage_dtype(pol.params)
-                model.to(dtype)
-                # oneDNN runs bf16 convolutions with its AMX/AVX-512 kernels on channels-last
-                # (NHWC) tensors; NCHW bf16 takes a slower reordering path on CPU
-                fmt = (torch.channels_last if dtype == torch.bfloat16 and self.device.type ==
-                       "cpu" and any(isinstance(m, nn.Conv2d) for m in model.modules())
-                       else None)
-                if fmt is not None:
-                    model.to(memory_format=fmt)
-
-                def cast(a):
-                    a = a.to(dtype)
-                    return a.contiguous(memory_format=fmt) if fmt is not None and a.dim() == 4 \
-                        else a
-
-                # floating tensors anywhere in the positional and keyword inputs; integer ones
-                # (token ids, masks) stay as they are
-                self._handles.append(model.register_forward_pre_hook(
-                    lambda m, args, kwargs: (map_floating(args, cast), map_floating(kwargs, cast)),
-                    with_kwargs=True))
-            # a recurrent layer torch cannot run in the 16-bit dtype on this device (oneDNN has
-            # no bf16 LSTM on AVX2-only CPUs) runs in fp32, as autocast runs ops it has no
-            # kernel for; asked by a cached probe of the layer (lowprec.training.recurrent)
-            mixed = pol.scope is Scope.MATMUL  # torch.autocast in autocast(), else a cast model
-            low = pol.compute if mixed else pol.params
-            if low != FP32:
-                self._handles += install_fp32_fallback(
-                    model, self.device, storage_dtype(low), autocast=mixed, policy=str(pol))
-        else:
-            self.emulation = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
-                                       overrides=self.overrides,
-                                       match_cpu_kernels=self.match_cpu_kernels,
-                                       **self._engine_options())
-            self._store_emulated(model)
+        # a regime's prepared model may compute in the policy's compute format itself: then
+        # the backend installs no casts or engine
+        self._backend.convert_module(
+            model, names, compute_replaced=any(r.replaces_compute for r in self.regimes))
         self._added = added
         if optimizer is not None:
             optimizer = self.setup_optimizer(optimizer)
@@ -266,7 +217,8 @@ class Precision:
         # a stochastic or Kahan write-back needs the whole fp32 update, which a torch optimizer
         # stepping 16-bit tensors itself would already have rounded to nearest
         return (pol.master is not None or pol.update is not WriteBack.NEAREST
-                or (self.backend is Backend.EMULATED and lowp_storage))
+                or (self._backend is not None and self._backend.carriers
+                    and lowp_storage))
 
     def _check_torch_adam(self, optimizer, scale: float) -> None:
         """At an optimizer's first step: a torch Adam (AdamW, NAdam, RAdam), wrapped or not,
@@ -305,35 +257,12 @@ class Precision:
             warnings.warn(adam_warning(type(adam).__name__, self.policy, risks),
                           OptimizerPrecisionWarning, stacklevel=4)  # the caller of step()
 
-    @torch.no_grad()
-    def _store_emulated(self, model: nn.Module) -> None:
-        """Parameters (and, for pure policies, floating buffers such as BatchNorm's running
-        statistics, which ``model.half()`` would convert too) on their storage format's grid."""
-        em = self.emulation
-        for name, p in model.named_parameters():
-            fmt = em.param_format(name)
-            if fmt != FP32:
-                quantize_(p.data, self._resolve(fmt, GroupKey(Role.PARAM, name), p.data))
-        for name, b in model.named_buffers():
-            fmt = em.param_format(name)
-            if (b.is_floating_point() and fmt != FP32 and em.rule_of(name).scope == "all"
-                    and not isinstance(fmt, DynamicFixedFormat)):
-                quantize_(b, fmt)
-        em.mark_storage(model)
-
     def _setup_optimizer(self, optimizer):
         pol = self.policy
-        emulated = self.backend is Backend.EMULATED
-        pfmt = pol.params if emulated else None
-        options = dict(self._engine_options(), names=self._names)
-        if emulated and self.emulation is not None and self.emulation.overrides:
-            # parameters under a per-module override keep their own storage format
-            own = {id(p): self.emulation.param_format(n)
-                   for n, p in self.model.named_parameters()}
-            own = {k: f for k, f in own.items() if f != pfmt}
-            if own:
-                options["param_formats"] = own
-        kwargs = dict(param_format=pfmt, state_format=pol.optimizer_state,
+        storage = self._backend.optimizer_storage()  # param_format (, param_formats)
+        options = dict(self._engine_options(), names=self._backend.names,
+                       **{k: v for k, v in storage.items() if k != "param_format"})
+        kwargs = dict(param_format=storage["param_format"], state_format=pol.optimizer_state,
                       master_format=pol.master, update=pol.update, generator=self.generator,
                       **options)
         if isinstance(optimizer, PolicyOptimizer):
@@ -348,10 +277,7 @@ class Precision:
 
     def convert_input(self, x):
         """Cast floating tensors to the model's storage dtype (pure native policies)."""
-        if (self.backend is Backend.NATIVE and self.policy.scope is Scope.ALL
-                and self.policy.params != FP32):
-            return cast_floating(x, storage_dtype(self.policy.params))
-        return x
+        return x if self._backend is None else self._backend.convert_input(x)
 
     # -- the loop ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -361,19 +287,11 @@ class Precision:
         if pol.scope is not Scope.MATMUL or pol.compute == FP32:
             yield
             return
-        if self.backend is Backend.NATIVE:
-            with torch.autocast(device_type=self.device.type, dtype=storage_dtype(pol.compute)):
-                yield
-            return
-        em = self.emulation
-        if em is None:  # a regime's prepared model computes its own precision
+        if self._backend is None:  # before setup: nothing to compute in
             yield
             return
-        prev, em.active = em.active, True
-        try:
+        with self._backend.autocast():
             yield
-        finally:
-            em.active = prev
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``(loss * scale).backward()``, the product taken in fp32."""
@@ -409,19 +327,16 @@ class Precision:
         multiplying them by ``scale_by`` on the way."""
         grads = [p.grad for p in params]
         found = torch.zeros(1, device=grads[0].device)
-        em = self.emulation
-        pfmts = [em.param_format(self._names.get(id(p), "")) if em is not None
-                 else self.policy.params for p in params]
-        rounds = self.backend is Backend.EMULATED and any(f != FP32 for f in pfmts)
+        # FP32: kept as they are (always before setup: the GradScaler facade's own loops)
+        pfmts = ([FP32] * len(params) if self._backend is None
+                 else self._backend.grad_formats(params))
+        rounds = any(f != FP32 for f in pfmts)
         if rounds and not all(getattr(f, "has_inf", False) for f in pfmts if f != FP32):
             # a saturating format would turn an Inf into its max: look before rounding too
             self._check(grads, found, 1.0)
         if rounds:
             # the gradients as parameter-format storage would hold them
-            for p, fmt in zip(params, pfmts):
-                if fmt != FP32:
-                    key = GroupKey(Role.PARAM_GRAD, self._names.get(id(p), str(id(p))))
-                    quantize_(p.grad, self._resolve(fmt, key, p.grad))
+            self._backend.round_grads(params, pfmts)
         self._check(grads, found, scale_by)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
@@ -517,23 +432,6 @@ class Precision:
             "regimes": {r.name: r.state_dict() for r in self.regimes},
         }
 
-    def _stored_formats(self) -> dict[str, Format]:
-        """Name -> format of each parameter and buffer the emulation keeps on a format's grid
-        (the tensors ``_store_emulated`` rounds); empty for the native backend, whose tensors
-        are already in their dtype."""
-        em, model = self.emulation, self.model
-        if em is None or model is None or self.backend is not Backend.EMULATED:
-            return {}
-        out: dict[str, Format] = {}
-        for name, _ in model.named_parameters(remove_duplicate=False):
-            out[name] = em.param_format(name)
-        for name, b in model.named_buffers(remove_duplicate=False):
-            fmt = em.param_format(name)
-            if (b.is_floating_point() and em.rule_of(name).scope == "all"
-                    and not isinstance(fmt, DynamicFixedFormat)):
-                out[name] = fmt
-        return {k: f for k, f in out.items() if f != FP32}
-
     def checkpoint_state_dict(self, state_dict: dict | None = None) -> dict:
         """``state_dict`` (default: the set-up model's ``state_dict()``) as a native run stores
         it: each tensor the emulation keeps on a format's grid in float32 is converted to that
@@ -548,7 +446,7 @@ class Precision:
                 raise RuntimeError("checkpoint_state_dict() needs setup(model) first, or a "
                                    "state_dict")
             state_dict = self.model.state_dict()
-        formats = self._stored_formats()
+        formats = {} if self._backend is None else self._backend.stored_formats()
         out = copy.copy(state_dict)  # an OrderedDict keeps its _metadata (versions)
         done: dict = {}  # one converted tensor per source view: shared tensors stay shared
         for key, t in state_dict.items():
@@ -617,7 +515,7 @@ class Precision:
         if model is None or batch is None or loss_fn is None:
             raise ValueError("memory() needs a model (or setup() first), a batch and a loss_fn")
         inputs, targets = batch
-        compute = self.policy.compute if self.backend is Backend.EMULATED else None
+        compute = None if self._backend is None else self._backend.ledger_compute()
         return measure_memory(model, (self.convert_input(inputs), targets), loss_fn,
                               param_format=self.policy.params, optimizer=self.optimizer,
                               compute=compute, autocast=self.autocast)

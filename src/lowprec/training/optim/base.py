@@ -156,7 +156,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         st = self.storage
         pf, sf = st.pformat(p), st.sformat(p)
         return (
-            _kernel.available() and p.device.type == "cpu" and p.is_contiguous()
+            # a ctypes call cannot enter a graph: compiled steps take the torch path (the same
+            # bits), whose roundings are lowprec::quantize nodes
+            not torch.compiler.is_compiling()
+            and _kernel.available() and p.device.type == "cpu" and p.is_contiguous()
             and p.grad.is_contiguous() and "master" not in state and st.update != "kahan"
             and (pf != FP32 or sf != FP32)  # fp32 storage keeps torch's exact op sequence
             and isinstance(pf, (FloatFormat, FixedFormat)) and isinstance(sf, (FloatFormat,

@@ -1,0 +1,114 @@
+"""Which backend runs a policy: the user's ``b=``, or ``auto`` deciding by the device's facts.
+
+``auto`` runs a policy natively when every low-precision format in it has a torch dtype and
+the device has fast kernels for it (:func:`lowprec.training.hardware.native_speed`:
+AVX512-BF16 or AMX for bf16 on a CPU, AVX512-FP16 or AMX-FP16 for fp16, tensor cores on CUDA),
+and emulated otherwise: on an AVX2-only CPU native bf16 steps were 5.6-21x slower than fp32
+and emulated ones 1.15-2.5x. The choice changes a run's numbers (native kernels sum in their
+own order, emulation rounds each op's output once), so :func:`announce` says it once per
+process, policy and device, with its reason, and the experiment runner stores it with each run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from ...numerics.formats import BF16, FP16, FP32
+from ..hardware import DeviceFacts, native_speed
+from ..policy import Backend, Policy
+
+__all__ = ["BackendChoice", "BackendChoiceWarning", "choose_backend", "can_be_native",
+           "announce", "NATIVE_FORMATS"]
+
+NATIVE_FORMATS = (FP32, FP16, BF16)
+
+
+class BackendChoiceWarning(UserWarning):
+    """``auto`` chose a backend from the device's facts (shown once per process, policy and
+    device; silence it with ``warnings.filterwarnings("ignore", category=...)``)."""
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend a policy runs on, why, and whether ``auto`` chose it from the device."""
+
+    backend: Backend
+    reason: str
+    automatic: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.backend} ({self.reason})"
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend.value, "reason": self.reason,
+                "automatic": self.automatic}
+
+
+def can_be_native(policy: Policy) -> bool:
+    """Every format is fp32, fp16 or bf16, gradients in the compute format (torch computes
+    them in the dtype of the forward)."""
+    roles = [policy.params, policy.compute, policy.grads, policy.optimizer_state]
+    if policy.master is not None:
+        roles.append(policy.master)
+    if policy.is_fp32:
+        return True
+    return all(f in NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
+
+
+def choose_backend(policy: Policy, facts: DeviceFacts, *,
+                   overrides: bool = False) -> BackendChoice:
+    """The backend ``policy`` runs on, on the device ``facts`` describe; ``overrides``: the
+    Precision has per-module overrides (the engine applies them). ValueError for a policy
+    that forces ``native`` but cannot have it."""
+    pol = policy
+    if pol.backend is Backend.NATIVE:
+        if not can_be_native(pol):
+            raise ValueError(
+                f"policy {pol} cannot run natively: native needs fp32/fp16/bf16 formats with "
+                "gradients in the compute format; use backend=emulated")
+        if overrides:
+            raise ValueError("per-module overrides need backend=emulated (or auto)")
+        return BackendChoice(Backend.NATIVE, "b=native")
+    if overrides:
+        return BackendChoice(Backend.EMULATED, "per-module overrides")
+    if pol.is_fp32:
+        return BackendChoice(Backend.NATIVE, "fp32")
+    if pol.backend is Backend.EMULATED:
+        return BackendChoice(Backend.EMULATED, "b=emulated")
+    if not can_be_native(pol):
+        return BackendChoice(Backend.EMULATED, "native needs fp32/fp16/bf16 formats with "
+                             "gradients in the compute format")
+    lowp = sorted({f for f in (pol.params, pol.compute, pol.grads) if f != FP32}, key=str)
+    slow = []
+    fast = []
+    for fmt in lowp:
+        ok, why = native_speed(fmt, facts)
+        (fast if ok else slow).append(f"{fmt}: {why}")
+    where = facts.describe()
+    if slow:
+        return BackendChoice(Backend.EMULATED, f"{where} has no fast kernels for "
+                             f"{'; '.join(slow)}", automatic=True)
+    return BackendChoice(Backend.NATIVE, f"{where} has fast kernels ({'; '.join(fast)})",
+                         automatic=True)
+
+
+_ANNOUNCED: set = set()
+
+
+def announce(policy: Policy, choice: BackendChoice, facts: DeviceFacts, stacklevel: int = 2
+             ) -> bool:
+    """Warn once per process, policy and device which backend ``auto`` chose and why; returns
+    whether it warned (choices the user made, or ``auto`` could not make otherwise, are not
+    announced)."""
+    if not choice.automatic:
+        return False
+    key = (policy.spec, facts, choice)
+    if key in _ANNOUNCED:
+        return False
+    _ANNOUNCED.add(key)
+    other = Backend.NATIVE if choice.backend is Backend.EMULATED else Backend.EMULATED
+    warnings.warn(f"lowprec: policy {policy} runs {choice.backend} (backend=auto): "
+                  f"{choice.reason}; b={other} in the policy chooses the other backend",
+                  BackendChoiceWarning, stacklevel=stacklevel + 1)
+    return True

@@ -1,0 +1,144 @@
+"""Backends as plug-ins, and ``auto``'s choice between them from the device's facts.
+
+The rules are tested on facts given as data (an AVX2-only CPU, AVX512-BF16, AMX, CUDA GPUs of
+several generations), so they hold on any machine; the machine running the tests is only asked
+whether Precision reports the choice the rules give for it.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import Precision, parse_policy
+from lowprec.numerics.formats import BF16, FP16, FP32, parse_format
+from lowprec.training import backends as backends_mod
+from lowprec.training.backends import (BackendChoiceWarning, EmulatedBackend, NativeBackend,
+                                       PrecisionBackend, backend_class, choose_backend,
+                                       register_backend)
+from lowprec.training.backends import choice as choice_mod
+from lowprec.training.hardware import DeviceFacts, device_facts, native_speed
+from lowprec.training.policy import Backend
+
+AVX2 = DeviceFacts("cpu", "AMD EPYC", "AVX2", {"avx2"})
+AVX512 = DeviceFacts("cpu", "Xeon", "AVX512", {"avx2", "avx512_f"})
+COOPER_LAKE = DeviceFacts("cpu", "Xeon", "AVX512", {"avx2", "avx512_f", "avx512_bf16"})
+SAPPHIRE_RAPIDS = DeviceFacts("cpu", "Xeon", "AVX512",
+                              {"avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_tile",
+                               "amx_bf16"})
+AMX_BF16_ONLY = DeviceFacts("cpu", "Xeon", "AVX512", {"avx2", "avx512_f", "amx_bf16"})
+GRAVITON3 = DeviceFacts("cpu", "Neoverse-V1", "SVE256", {"bf16", "sve_bf16", "fp16_arith"})
+A100 = DeviceFacts("cuda", "A100", "sm_80", cuda_capability=(8, 0))
+T4 = DeviceFacts("cuda", "T4", "sm_75", cuda_capability=(7, 5))
+
+
+@pytest.mark.parametrize("facts,bf16,fp16", [
+    (AVX2, False, False), (AVX512, False, False), (COOPER_LAKE, True, False),
+    (SAPPHIRE_RAPIDS, True, True), (AMX_BF16_ONLY, True, False), (GRAVITON3, True, True),
+    (A100, True, True), (T4, False, True),
+], ids=["avx2", "avx512", "avx512_bf16", "amx", "amx_bf16", "arm_bf16", "a100", "t4"])
+def test_native_speed_follows_the_instructions_the_device_has(facts, bf16, fp16):
+    assert native_speed(BF16, facts)[0] is bf16
+    assert native_speed(FP16, facts)[0] is fp16
+    assert native_speed(FP32, facts) == (True, "fp32")
+    assert native_speed(parse_format("e4m3fn"), facts)[0] is False  # no torch kernels at all
+    reason = native_speed(BF16, facts)[1]
+    assert reason and (("no " in reason) is not bf16)
+
+
+@pytest.mark.parametrize("policy", ["bf16-true", "bf16-mixed", "16-true", "16-mixed",
+                                    "16-master", "p=bf16,c=bf16,g=bf16,s=matmul"])
+def test_auto_emulates_16_bit_formats_on_an_avx2_only_cpu(policy):
+    c = choose_backend(parse_policy(policy), AVX2)
+    assert c.backend is Backend.EMULATED and c.automatic
+    assert "AVX2" in c.reason and "no AVX512" in c.reason
+
+
+@pytest.mark.parametrize("facts", [COOPER_LAKE, SAPPHIRE_RAPIDS, AMX_BF16_ONLY, A100],
+                         ids=["avx512_bf16", "amx", "amx_bf16", "cuda"])
+def test_auto_runs_bf16_natively_where_the_device_has_bf16_kernels(facts):
+    for policy in ("bf16-true", "bf16-mixed"):
+        c = choose_backend(parse_policy(policy), facts)
+        assert c.backend is Backend.NATIVE and c.automatic, c
+
+
+def test_auto_decides_fp16_by_its_own_instructions():
+    pol = parse_policy("16-true")
+    assert choose_backend(pol, COOPER_LAKE).backend is Backend.EMULATED  # bf16 only
+    assert choose_backend(pol, SAPPHIRE_RAPIDS).backend is Backend.NATIVE
+    assert choose_backend(pol, A100).backend is Backend.NATIVE
+    assert choose_backend(pol, T4).backend is Backend.NATIVE
+    # a policy mixing fp16 and bf16 needs both fast
+    both = parse_policy("p=bf16,c=fp16,g=fp16,s=matmul")
+    assert choose_backend(both, COOPER_LAKE).backend is Backend.EMULATED
+    assert choose_backend(both, SAPPHIRE_RAPIDS).backend is Backend.NATIVE
+    assert choose_backend(parse_policy("bf16-true"), T4).backend is Backend.EMULATED
+
+
+def test_what_the_user_chose_or_only_one_backend_can_run_is_not_decided_by_facts():
+    forced = choose_backend(parse_policy("p=bf16,b=native"), AVX2)
+    assert forced.backend is Backend.NATIVE and not forced.automatic
+    emulated = choose_backend(parse_policy("p=bf16,b=emulated"), SAPPHIRE_RAPIDS)
+    assert emulated.backend is Backend.EMULATED and not emulated.automatic
+    fp8 = choose_backend(parse_policy("p=fp32,c=e4m3fn,g=e5m2,s=matmul"), A100)
+    assert fp8.backend is Backend.EMULATED and not fp8.automatic
+    fp32 = choose_backend(parse_policy("32-true"), AVX2)
+    assert fp32.backend is Backend.NATIVE and not fp32.automatic
+    over = choose_backend(parse_policy("bf16-true"), SAPPHIRE_RAPIDS, overrides=True)
+    assert over.backend is Backend.EMULATED and not over.automatic
+    with pytest.raises(ValueError, match="overrides"):
+        choose_backend(parse_policy("p=bf16,b=native"), AVX2, overrides=True)
+    with pytest.raises(ValueError, match="emulated"):
+        choose_backend(parse_policy("p=e4m3fn,b=native"), A100)
+
+
+def test_a_precision_reports_its_choice_once_per_process_and_policy(monkeypatch):
+    """Whatever this CPU has, Precision takes the choice the rules give for its facts, and
+    warns once (policy, device, choice); a second set-up of the same policy is silent."""
+    monkeypatch.setattr(choice_mod, "_ANNOUNCED", set())
+    expected = choose_backend(parse_policy("bf16-true"), device_facts("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prec = Precision("bf16-true")
+        prec.setup(nn.Linear(4, 4))
+        Precision("bf16-true").setup(nn.Linear(4, 4))
+    assert prec.backend_choice == expected and prec.backend is expected.backend
+    assert prec.resolve_backend("cpu") is expected.backend
+    notes = [w for w in caught if issubclass(w.category, BackendChoiceWarning)]
+    assert len(notes) == 1, [str(w.message) for w in caught]
+    msg = str(notes[0].message)
+    assert "bf16-true" in msg and expected.reason in msg and str(expected.backend) in msg
+    assert notes[0].filename == __file__  # points at the caller of setup()
+    dtype = torch.bfloat16 if expected.backend is Backend.NATIVE else torch.float32
+    assert prec.model.weight.dtype == dtype
+
+
+def test_a_policy_that_names_its_backend_is_not_announced(monkeypatch):
+    monkeypatch.setattr(choice_mod, "_ANNOUNCED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackendChoiceWarning)
+        for spec in ("p=bf16,b=native", "p=bf16,b=emulated", "32-true", "p=e4m3fn"):
+            Precision(spec).setup(nn.Linear(4, 4))
+
+
+def test_backends_are_registered_plug_ins():
+    assert backend_class(Backend.NATIVE) is NativeBackend
+    assert backend_class("emulated") is EmulatedBackend
+    assert set(backends_mod.BACKENDS) == {Backend.NATIVE, Backend.EMULATED}
+    with pytest.raises(ValueError, match="already registered"):
+        @register_backend
+        class Other(PrecisionBackend):
+            kind = Backend.NATIVE
+    with pytest.raises(ValueError, match="auto"):
+        @register_backend
+        class Auto(PrecisionBackend):
+            kind = Backend.AUTO
+    with pytest.raises(TypeError):
+        register_backend(object)
+    prec = Precision("p=bf16,b=emulated")
+    prec.setup(nn.Linear(4, 4))
+    assert isinstance(prec._backend, EmulatedBackend) and prec.emulation is prec._backend.engine
+    prec = Precision("p=bf16,b=native")
+    prec.setup(nn.Linear(4, 4))
+    assert prec.emulation is None and prec.convert_input(torch.ones(2)).dtype == torch.bfloat16
