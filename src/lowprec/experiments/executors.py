@@ -221,7 +221,7 @@ class RayExecutor:
             for policy, seed in runs:
                 existing = db.run(run_id_of(policy, seed))
                 if existing and existing["status"] in ("finished", "diverged"):
-                    progress.run_done()
+                    progress.run_done(f"{policy} seed {seed}")
                     continue
                 todo.append((policy, seed))
             if not todo:
@@ -413,8 +413,11 @@ class _QueueSink:
         if time.monotonic() - self.last > 0.25:
             self.flush()
 
-    def run_done(self) -> None:
-        self._send("progress", "run_done", self.name)
+    def epoch_done(self, name: str, epoch: int, epochs: int, **numbers) -> None:
+        self._send("progress", "epoch_done", name, epoch, epochs, **numbers)
+
+    def run_done(self, name: str | None = None) -> None:
+        self._send("progress", "run_done", name or self.name)
 
     def _die_once(self) -> None:
         self.armed = False
