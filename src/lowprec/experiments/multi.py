@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import CompareConfig, RunError, split_models
 from .render import html_table, md_table
-from .report import BASELINE, summarize
+from .report import BASELINE, acc_cell, summarize, time_cell
 from .results import ResultsDB
 from .runfolder import FolderLock, atomic_write_bytes, remove_stale_temps
 
@@ -103,11 +103,10 @@ def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]],
             fmt, frac = cert.get(r["policy"], ("", None))
             cells.append([
                 r["policy"],
-                "-" if r["acc_mean"] is None else
-                f"{100 * r['acc_mean']:.2f} ± {100 * r['acc_std']:.2f}",
+                acc_cell(r),
                 "-" if r["acc_delta"] is None else f"{100 * r['acc_delta']:+.2f}",
                 "-" if frac is None else f"{100 * frac:.2f} ({fmt})",
-                "-" if r["time_rel"] is None else f"{r['time_rel']:.2f}x",
+                time_cell(r),
                 "-" if r["memory_rel"] is None else f"{r['memory_rel']:.2f}x",
                 "-" if r["sec_per_epoch"] is None else f"{r['sec_per_epoch']:.1f}",
                 f"{r['diverged']}/{r['runs']}", f"{r['failed']}/{r['runs']}"])
