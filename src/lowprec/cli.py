@@ -115,6 +115,22 @@ def _user(fn, *args, **kwargs):
         raise UserError(str(err)) from None
 
 
+def _print_json(obj) -> None:
+    """A machine-readable summary on stdout: one JSON document (NaN and Inf as null)."""
+    import json
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    print(json.dumps(clean(obj), indent=2, allow_nan=False))
+
+
 def _fmt_num(v: float) -> str:
     return f"{v:.6g}"
 
@@ -348,6 +364,23 @@ def cmd_report(args, console: Console) -> int:
     return 0
 
 
+def cmd_export(args, console: Console) -> int:
+    from .experiments.config import RunError
+    from .experiments.export import export_run
+    from .experiments.results import CorruptDatabase
+
+    try:
+        result = _user(export_run, args.run_dir, args.to, args.out)
+    except (RunError, CorruptDatabase) as err:
+        raise UserError(str(err)) from None
+    if args.json:
+        _print_json(dict(result))
+    else:
+        console.print(f"exported {result['runs']} runs as {result['format']} to {result['out']} "
+                      f"({len(result['files'])} files)")
+    return 0
+
+
 def _trained_model(args, console: Console):
     """Load --data, build --model and, with --epochs > 0, train it briefly in fp32."""
     import torch
@@ -534,6 +567,17 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--batches", type=_int_arg(1, 100_000), default=4,
                     help="batches analysed (default: 4)")
     ad.set_defaults(func=cmd_advise)
+
+    ex = sub.add_parser("export", help="a run folder's results as csv, parquet, TensorBoard "
+                        "event files or an MLflow file store (offline)")
+    ex.add_argument("run_dir", help="the folder holding results.db")
+    ex.add_argument("--to", required=True, metavar="FORMAT",
+                    help="csv, parquet, tensorboard or mlflow")
+    ex.add_argument("--out", default=None,
+                    help="a new or empty folder (default: RUN_DIR/export/FORMAT)")
+    ex.add_argument("--json", action="store_true",
+                    help="print what was written as JSON on stdout")
+    ex.set_defaults(func=cmd_export)
 
     r = sub.add_parser("report", help="rebuild report.html and report.md from a run folder")
     r.add_argument("run_dir", help="the folder holding results.db")
