@@ -52,6 +52,21 @@ class Advice:
     nonfinite: NonFiniteReport
     measurements: dict = field(default_factory=dict)
 
+    def to_json(self) -> dict:
+        """The verdict, its reasons and the headline numbers as plain data (``--json``)."""
+        worst = max(self.lost, key=lambda r: r.nearest, default=None)
+        return {"format": self.format, "verdict": self.verdict, "reasons": list(self.reasons),
+                "certificate": self.certificate.summary(), "loss_scale": self.loss_scale,
+                "underflow_at_1": self.underflow_at_1,
+                "underflow_at_scale": self.underflow_at_scale,
+                "worst_lost_updates": None if worst is None else {
+                    "layer": worst.layer, "nearest": worst.nearest,
+                    "stochastic": worst.stochastic, "kahan": worst.kahan},
+                "forward_nonfinite": None if self.nonfinite.forward is None
+                else str(self.nonfinite.forward),
+                "backward_nonfinite": None if self.nonfinite.backward is None
+                else str(self.nonfinite.backward)}
+
     def __str__(self) -> str:
         head = f"pure {self.format}: {self.verdict}"
         return head + "\n" + "\n".join(f"  - {r}" for r in self.reasons)

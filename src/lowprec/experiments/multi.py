@@ -26,10 +26,11 @@ __all__ = ["run_models", "write_models_report", "model_tables", "MODELS_FILE"]
 MODELS_FILE = "models.json"
 
 
-def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
+def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
+               config_text: str | None = None) -> Path:
     """Run the comparison of ``cfg`` once per model of ``cfg.model`` (comma-separated), each
     into ``OUT/MODEL``, then write the combined report. Returns OUT."""
-    from .runner import refuse_foreign, run_compare
+    from .runner import record_config_file, refuse_foreign, run_compare
 
     models = split_models(cfg.model)
     out = Path(cfg.out)
@@ -50,11 +51,12 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False)
                            "choose another --out")
         atomic_write_bytes(listing, json.dumps({"models": list(models)}).encode(),
                            "the list of models")
+        record_config_file(out, config_text)
         session = getattr(executor, "connected", None)  # one Ray instance for every model
         with session() if session else nullcontext():
             for model in models:
                 run_compare(replace(cfg, model=model, out=str(out / model)), executor,
-                            force_config=force_config)
+                            force_config=force_config, config_text=config_text)
         write_models_report(out)
     return out
 

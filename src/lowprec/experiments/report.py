@@ -23,7 +23,7 @@ from .runfolder import atomic_write_bytes, io_error
 from .timing import LOAD_DIFF_MAX, compare_load
 
 __all__ = ["summarize", "write_report", "summary_rows", "acc_cell", "time_cell", "flagged_note",
-           "verdict_markdown", "verdict_html"]
+           "verdict_markdown", "verdict_html", "summary_json"]
 
 BASELINE = "32-true"
 
@@ -122,6 +122,46 @@ def time_cell(r: dict) -> str:
     if r["time_rel"] is None:
         return "-"
     return f"{r['time_rel']:.2f}x" + ("" if r["time_comparable"] else "*")
+
+
+_JSON_KEYS = ("policy", "backend", "runs", "finished", "diverged", "failed", "acc_mean",
+              "acc_std", "acc_n", "acc_delta", "sec_per_epoch", "cpu_per_epoch", "time_rel",
+              "cpu_rel", "time_comparable", "load", "other_cpus", "memory", "memory_rel",
+              "skipped", "errors")
+
+
+def summary_json(run_dir: str | Path) -> dict:
+    """A run folder's summary as plain data (``lowprec compare --json``): per policy the
+    numbers of the summary table (fractions, not percents; None where not measured), why a
+    time ratio is not comparable, and the verdict; a comparison over several models gives one
+    such summary per model under "models"."""
+    from .multi import MODELS_FILE
+    from .verdict import recommend
+
+    run_dir = Path(run_dir)
+    out = {"run_dir": str(run_dir), "report": {"html": str(run_dir / "report.html"),
+                                               "md": str(run_dir / "report.md")}}
+    if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
+        import json
+
+        models = json.loads((run_dir / MODELS_FILE).read_text())["models"]
+        out["models"] = {m: summary_json(run_dir / m) for m in models
+                         if (run_dir / m / "results.db").exists()}
+        return out
+    db = ResultsDB(run_dir / "results.db", create=False)
+    try:
+        rows = summarize(db)
+        verdict = recommend(db, rows)
+        runs = [{k: r.get(k) for k in ("run_id", "policy", "seed", "status", "diverged_step",
+                                       "error")} for r in db.runs()]
+    finally:
+        db.close()
+    policies = []
+    for r in rows:
+        item = {k: r[k] for k in _JSON_KEYS}
+        item["time_note"] = None if r["load_check"] is None else r["load_check"].reason
+        policies.append(item)
+    return {**out, "verdict": verdict.to_json(), "policies": policies, "runs": runs}
 
 
 def _pct(v, signed=False):

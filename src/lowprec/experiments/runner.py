@@ -36,15 +36,16 @@ from .models import build_checked_model
 from ..training.optim import SGD, Adam
 from ..training.precision import Precision
 from .results import NOT_REQUESTED, ResultsDB, is_blank
-from .runfolder import (FolderLock, RunIOError, atomic_torch_save, foreign_entry, io_error,
-                        remove_stale_temps, temp_path)
+from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_torch_save,
+                        atomic_write_bytes, foreign_entry, io_error, remove_stale_temps,
+                        temp_path)
 from .system import tune_cpu_allocator
 from .timing import EpochMeter
 
 __all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
            "certificate_formats", "config_differences", "check_policies", "failed_runs",
            "Progress", "run_id_of", "checkpoint_path", "resumable", "start_run_record",
-           "failure_message", "mark_unrequested", "refuse_foreign"]
+           "failure_message", "mark_unrequested", "refuse_foreign", "record_config_file"]
 
 def environment() -> dict:
     """Library versions, git revision and hardware, recorded with every run."""
@@ -539,7 +540,15 @@ def _disk_error(err: BaseException, db_path: Path) -> RunIOError:
     return io_error(db_path, "results", err)
 
 
-def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
+def record_config_file(out: Path, text: str | None) -> None:
+    """The ``--config`` file a comparison was started with, as given: ``OUT/run.toml`` (its
+    effective configuration is in results.db)."""
+    if text is not None:
+        atomic_write_bytes(out / CONFIG_FILE, text.encode(), "the configuration file")
+
+
+def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False,
+                config_text: str | None = None) -> Path:
     """Train every policy x seed of ``cfg``, store the results, write the report.
     Returns the run folder.
 
@@ -550,7 +559,9 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
 
     The folder is locked for the whole call (:class:`FolderLock`). With ``cfg.resume`` the
     stored configuration must match ``cfg`` (RunError listing the differences) unless
-    ``force_config``, which is recorded in the database. Raises RunError for a user's mistake,
+    ``force_config``, which is recorded in the database. ``config_text``: the text of the
+    ``--config`` file the command was given, kept as ``OUT/run.toml``. Raises RunError for a
+    user's mistake,
     RunIOError when the disk fails, and KeyboardInterrupt as is (the folder stays resumable).
     """
     cfg.validate()
@@ -559,12 +570,13 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     if len(split_models(cfg.model)) > 1:  # one comparison per architecture
         from .multi import run_models
 
-        return run_models(cfg, executor, force_config=force_config)
+        return run_models(cfg, executor, force_config=force_config, config_text=config_text)
     tune_cpu_allocator()
     out = Path(cfg.out)
     _prepare_out(out)
     with FolderLock(out, "lowprec compare"):
         remove_stale_temps(out)
+        record_config_file(out, config_text)
         db_path = out / "results.db"
         if db_path.exists() and not cfg.resume and not is_blank(db_path):
             raise RunError(f"{db_path} already exists: continue it with --resume, or choose "
