@@ -203,9 +203,14 @@ def _print_summary(run_dir, console: Console) -> None:
     if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
         return _print_models_summary(run_dir, console)
 
+    from .experiments.report import flagged_note
+    from .experiments.verdict import recommend
+
     db = ResultsDB(run_dir / "results.db", create=False)
     try:
-        cols, cells = summary_rows(summarize(db))
+        rows = summarize(db)
+        cols, cells = summary_rows(rows)
+        verdict = recommend(db, rows)
     finally:
         db.close()
     table = Table(title=f"lowprec compare: {run_dir}", header_style="bold")
@@ -214,6 +219,10 @@ def _print_summary(run_dir, console: Console) -> None:
     for row in cells:
         table.add_row(*row)
     console.print(table)
+    note = flagged_note(rows)
+    if note:
+        console.print(note, markup=False)
+    console.print(f"verdict: {verdict.headline}", markup=False)
     console.print(f"report: {run_dir / 'report.html'} and {run_dir / 'report.md'}")
 
 

@@ -152,7 +152,7 @@ def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
     else:
         tol, how = _tolerance(base, best)
         mem = ("" if best["memory_rel"] is None else
-               f" with {best['memory_rel']:.2f}x its memory")
+               f" with {best['memory_rel']:.2f}x {BASELINE}'s memory")
         headline = (f"Use {best['policy']}: it reaches {BASELINE}'s test accuracy within seed "
                     f"noise{mem}")
         evidence.append(f"test accuracy (%): {best['policy']} {acc_cell(best)} against "
