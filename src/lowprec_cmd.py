@@ -1,4 +1,5 @@
 """The ``lowprec`` console script's entry point, outside the ``lowprec`` package on purpose.
+# PYTHON_ARGCOMPLETE_OK (argcomplete: the lowprec command completes its flags and values)
 
 Importing ``lowprec`` imports torch (its custom op is registered then, before any trace can
 reach it), which takes a second or more on a loaded machine. A Ctrl-C or SIGTERM in that time

@@ -113,6 +113,12 @@ def files(tmp_path_factory):
                               epochs=1, batch_size=32, train_subset=64, out=str(good),
                               quiet=True))
     (root / "afile").write_text("x")
+    for name, text in (("key.toml", "epoch = 3\n"), ("value.toml", "epochs = 0\n"),
+                       ("table.toml", "[frobnicate]\nepochs = 1\n"),
+                       ("switch.toml", 'quiet = "yes"\n'), ("list.toml", "lr = [0.1, 0.2]\n"),
+                       ("date.toml", "epochs = 1979-05-27\n"),
+                       ("positional.toml", 'run_dir = "somewhere"\n')):
+        (root / name).write_text(text)
     yield root
     sys.path.remove(str(mod))
 
@@ -346,6 +352,35 @@ CASES = [
     ("ad-format", ["advise", "--format", "e9m9"], 2),
     ("ad-epochs", ["advise", "--epochs", "1_0"], 2),
     ("ad-no-params", ["advise", "--data", U + "good", "--model", U + "no_params"], 2),
+    # --config FILE.toml (any flag of the command; the command line wins)
+    ("cfg-missing", ["compare", "--config", "{T}/nope.toml"], 2),
+    ("cfg-not-toml", ["compare", "--config", "{F}/afile"], 2),
+    ("cfg-folder", ["compare", "--config", "{F}"], 2),
+    ("cfg-unknown-key", ["compare", "--config", "{F}/key.toml"], 2),
+    ("cfg-bad-value", ["compare", "--config", "{F}/value.toml"], 2),
+    ("cfg-unknown-table", ["compare", "--config", "{F}/table.toml"], 2),
+    ("cfg-switch-string", ["compare", "--config", "{F}/switch.toml"], 2),
+    ("cfg-list-for-one", ["train", "--config", "{F}/list.toml"], 2),
+    ("cfg-date", ["advise", "--config", "{F}/date.toml"], 2),
+    ("cfg-positional", ["report", "{R}", "--config", "{F}/positional.toml"], 2, "folder"),
+    ("cfg-ce-unknown-key", ["certify", "--config", "{F}/key.toml"], 2),
+    ("cfg-empty-name", ["compare", "--config", ""], 2),
+    # export
+    ("ex-format", ["export", "{R}", "--to", "xml"], 2, "folder"),
+    ("ex-no-to", ["export", "{R}"], 2, "folder"),
+    ("ex-missing", ["export", "{T}/nothing", "--to", "csv"], 2),
+    ("ex-file", ["export", "{F}/afile", "--to", "csv"], 2),
+    ("ex-out-taken", ["export", "{R}", "--to", "csv", "--out", "{F}"], 2, "folder"),
+    ("ex-out-file", ["export", "{R}", "--to", "parquet", "--out", "{F}/afile"], 2, "folder"),
+    ("ex-schema-99", ["export", "{R}", "--to", "csv"], 2, "folder",
+     "UPDATE meta SET value = '99' WHERE key = 'schema_version';"),
+    ("ex-metric-text", ["export", "{R}", "--to", "tensorboard"], 2, "folder",
+     "UPDATE epochs SET test_acc = 'high';"),
+    ("ex-json-twice-out", ["export", "{R}", "--to", "csv", "--out"], 2, "folder"),
+    # --json takes no value; --version is no command's flag
+    ("json-value", ["compare", "--json", "yes"], 2),
+    ("version-after-command", ["compare", "--version"], 2),
+    ("json-formats", ["formats", "--json"], 2),
     # no command, unknown command, unknown flag
     ("no-command", [], 2),
     ("unknown-command", ["frobnicate"], 2),
@@ -445,6 +480,34 @@ GARBAGE_CASES = [
                          "digits", "--model", "mlp", "--epochs", "0"], 2),
 ]
 CASES += GARBAGE_CASES
+#: what the new flags' lines say: the value and the accepted ones
+NEW_FLAG_SAYS = {
+    "cfg-unknown-key": "'epoch' is not a flag of lowprec compare; accepted: ",
+    "cfg-bad-value": "'0' is not in [1, 100000] (set in --config ",
+    "cfg-unknown-table": "table [frobnicate] is not a command of lowprec (accepted: formats",
+    "cfg-switch-string": "quiet = 'yes' must be true or false",
+    "cfg-list-for-one": "lr takes one value, not a list",
+    "cfg-date": "epochs = '1979-05-27' must be a string, a number or a list",
+    "cfg-positional": "'run_dir' is not a flag of lowprec report",
+    "cfg-not-toml": "is not valid TOML",
+    "cfg-missing": "cannot read it",
+    "ex-format": "--to 'xml'; accepted: csv, parquet, tensorboard, mlflow",
+    "ex-out-taken": "already exists and is not an empty folder",
+    "ex-missing": "has no results.db",
+    "ex-schema-99": "schema version '99'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_FLAG_SAYS))
+def test_new_flags_name_the_value_and_the_accepted_ones(name, files, tmp_path, capsys):
+    case = next(c for c in CASES if c[0] == name)
+    run = _folder(files, tmp_path, case[4] if len(case) > 4 else None) if len(case) > 3 else None
+    argv = [a.replace("{F}", str(files)).replace("{T}", str(tmp_path)).replace(
+        "{R}", str(run)) for a in case[1]]
+    assert main(argv) == 2
+    assert NEW_FLAG_SAYS[name] in capsys.readouterr().err
+
+
 #: what each of those lines must say (the value and why), beyond being one line with exit 2
 GARBAGE_SAYS = {
     "g-policy-key-twice": "params given twice (p='fp16' and p='bf16')",

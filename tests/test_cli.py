@@ -1,7 +1,12 @@
 """The command line: tables, one-line errors with exit code 2."""
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from lowprec.cli import main
 
@@ -33,3 +38,75 @@ def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "lowprec.cli", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "formats" in out and "quantize" in out
+
+
+# -- conventions: --version, --json, --config, completion, plain progress -------------------
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+TINY = ["--data", "digits", "--model", "mlp", "--epochs", "1", "--batch-size", "64",
+        "--train-subset", "128"]
+
+
+def test_version(capsys):
+    from lowprec import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"lowprec {__version__}"
+
+
+def test_compare_json_and_a_config_file_the_flags_override(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('data = "digits"\nmodel = "mlp"\nepochs = 3\nbatch-size = 64\n'
+                   'train_subset = 128\npolicies = ["32-true", "bf16-true"]\n'
+                   '[compare]\nseeds = 1\n[advise]\nbatches = 2\n')
+    out = tmp_path / "r"
+    assert main(["compare", "--config", str(cfg), "--epochs", "1", "--out", str(out),
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # stdout is the JSON document alone
+    assert [p["policy"] for p in doc["policies"]] == ["32-true", "bf16-true"]
+    assert doc["policies"][0]["acc_n"] == 1 and doc["verdict"]["headline"].startswith("Use ")
+    assert doc["runs"][0]["status"] == "finished" and doc["failed_runs"] == []
+    assert "epoch 1/1" in captured.err  # progress went to stderr
+    # the file is kept in the run folder; the command line won over it (--epochs 1)
+    assert (out / "run.toml").read_text() == cfg.read_text()
+    from lowprec.experiments.results import ResultsDB
+
+    db = ResultsDB(out / "results.db", create=False)
+    stored = db.stored_config()
+    db.close()
+    assert stored["epochs"] == 1 and stored["train_subset"] == 128 and stored["seeds"] == [0]
+    # report --json reads the same summary back
+    assert main(["report", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == doc["verdict"]
+
+
+def test_certify_and_advise_json(capsys):
+    args = ["--data", "digits", "--model", "mlp", "--epochs", "0", "--json"]
+    assert main(["certify", *args]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "fp16" and doc["summary"]["violations"] == 0 and doc["per_class"]
+    assert main(["advise", *args, "--batches", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] in ("safe", "needs care", "unsafe") and doc["reasons"]
+    assert doc["certificate"]["n"] > 0 and doc["loss_scale"] > 0
+
+
+def test_shell_completion_through_argcomplete(tmp_path):
+    pytest.importorskip("argcomplete")
+    result = tmp_path / "completions"
+    env = dict(os.environ, PYTHONPATH=SRC, _ARGCOMPLETE="1", COMP_LINE="lowprec export x --to ",
+               COMP_POINT="22", _ARGCOMPLETE_STDOUT_FILENAME=str(result))
+    subprocess.run([sys.executable, "-m", "lowprec"], env=env, stdin=subprocess.DEVNULL,
+                   capture_output=True, timeout=300)
+    offered = result.read_text().replace("\x0b", " ").split()
+    assert offered == ["csv", "parquet", "tensorboard", "mlflow"]
+
+
+def test_needs_ray_is_said_before_a_folder_or_a_bar_exists(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    out = tmp_path / "r"
+    assert main(["compare", "--executor", "ray", *TINY, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "--executor ray needs Ray" in captured.err and captured.out == ""
+    assert not out.exists()

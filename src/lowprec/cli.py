@@ -101,8 +101,14 @@ def _quantize_value(text: str) -> float:
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (no usage block), exit code 2."""
 
+    #: (path, flags) of a --config file whose flags this parser is parsing
+    config_origin: tuple[str, set] | None = None
+
     def error(self, message: str):
-        print(f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)",
+        origin = ""
+        if self.config_origin and any(f in message for f in self.config_origin[1]):
+            origin = f" (set in --config {self.config_origin[0]})"
+        print(f"{self.prog}: error: {_one_line(message)}{origin} (see {self.prog} --help)",
               file=sys.stderr)
         raise SystemExit(2)
 
@@ -113,6 +119,23 @@ def _user(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (ValueError, TypeError) as err:
         raise UserError(str(err)) from None
+
+
+def _print_json(obj) -> None:
+    """A machine-readable summary on stdout: one JSON document (NaN and Inf as null)."""
+    import json
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    out = _json_target[0] or sys.stdout
+    print(json.dumps(clean(obj), indent=2, allow_nan=False), file=out, flush=True)
 
 
 def _fmt_num(v: float) -> str:
@@ -180,9 +203,14 @@ def _print_summary(run_dir, console: Console) -> None:
     if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
         return _print_models_summary(run_dir, console)
 
+    from .experiments.report import flagged_note
+    from .experiments.verdict import recommend
+
     db = ResultsDB(run_dir / "results.db", create=False)
     try:
-        cols, cells = summary_rows(summarize(db))
+        rows = summarize(db)
+        cols, cells = summary_rows(rows)
+        verdict = recommend(db, rows)
     finally:
         db.close()
     table = Table(title=f"lowprec compare: {run_dir}", header_style="bold")
@@ -191,6 +219,10 @@ def _print_summary(run_dir, console: Console) -> None:
     for row in cells:
         table.add_row(*row)
     console.print(table)
+    note = flagged_note(rows)
+    if note:
+        console.print(note, markup=False)
+    console.print(f"verdict: {verdict.headline}", markup=False)
     console.print(f"report: {run_dir / 'report.html'} and {run_dir / 'report.md'}")
 
 
@@ -249,7 +281,8 @@ def _executor_from(args):
 
 
 def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
-         command: str = "compare", executor=None) -> int:
+         command: str = "compare", executor=None, *, as_json: bool = False,
+         config_text: str | None = None) -> int:
     from pathlib import Path
 
     from .experiments.data import DatasetNotFound
@@ -259,7 +292,7 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     from .experiments.runner import failed_runs, run_compare
 
     try:
-        out = run_compare(cfg, executor, force_config=force_config)
+        out = run_compare(cfg, executor, force_config=force_config, config_text=config_text)
     except (RunError, DatasetNotFound, CorruptDatabase, FolderBusy) as err:
         raise UserError(str(err)) from None
     except RunIOError as err:
@@ -278,7 +311,12 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     failed = failed_runs(Path(out), cfg) if len(models) == 1 else [
         (f"{m}/{run_id}", reason) for m in models
         for run_id, reason in failed_runs(Path(out) / m, replace(cfg, model=m))]
-    if not quiet:
+    if as_json:
+        from .experiments.report import summary_json
+
+        _print_json({**summary_json(Path(out)),
+                     "failed_runs": [{"run": r, "error": e} for r, e in failed]})
+    elif not quiet:
         _print_summary(Path(out), console)
     for run_id, reason in failed:
         print(f"lowprec {command}: run {run_id} failed: {_one_line(reason)}", file=sys.stderr)
@@ -288,7 +326,8 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
 def cmd_compare(args, console: Console) -> int:
     cfg = _user(_config_from, args)
     return _run(cfg, console, args.quiet, args.force_config,
-                executor=_user(_executor_from, args))
+                executor=_user(_executor_from, args), as_json=args.json,
+                config_text=args.config_text)
 
 
 def cmd_train(args, console: Console) -> int:
@@ -296,7 +335,8 @@ def cmd_train(args, console: Console) -> int:
     args.preset = None
     args.out = out
     cfg = _user(_config_from, args, policies=(args.policy,), seeds=(args.seed,))
-    return _run(cfg, console, args.quiet, args.force_config, "train")
+    return _run(cfg, console, args.quiet, args.force_config, "train", as_json=args.json,
+                config_text=args.config_text)
 
 
 def cmd_report(args, console: Console) -> int:
@@ -323,14 +363,24 @@ def cmd_report(args, console: Console) -> int:
             write_models_report(run_dir)
         except (CorruptDatabase, sqlite3.DatabaseError) as err:
             raise UserError(str(err)) from None
-        _print_summary(run_dir, console)
+        if args.json:
+            from .experiments.report import summary_json
+
+            _print_json(summary_json(run_dir))
+        else:
+            _print_summary(run_dir, console)
         return 0
     if not found:
         raise UserError(f"{_short(args.run_dir)} has no results.db (run lowprec compare "
                         "--out DIR first)")
     try:
         write_report(run_dir)
-        _print_summary(run_dir, console)
+        if args.json:
+            from .experiments.report import summary_json
+
+            _print_json(summary_json(run_dir))
+        else:
+            _print_summary(run_dir, console)
     except CorruptDatabase as err:
         raise UserError(str(err)) from None
     except sqlite3.OperationalError as err:
@@ -345,6 +395,23 @@ def cmd_report(args, console: Console) -> int:
     except RunIOError as err:
         print(f"lowprec report: error: {_one_line(err)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_export(args, console: Console) -> int:
+    from .experiments.config import RunError
+    from .experiments.export import export_run
+    from .experiments.results import CorruptDatabase
+
+    try:
+        result = _user(export_run, args.run_dir, args.to, args.out)
+    except (RunError, CorruptDatabase) as err:
+        raise UserError(str(err)) from None
+    if args.json:
+        _print_json(dict(result))
+    else:
+        console.print(f"exported {result['runs']} runs as {result['format']} to {result['out']} "
+                      f"({len(result['files'])} files)")
     return 0
 
 
@@ -383,6 +450,10 @@ def cmd_certify(args, console: Console) -> int:
     fmt = _user(parse_format_checked, args.format)
     model, data = _trained_model(args, console)
     cert = _user(certify, model, data, fmt, outputs=args.outputs)
+    if args.json:
+        _print_json({"format": str(fmt), "summary": cert.summary(),
+                     "per_class": cert.per_class()})
+        return 0 if cert.violations == 0 else 1
     console.print(str(cert))
     s = cert.summary()
     if "accuracy32" in s:
@@ -404,7 +475,10 @@ def cmd_advise(args, console: Console) -> int:
     fmt = _user(parse_format_checked, args.format)
     model, data = _trained_model(args, console)
     adv = _user(advise, model, data, fmt, batches=args.batches, lr=args.lr)
-    console.print(str(adv))
+    if args.json:
+        _print_json(adv.to_json())
+    else:
+        console.print(str(adv))
     return 0
 
 
@@ -425,6 +499,28 @@ def _add_analysis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_int_arg(1, 2**31), default=32, help="default: 32")
     p.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0)
     p.add_argument("--quiet", action="store_true")
+    _add_json(p)
+
+
+_JSON_HELP = ("print a machine-readable summary as JSON on stdout (progress and messages go to "
+              "stderr)")
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help=_JSON_HELP)
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="any flag of this command in a TOML file (epochs = 5, policies = "
+                   "[\"32-true\", \"bf16-true\"]; or in a [COMMAND] table); flags given here "
+                   "win; compare and train keep it as OUT/run.toml")
+
+
+def _offer(action: argparse.Action, values) -> None:
+    """What shell completion (argcomplete, where installed) offers for a flag's value; the
+    value itself is still checked where it is used, with the accepted ones named."""
+    action.completer = lambda **_: list(values)
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
@@ -443,12 +539,13 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
                             f"{','.join(DEFAULT_POLICIES)})")
         p.add_argument("--seeds", type=_int_arg(1, 10_000), default=None,
                        help="seeds per policy (default: 3)")
-        p.add_argument("--preset", default=None, help="an experiment of the literature: "
-                       + ", ".join(PRESETS) + " (policies, model and optimizer; flags override)")
+        _offer(p.add_argument("--preset", default=None, help="an experiment of the literature: "
+                       + ", ".join(PRESETS) + " (policies, model and optimizer; flags override)"),
+               PRESETS)
         g = p.add_argument_group("where the runs execute")
-        g.add_argument("--executor", default=None, help="local (default: one run after "
+        _offer(g.add_argument("--executor", default=None, help="local (default: one run after "
                        "another in this process) or ray (each run a Ray task; pip install "
-                       "'lowprec[ray]')")
+                       "'lowprec[ray]')"), ("local", "ray"))
         g.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: "
                        "start a local instance); --out must be on storage every node mounts")
         g.add_argument("--ray-num-cpus", type=int, default=None,
@@ -463,11 +560,12 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     p.add_argument("--epochs", type=_int_arg(1, 100_000), default=None, help="default: 15")
     p.add_argument("--batch-size", type=_int_arg(1, 2**31), default=None, help="default: 32")
     p.add_argument("--lr", type=_float_arg(positive=True), default=None, help="default: 0.02")
-    p.add_argument("--optimizer", default=None, help="sgd (momentum 0.9, default) or adam")
+    _offer(p.add_argument("--optimizer", default=None, help="sgd (momentum 0.9, default) or adam"),
+           ("sgd", "adam"))
     p.add_argument("--momentum", type=_float_arg(nonnegative=True), default=None,
                    help=argparse.SUPPRESS)
-    p.add_argument("--schedule", default=None, help="learning-rate schedule: cosine "
-                   "(default) or constant")
+    _offer(p.add_argument("--schedule", default=None, help="learning-rate schedule: cosine "
+                          "(default) or constant"), ("cosine", "constant"))
     p.add_argument("--weight-decay", type=_float_arg(nonnegative=True), default=None,
                    help="default: 5e-4")
     p.add_argument("--train-subset", type=_int_arg(1, 2**31), default=None,
@@ -487,12 +585,16 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
                    "policies or seeds add runs, and unfinished runs no longer asked for are "
                    "marked 'not requested'")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
+    _add_json(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="lowprec",
         description="Reduced-precision training on PyTorch: formats, rounding, quantization.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"lowprec {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     f = sub.add_parser("formats", help="table of number formats: bits, max, min normal, "
@@ -535,10 +637,55 @@ def build_parser() -> argparse.ArgumentParser:
                     help="batches analysed (default: 4)")
     ad.set_defaults(func=cmd_advise)
 
+    ex = sub.add_parser("export", help="a run folder's results as csv, parquet, TensorBoard "
+                        "event files or an MLflow file store (offline)")
+    ex.add_argument("run_dir", help="the folder holding results.db")
+    _offer(ex.add_argument("--to", required=True, metavar="FORMAT",
+                           help="csv, parquet, tensorboard or mlflow"),
+           ("csv", "parquet", "tensorboard", "mlflow"))
+    ex.add_argument("--out", default=None,
+                    help="a new or empty folder (default: RUN_DIR/export/FORMAT)")
+    ex.add_argument("--json", action="store_true",
+                    help="print what was written as JSON on stdout")
+    ex.set_defaults(func=cmd_export)
+
     r = sub.add_parser("report", help="rebuild report.html and report.md from a run folder")
     r.add_argument("run_dir", help="the folder holding results.db")
+    _add_json(r)
     r.set_defaults(func=cmd_report)
+    p.commands = dict(sub.choices)
+    for command in p.commands.values():
+        _add_config(command)
     return p
+
+
+def _apply_config(parser: argparse.ArgumentParser, args, argv: list[str]):
+    """Parse again with the --config file's flags before the command line's (which win)."""
+    from .experiments.configfile import config_tokens, read_config_file
+
+    table, text = _user(read_config_file, args.config)
+    sub = parser.commands[args.command]
+    tokens = _user(config_tokens, table, sub, args.command, args.config,
+                   tuple(parser.commands))
+    at = argv.index(args.command) + 1
+    sub.config_origin = (args.config, {t for t in tokens if t.startswith("--")})
+    try:
+        args = parser.parse_args(argv[:at] + tokens + argv[at:])
+    finally:
+        sub.config_origin = None
+    args.config_text = text
+    return args
+
+
+def _main_command(args, console) -> int:
+    from .experiments.system import tune_cpu_allocator
+
+    tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
+    return int(args.func(args, console) or 0)
+
+
+#: where _print_json writes while stdout is redirected to stderr (--json)
+_json_target: list = [None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -550,22 +697,42 @@ def main(argv: list[str] | None = None) -> int:
     command = "lowprec"
     try:
         parser = build_parser()  # imports the library: a signal here is handled below
+        try:  # shell completion, where argcomplete is installed (the completion extra)
+            import argcomplete
+        except ImportError:
+            pass
+        else:
+            argcomplete.autocomplete(parser)  # exits here only when the shell asks
+        argv = sys.argv[1:] if argv is None else list(argv)
         try:
             args = parser.parse_args(argv)
-        except SystemExit as exc:  # --help (0) or a one-line usage error (2)
+            if getattr(args, "config", None) is not None:
+                command = f"lowprec {args.command}"
+                args = _apply_config(parser, args, argv)
+        except SystemExit as exc:  # --help, --version (0) or a one-line usage error (2)
             return int(exc.code or 0)
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
+        if not hasattr(args, "config_text"):
+            args.config_text = None
         command = f"lowprec {args.command}"
         from rich.console import Console
 
+        if getattr(args, "json", False):
+            # stdout holds the JSON document alone: tables, progress and notes go to stderr
+            console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+            from contextlib import redirect_stdout
+
+            _json_target[0] = sys.stdout
+            try:
+                with redirect_stdout(sys.stderr):
+                    return _main_command(args, console)
+            finally:
+                _json_target[0] = None
         # a pipe or a log file gets wide tables rather than rich's 80-column default
         console = Console() if sys.stdout.isatty() else Console(width=160)
-        from .experiments.system import tune_cpu_allocator
-
-        tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
-        return int(args.func(args, console) or 0)
+        return _main_command(args, console)
     except UserError as err:
         print(f"{command}: error: {_one_line(err)}", file=sys.stderr)
         return 2

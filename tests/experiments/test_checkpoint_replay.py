@@ -26,6 +26,7 @@ def stored(path):
                             ).fetchall(),
         "memory": c.execute("SELECT * FROM memory ORDER BY run_id").fetchall(),
         "trace": c.execute("SELECT * FROM scale_trace ORDER BY run_id, step").fetchall(),
+        "steps": c.execute("SELECT * FROM steps ORDER BY run_id, step").fetchall(),
         "analysis": c.execute("SELECT * FROM analysis ORDER BY run_id, kind").fetchall(),
     }
     c.close()

@@ -46,16 +46,26 @@ def test_compare_stores_everything_and_writes_the_report(tmp_path):
         assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer_state",
                                                     "master", "activations"))
         assert len(db.trace(run["run_id"])) == 2 * 23  # every optimizer step (1438 / 64)
+        steps = db.steps(run["run_id"])  # loss, learning rate, gradient norm per step
+        assert [s["step"] for s in steps] == list(range(2 * 23))
+        assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
+        assert steps[0]["lr"] == 0.02 and steps[-1]["lr"] == pytest.approx(0.01)  # cosine
+        assert all(e["cpu_seconds"] > 0 and e["ended"] > e["seconds"] for e in ep)
     assert db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     for run in runs:  # the analyses of every finished run are stored for the report
         assert db.analysis(run["run_id"], "certificate:fp16")["summary"]["violations"] == 0
     db.close()
     md = (out / "report.md").read_text()
     assert "| 32-true |" in md and "report_files/accuracy.png" in md
+    # the verdict comes first, with its evidence
+    assert md.index("## Verdict") < md.index("## Summary")
+    assert "**Use " in md and "test accuracy (%)" in md and "(n=1)" in md and "± 0.00" not in md
+    assert "lowprec advise's findings" in md and "## Timing" in md
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 6 and "<table" in html
+    assert html.count("data:image/png;base64,") == 7 and "<table" in html
+    assert html.index("id='verdict'") < html.index("<h2>Summary</h2>")
     assert "The 16-bit certificate" in html and "Lost updates" in html
-    for name in ("accuracy.png", "loss_scale.png", "memory.png", "certificate.png",
+    for name in ("accuracy.png", "steps.png", "loss_scale.png", "memory.png", "certificate.png",
                  "layer_errors.png", "gradient_ranges.png"):
         assert (out / "report_files" / name).stat().st_size > 1000
 
@@ -162,7 +172,10 @@ def test_train_runs_one_policy(tmp_path, capsys):
 def test_progress_is_shown_and_quiet_silences_it(tmp_path):
     res = _cli(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
                 "--seeds", "1", "--epochs", "1", "--out", str(tmp_path / "a")])
-    assert res.returncode == 0 and "all runs" in res.stdout and "test acc" in res.stdout
+    assert res.returncode == 0 and "all runs: 1/1 done" in res.stdout and "test acc" in res.stdout
+    # stdout is a pipe here: one plain line per finished epoch, not rich's bars
+    assert "32-true seed 0: epoch 1/1, train loss " in res.stdout and "━" not in res.stdout.split(
+        "all runs")[0]
     res = _cli(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
                 "--seeds", "1", "--epochs", "1", "--out", str(tmp_path / "b"), "--quiet"])
     assert res.returncode == 0 and res.stdout == ""
@@ -197,8 +210,11 @@ def test_report_displays_in_a_real_headless_chromium(tmp_path):
         assert table.is_displayed()
         cells = [td.text for td in table.find_elements(By.TAG_NAME, "td")]
         assert "32-true" in cells and "16-true" in cells
+        verdict = driver.find_element(By.ID, "verdict")  # the recommendation, first
+        assert verdict.is_displayed() and verdict.location["y"] < table.location["y"]
+        assert "Use " in verdict.text and "test accuracy" in verdict.text
         images = driver.find_elements(By.TAG_NAME, "img")
-        assert len(images) == 6
+        assert len(images) == 7
         for img in images:
             ok = driver.execute_script(
                 "return arguments[0].complete && arguments[0].naturalWidth > 100", img)

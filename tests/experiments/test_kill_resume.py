@@ -78,14 +78,16 @@ print("NOT KILLED")
 
 
 def _stored(db_path: Path) -> dict:
-    """Every stored number, without wall-clock times (started, finished, seconds)."""
+    """Every stored number, without wall-clock times and the load (started, finished, seconds,
+    cpu_seconds, load, other_cpus, ended)."""
     c = sqlite3.connect(db_path)
     try:
         out = {}
         cols = {t: [r[1] for r in c.execute(f"PRAGMA table_info({t})")]
-                for t in ("runs", "epochs", "memory", "scale_trace", "analysis")}
+                for t in ("runs", "epochs", "steps", "memory", "scale_trace", "analysis")}
         for table, names in cols.items():
-            keep = [n for n in names if n not in ("started", "finished", "seconds")]
+            keep = [n for n in names if n not in ("started", "finished", "seconds", "cpu_seconds",
+                                                  "load", "other_cpus", "ended")]
             rows = c.execute(f"SELECT {', '.join(keep)} FROM {table} ORDER BY 1, 2").fetchall()
             out[table] = [dict(zip(keep, r)) for r in rows]
         for r in out["runs"]:  # the folder's own path is not a result

@@ -46,6 +46,7 @@ def stored(path):
                             ).fetchall(),
         "memory": c.execute("SELECT * FROM memory ORDER BY run_id").fetchall(),
         "trace": c.execute("SELECT * FROM scale_trace ORDER BY run_id, step").fetchall(),
+        "steps": c.execute("SELECT * FROM steps ORDER BY run_id, step").fetchall(),
         "analysis": c.execute("SELECT * FROM analysis ORDER BY run_id, kind").fetchall(),
     }
     c.close()
@@ -127,7 +128,7 @@ def test_cli_compare_on_ray_prints_the_summary(local_ray, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--ray-address", "auto"], "--ray-address need --executor ray"),
+    (["--ray-address", "auto"], "--ray-address needs --executor ray"),
     (["--executor", "spark"], "executor='spark'; accepted: local, ray"),
     (["--executor", "ray", "--cpus-per-run", "0"], "cpus_per_run=0.0 is not valid"),
     (["--executor", "ray", "--gpus-per-run", "-1"], "gpus_per_run=-1.0 is not valid"),

@@ -30,7 +30,7 @@ from .nonfinite import NonFiniteReport, first_nonfinite
 from .ranges import RangeProfile, range_profile
 from .updates import LostUpdates, lost_updates
 
-__all__ = ["advise", "Advice"]
+__all__ = ["advise", "Advice", "judge", "AGREEMENT_MIN", "UNDERFLOW_MAX", "LOST_MAX"]
 
 AGREEMENT_MIN = 0.95
 UNDERFLOW_MAX = 0.01
@@ -52,9 +52,78 @@ class Advice:
     nonfinite: NonFiniteReport
     measurements: dict = field(default_factory=dict)
 
+    def to_json(self) -> dict:
+        """The verdict, its reasons and the headline numbers as plain data (``--json``)."""
+        worst = max(self.lost, key=lambda r: r.nearest, default=None)
+        return {"format": self.format, "verdict": self.verdict, "reasons": list(self.reasons),
+                "certificate": self.certificate.summary(), "loss_scale": self.loss_scale,
+                "underflow_at_1": self.underflow_at_1,
+                "underflow_at_scale": self.underflow_at_scale,
+                "worst_lost_updates": None if worst is None else {
+                    "layer": worst.layer, "nearest": worst.nearest,
+                    "stochastic": worst.stochastic, "kahan": worst.kahan},
+                "forward_nonfinite": None if self.nonfinite.forward is None
+                else str(self.nonfinite.forward),
+                "backward_nonfinite": None if self.nonfinite.backward is None
+                else str(self.nonfinite.backward)}
+
     def __str__(self) -> str:
         head = f"pure {self.format}: {self.verdict}"
         return head + "\n" + "\n".join(f"  - {r}" for r in self.reasons)
+
+
+def _field(row, name: str):
+    return row[name] if isinstance(row, dict) else getattr(row, name)
+
+
+def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: float,
+          underflow_at_scale: float | None = None, lost=(), forward_nonfinite=None,
+          backward_nonfinite=None) -> tuple[str, list[str]]:
+    """The verdict ("safe", "needs care", "unsafe") and its reasons from measured numbers, by
+    the thresholds of this module: ``certificate`` is :meth:`Certificate.summary` (``n``,
+    ``certified``, ``agreement``, ``violations``); ``underflow_at_1`` the fraction of nonzero
+    gradient values that flush to zero unscaled and ``loss_scale`` the recommended scale
+    (``underflow_at_scale`` the fraction left there, when measured); ``lost`` the per-layer
+    lost updates (:class:`LostUpdates` or their dicts) at ``lr``; the first non-finite op of
+    the forward and backward passes where it was looked for. :func:`advise` and the compare
+    report (from the analyses stored in results.db) both judge with it."""
+    s = certificate
+    reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "
+               f"{100 * s['agreement']:.2f}% predict the fp32 class, {s['violations']} violations"]
+    verdict = "safe"
+    if forward_nonfinite is not None:
+        verdict = "unsafe"
+        reasons.append(f"the forward pass overflows: first non-finite output at "
+                       f"{forward_nonfinite}")
+    if s["agreement"] < AGREEMENT_MIN:
+        verdict = "unsafe"
+        reasons.append(f"only {100 * s['agreement']:.1f}% of predictions agree with fp32 "
+                       f"(below {100 * AGREEMENT_MIN:.0f}%)")
+    if underflow_at_1 > UNDERFLOW_MAX:
+        if verdict == "safe":
+            verdict = "needs care"
+        left = ("" if underflow_at_scale is None else
+                f", {100 * underflow_at_scale:.2f}% at {loss_scale:g}")
+        reasons.append(f"loss scale {loss_scale:g} recommended: {100 * underflow_at_1:.1f}% of "
+                       f"gradient values underflow at scale 1{left}")
+    else:
+        reasons.append(f"no loss scale needed: {100 * underflow_at_1:.2f}% of gradient "
+                       f"values underflow at scale 1")
+    if backward_nonfinite is not None:
+        reasons.append(f"at scale 1 the backward pass overflows first at {backward_nonfinite}")
+    worst = max(lost, key=lambda r: _field(r, "nearest"), default=None)
+    if worst is not None and _field(worst, "nearest") > LOST_MAX:
+        if verdict == "safe":
+            verdict = "needs care"
+        reasons.append(f"layer {_field(worst, 'layer')} loses "
+                       f"{100 * _field(worst, 'nearest'):.0f}% of its updates with nearest "
+                       f"rounding at lr {lr:g} ({100 * _field(worst, 'stochastic'):.0f}% of one "
+                       f"stochastic draw, {100 * _field(worst, 'kahan'):.0f}% with Kahan): use "
+                       "stochastic rounding or fp32 master weights")
+    elif worst is not None:
+        reasons.append(f"updates survive rounding: at most {100 * _field(worst, 'nearest'):.1f}% "
+                       f"lost with nearest rounding (layer {_field(worst, 'layer')}) at lr {lr:g}")
+    return verdict, reasons
 
 
 def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
@@ -82,38 +151,9 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
                                 backend=Backend.EMULATED), output_fn=output_fn)
 
     s = cert.summary()
-    reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "
-               f"{100 * s['agreement']:.2f}% predict the fp32 class, {s['violations']} violations"]
-    verdict = "safe"
-    if nf.forward is not None:
-        verdict = "unsafe"
-        reasons.append(f"the forward pass overflows: first non-finite output at {nf.forward}")
-    if s["agreement"] < AGREEMENT_MIN:
-        verdict = "unsafe"
-        reasons.append(f"only {100 * s['agreement']:.1f}% of predictions agree with fp32 "
-                       f"(below {100 * AGREEMENT_MIN:.0f}%)")
-    if choice.underflow_at_1 > UNDERFLOW_MAX:
-        if verdict == "safe":
-            verdict = "needs care"
-        reasons.append(f"loss scale {choice.scale:g} recommended: "
-                       f"{100 * choice.underflow_at_1:.1f}% of gradient values underflow at scale "
-                       f"1, {100 * choice.underflow_at_scale:.2f}% at {choice.scale:g}")
-    else:
-        reasons.append(f"no loss scale needed: {100 * choice.underflow_at_1:.2f}% of gradient "
-                       f"values underflow at scale 1")
-    if nf.backward is not None:
-        reasons.append(f"at scale 1 the backward pass overflows first at {nf.backward}")
-    worst = max(lost, key=lambda r: r.nearest, default=None)
-    if worst is not None and worst.nearest > LOST_MAX:
-        if verdict == "safe":
-            verdict = "needs care"
-        reasons.append(f"layer {worst.layer} loses {100 * worst.nearest:.0f}% of its updates with "
-                       f"nearest rounding at lr {lr:g} ({100 * worst.stochastic:.0f}% of one "
-                       f"stochastic draw, {100 * worst.kahan:.0f}% with Kahan): use stochastic "
-                       "rounding or fp32 master weights")
-    elif worst is not None:
-        reasons.append(f"updates survive rounding: at most {100 * worst.nearest:.1f}% lost with "
-                       f"nearest rounding (layer {worst.layer}) at lr {lr:g}")
+    verdict, reasons = judge(s, underflow_at_1=choice.underflow_at_1, loss_scale=choice.scale,
+                             underflow_at_scale=choice.underflow_at_scale, lost=lost, lr=lr,
+                             forward_nonfinite=nf.forward, backward_nonfinite=nf.backward)
     if errs:
         last = errs[-1]
         reasons.append(f"relative error of the output layer {last.name}: {last.rel_error:.2e} "

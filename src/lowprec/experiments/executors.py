@@ -95,8 +95,11 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         with _worker_pythonpath():
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                     logging_level=logging.WARNING, configure_logging=True)
+            # "local": a new instance of this process's own, even where someone ran
+            # `ray start` on this node or RAY_ADDRESS is set (ray.init() would join those)
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(),
+                     include_dashboard=False, logging_level=logging.WARNING,
+                     configure_logging=True)
     finally:
         if had is None:
             os.environ.pop("RAY_worker_niceness", None)
@@ -203,8 +206,15 @@ class RayExecutor:
         import logging
 
         _probe(self.address)
+        from ray.exceptions import AuthenticationError
+
         try:
             ray.init(address=self.address, logging_level=logging.WARNING)
+        except AuthenticationError as err:
+            raise RunError(f"the Ray cluster at {self.address!r} asks for its token "
+                           f"({str(err).splitlines()[0] if str(err) else err}): set "
+                           "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the token `ray "
+                           "get-auth-token` prints on the head node (docs/scaling.md)") from None
         except (ConnectionError, ValueError, RuntimeError) as err:
             raise RunError(f"cannot connect to the Ray cluster at {self.address!r}: "
                            f"{str(err).splitlines()[0] if str(err) else err}") from None
@@ -221,7 +231,7 @@ class RayExecutor:
             for policy, seed in runs:
                 existing = db.run(run_id_of(policy, seed))
                 if existing and existing["status"] in ("finished", "diverged"):
-                    progress.run_done()
+                    progress.run_done(f"{policy} seed {seed}")
                     continue
                 todo.append((policy, seed))
             if not todo:
@@ -413,8 +423,11 @@ class _QueueSink:
         if time.monotonic() - self.last > 0.25:
             self.flush()
 
-    def run_done(self) -> None:
-        self._send("progress", "run_done", self.name)
+    def epoch_done(self, name: str, epoch: int, epochs: int, **numbers) -> None:
+        self._send("progress", "epoch_done", name, epoch, epochs, **numbers)
+
+    def run_done(self, name: str | None = None) -> None:
+        self._send("progress", "run_done", name or self.name)
 
     def _die_once(self) -> None:
         self.armed = False
@@ -438,7 +451,8 @@ def make_executor(name: str = "local", *, address: str | None = None,
     if name == "local":
         given = [flag for flag, v in ray_only.items() if v is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} need --executor ray")
+            raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                             "--executor ray")
         return None
     kw = {k: v for k, v in (("cpus_per_run", cpus_per_run), ("gpus_per_run", gpus_per_run),
                             ("max_retries", max_retries)) if v is not None}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import CompareConfig, RunError, split_models
 from .render import html_table, md_table
-from .report import BASELINE, summarize
+from .report import BASELINE, acc_cell, summarize, time_cell
 from .results import ResultsDB
 from .runfolder import FolderLock, atomic_write_bytes, remove_stale_temps
 
@@ -26,10 +26,11 @@ __all__ = ["run_models", "write_models_report", "model_tables", "MODELS_FILE"]
 MODELS_FILE = "models.json"
 
 
-def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
+def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
+               config_text: str | None = None) -> Path:
     """Run the comparison of ``cfg`` once per model of ``cfg.model`` (comma-separated), each
     into ``OUT/MODEL``, then write the combined report. Returns OUT."""
-    from .runner import refuse_foreign, run_compare
+    from .runner import record_config_file, refuse_foreign, run_compare
 
     models = split_models(cfg.model)
     out = Path(cfg.out)
@@ -50,11 +51,12 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False)
                            "choose another --out")
         atomic_write_bytes(listing, json.dumps({"models": list(models)}).encode(),
                            "the list of models")
+        record_config_file(out, config_text)
         session = getattr(executor, "connected", None)  # one Ray instance for every model
         with session() if session else nullcontext():
             for model in models:
                 run_compare(replace(cfg, model=model, out=str(out / model)), executor,
-                            force_config=force_config)
+                            force_config=force_config, config_text=config_text)
         write_models_report(out)
     return out
 
@@ -103,11 +105,10 @@ def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]],
             fmt, frac = cert.get(r["policy"], ("", None))
             cells.append([
                 r["policy"],
-                "-" if r["acc_mean"] is None else
-                f"{100 * r['acc_mean']:.2f} ± {100 * r['acc_std']:.2f}",
+                acc_cell(r),
                 "-" if r["acc_delta"] is None else f"{100 * r['acc_delta']:+.2f}",
                 "-" if frac is None else f"{100 * frac:.2f} ({fmt})",
-                "-" if r["time_rel"] is None else f"{r['time_rel']:.2f}x",
+                time_cell(r),
                 "-" if r["memory_rel"] is None else f"{r['memory_rel']:.2f}x",
                 "-" if r["sec_per_epoch"] is None else f"{r['sec_per_epoch']:.1f}",
                 f"{r['diverged']}/{r['runs']}", f"{r['failed']}/{r['runs']}"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 import io
 
-__all__ = ["subplots", "png_bytes", "md_table", "html_table"]
+__all__ = ["subplots", "stacked", "png_bytes", "md_table", "html_table"]
 
 
 def subplots(figsize: tuple[float, float]):
@@ -21,6 +21,17 @@ def subplots(figsize: tuple[float, float]):
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()
+
+
+def stacked(n: int, figsize: tuple[float, float]):
+    """A new figure with ``n`` axes stacked vertically, sharing the x axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n, 1, sharex=True)
+    return fig, list(axes)
 
 
 def png_bytes(fig) -> bytes:

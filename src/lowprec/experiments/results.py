@@ -1,8 +1,9 @@
 """The results database: SQLite in WAL mode in the run folder.
 
 One row per run (configuration as JSON, policy, seed, library versions, git revision, hardware,
-status running / finished / diverged / failed), per-epoch metrics, the memory ledger, the
-loss-scale trace and analysis results. Every write is one transaction, so an interrupted
+status running / finished / diverged / failed), per-epoch metrics (with the epoch's wall time,
+the process's CPU time and the machine's load while it ran), per-step metrics (loss, learning
+rate, gradient norm), the memory ledger, the loss-scale trace and analysis results. Every write is one transaction, so an interrupted
 process leaves the database as of its last complete write. The report reads this database,
 never live objects.
 """
@@ -21,12 +22,12 @@ from .runfolder import temp_path
 __all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES", "NOT_REQUESTED",
            "read_stored_config", "check_config", "is_blank"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RUN_STATUSES = ("running", "finished", "diverged", "failed")
 #: The error of an interrupted run that a resumed comparison no longer asked for; its checkpoint
 #: is kept, and a later comparison that asks for it again continues it.
 NOT_REQUESTED = "interrupted, then not requested by a resumed comparison (checkpoint kept)"
-_TABLES = {"meta", "runs", "epochs", "memory", "scale_trace", "analysis"}
+_TABLES = {"meta", "runs", "epochs", "steps", "memory", "scale_trace", "analysis"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -56,7 +57,20 @@ CREATE TABLE IF NOT EXISTS epochs (
     skipped INTEGER NOT NULL,
     nonfinite INTEGER NOT NULL,
     loss_scale REAL NOT NULL,
+    cpu_seconds REAL,
+    load REAL,
+    other_cpus REAL,
+    ended REAL,
     PRIMARY KEY (run_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS steps (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    step INTEGER NOT NULL,
+    epoch INTEGER NOT NULL,
+    loss REAL,
+    lr REAL,
+    grad_norm REAL,
+    PRIMARY KEY (run_id, step)
 );
 CREATE TABLE IF NOT EXISTS memory (
     run_id TEXT PRIMARY KEY REFERENCES runs(run_id),
@@ -79,6 +93,21 @@ CREATE TABLE IF NOT EXISTS analysis (
 """
 
 
+#: what turns a database of an older schema version into the next one (each step additive: new
+#: nullable columns and new tables, so every row stored before keeps its meaning; the columns a
+#: version did not record read as NULL)
+_MIGRATIONS = {
+    # 1 -> 2: per-epoch CPU time, machine load and end time; per-step metrics
+    1: ["ALTER TABLE epochs ADD COLUMN cpu_seconds REAL",
+        "ALTER TABLE epochs ADD COLUMN load REAL",
+        "ALTER TABLE epochs ADD COLUMN other_cpus REAL",
+        "ALTER TABLE epochs ADD COLUMN ended REAL",
+        "CREATE TABLE IF NOT EXISTS steps (run_id TEXT NOT NULL REFERENCES runs(run_id), "
+        "step INTEGER NOT NULL, epoch INTEGER NOT NULL, loss REAL, lr REAL, grad_norm REAL, "
+        "PRIMARY KEY (run_id, step))"],
+}
+
+
 class CorruptDatabase(Exception):
     """The file is not a readable lowprec results database (nothing was written to it)."""
 
@@ -96,7 +125,11 @@ _COLUMN_TYPES = {
                **{k: ("real", "integer", "null") for k in ("train_loss", "test_loss",
                                                            "test_acc")},
                "seconds": ("real", "integer"), "skipped": ("integer",),
-               "nonfinite": ("integer",), "loss_scale": ("real", "integer")},
+               "nonfinite": ("integer",), "loss_scale": ("real", "integer"),
+               **{k: ("real", "integer", "null") for k in ("cpu_seconds", "load",
+                                                           "other_cpus", "ended")}},
+    "steps": {"run_id": ("text",), "step": ("integer",), "epoch": ("integer",),
+              **{k: ("real", "integer", "null") for k in ("loss", "lr", "grad_norm")}},
     "memory": {"run_id": ("text",), **{k: ("integer",) for k in (
         "params", "grads", "optimizer_state", "master", "activations", "total")}},
     "scale_trace": {"run_id": ("text",), "step": ("integer",), "scale": ("real", "integer"),
@@ -197,6 +230,9 @@ class ResultsDB:
                 raise sqlite3.DatabaseError("empty database (no tables)")
             if "runs" not in tables:
                 raise sqlite3.DatabaseError("not a lowprec results database")
+            if "meta" in tables:
+                tables = self._migrate(tables)
+                self._check_version()
             if not _TABLES <= tables:
                 missing = ", ".join(sorted(_TABLES - tables))
                 raise sqlite3.DatabaseError(f"table(s) {missing} missing")
@@ -220,16 +256,50 @@ class ResultsDB:
         if conn is not None:
             conn.close()
 
+    def _migrate(self, tables: set[str]) -> set[str]:
+        """Bring a database of an older schema version (written by an earlier lowprec) to this
+        one: the additions of ``_MIGRATIONS`` and the new version number, then :meth:`_check`,
+        all in one transaction, so a database the check refuses is rolled back, untouched. A
+        version this lowprec does not know (newer, or not a number) is left to :meth:`_check`
+        to refuse. Returns the tables after the migration."""
+        r = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        text = None if r is None else str(r[0])
+        version = int(text) if text is not None and text.isascii() and text.isdigit() else None
+        old = {"meta", "runs", "epochs", "memory", "scale_trace", "analysis"}
+        if version not in _MIGRATIONS or not old <= tables:
+            return tables  # nothing to do, or damaged: __init__ and _check name the problem
+        try:
+            with self.transaction() as c:
+                while version in _MIGRATIONS:
+                    for stmt in _MIGRATIONS[version]:
+                        c.execute(stmt)
+                    version += 1
+                c.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                          (str(version),))
+                self._check()  # CorruptDatabase rolls the migration back
+        except sqlite3.OperationalError as err:
+            if "full" in str(err) or "disk" in str(err) or "I/O" in str(err):
+                raise
+            raise CorruptDatabase(f"{self.path}: schema version {text} could not be upgraded "
+                                  f"to {SCHEMA_VERSION} ({err}); the file was left untouched"
+                                  ) from None
+        return {row[0] for row in self.conn.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'")}
+
+    def _check_version(self) -> None:
+        r = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = None if r is None else r[0]
+        if version != str(SCHEMA_VERSION):
+            older = ", ".join(str(v) for v in sorted(_MIGRATIONS))
+            raise CorruptDatabase(f"{self.path}: schema version {str(version)[:40]!r}, this "
+                                  f"lowprec reads version {SCHEMA_VERSION} (and upgrades "
+                                  f"{older}); the file was left untouched")
+
     def _check(self) -> None:
         """The schema version is this lowprec's, every column holds its type and the stored
         configuration is a JSON object of the known fields' types: a damaged or foreign file is
         refused in one line before anything reads (or writes) it."""
-        r = self.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        version = None if r is None else r[0]
-        if version != str(SCHEMA_VERSION):
-            raise CorruptDatabase(f"{self.path}: schema version {str(version)[:40]!r}, this "
-                                  f"lowprec reads version {SCHEMA_VERSION}; the file was left "
-                                  "untouched")
+        self._check_version()
         for table, columns in _COLUMN_TYPES.items():
             for col, types in columns.items():
                 allowed = ", ".join(f"'{t}'" for t in types)
@@ -286,7 +356,7 @@ class ResultsDB:
                       (run_id, policy, policy_spec, seed, json.dumps(config, sort_keys=True),
                        json.dumps(versions, sort_keys=True), git,
                        json.dumps(hardware, sort_keys=True), "running", time.time()))
-            for table in ("epochs", "memory", "scale_trace", "analysis"):
+            for table in ("epochs", "steps", "memory", "scale_trace", "analysis"):
                 c.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
 
     def set_backend(self, run_id: str, backend: str) -> None:
@@ -302,19 +372,33 @@ class ResultsDB:
 
     def record_epoch(self, run_id: str, epoch: int, *, train_loss, test_loss, test_acc,
                      seconds: float, skipped: int, nonfinite: int, loss_scale: float,
-                     trace: list[dict]) -> None:
+                     trace: list[dict], steps: list[dict] = (), cpu_seconds=None, load=None,
+                     other_cpus=None, ended=None) -> None:
+        """One epoch's row, its steps (``{"step", "loss", "lr", "grad_norm"}``) and its part of
+        the loss-scale trace, in one transaction. ``seconds`` is wall time, ``cpu_seconds`` the
+        training process's CPU time over the same span, ``load`` the machine's 1-minute load
+        average and ``other_cpus`` the cores other processes kept busy meanwhile
+        (:mod:`lowprec.experiments.timing`); ``ended`` the epoch's end (Unix time). Records of an
+        older lowprec (replayed from its checkpoints) lack the last five: stored as NULL."""
         with self.transaction() as c:
-            c.execute("INSERT OR REPLACE INTO epochs VALUES (?,?,?,?,?,?,?,?,?)",
+            c.execute("INSERT OR REPLACE INTO epochs (run_id, epoch, train_loss, test_loss, "
+                      "test_acc, seconds, skipped, nonfinite, loss_scale, cpu_seconds, load, "
+                      "other_cpus, ended) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                       (run_id, epoch, _num(train_loss), _num(test_loss), _num(test_acc), seconds,
-                       skipped, nonfinite, loss_scale))
+                       skipped, nonfinite, loss_scale, _num(cpu_seconds), _num(load),
+                       _num(other_cpus), _num(ended)))
             c.executemany("INSERT OR REPLACE INTO scale_trace VALUES (?,?,?,?)",
                           [(run_id, t["step"], t["scale"], int(t["skipped"])) for t in trace])
+            c.executemany("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?)",
+                          [(run_id, s["step"], epoch, _num(s["loss"]), _num(s["lr"]),
+                            _num(s["grad_norm"])) for s in steps])
 
     def truncate(self, run_id: str, *, last_epoch: int, last_step: int) -> None:
         """Forget what a run recorded after its last checkpoint (it will be redone)."""
         with self.transaction() as c:
             c.execute("DELETE FROM epochs WHERE run_id = ? AND epoch > ?", (run_id, last_epoch))
             c.execute("DELETE FROM scale_trace WHERE run_id = ? AND step > ?", (run_id, last_step))
+            c.execute("DELETE FROM steps WHERE run_id = ? AND step > ?", (run_id, last_step))
             c.execute("UPDATE runs SET status = 'running', diverged_step = NULL, error = NULL, "
                       "finished = NULL WHERE run_id = ?", (run_id,))
 
@@ -360,6 +444,12 @@ class ResultsDB:
     def epochs(self, run_id: str) -> list[dict]:
         return [dict(r) for r in self.conn.execute(
             "SELECT * FROM epochs WHERE run_id = ? ORDER BY epoch", (run_id,))]
+
+    def steps(self, run_id: str) -> list[dict]:
+        """Per optimizer step: step, epoch, loss, lr, grad_norm (None where not finite)."""
+        return [dict(r) for r in self.conn.execute(
+            "SELECT step, epoch, loss, lr, grad_norm FROM steps WHERE run_id = ? ORDER BY step",
+            (run_id,))]
 
     def memory(self, run_id: str) -> dict | None:
         r = self.conn.execute("SELECT * FROM memory WHERE run_id = ?", (run_id,)).fetchone()

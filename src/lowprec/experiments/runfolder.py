@@ -25,18 +25,26 @@ from pathlib import Path
 
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
-           "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN"]
+           "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
+           "CONFIG_FILE"]
 
 LOCK_NAME = ".lock"
 #: written by the Ray driver for its tasks to prove they see the run folder
 SHARED_TOKEN = ".lowprec-shared-token"
 #: the files of a run folder (``results.db`` and SQLite's companions, the reports)
 RUN_FILES = frozenset({LOCK_NAME, "results.db", "results.db-wal", "results.db-shm",
-                       "results.db-journal", "report.md", "report.html", SHARED_TOKEN})
+                       "results.db-journal", "report.md", "report.html", SHARED_TOKEN,
+                       "run.toml"})
 #: its sub-folders, with the suffixes of the files lowprec writes there
 RUN_SUBFOLDERS = {"checkpoints": (".pt", ".killed"), "report_files": (".png",)}
+#: where ``lowprec export`` writes by default (RUN/export/FORMAT: csv, parquet, TensorBoard
+#: event files, an MLflow store; lowprec's own output, whatever its inner layout)
+EXPORT_FOLDER = "export"
+#: the --config file a comparison was started with, as given (recorded in the run folder)
+CONFIG_FILE = "run.toml"
 #: the files of a comparison over several models (each model's run folder is a sub-folder)
-MODELS_FOLDER_FILES = frozenset({LOCK_NAME, "models.json", "report.md", "report.html"})
+MODELS_FOLDER_FILES = frozenset({LOCK_NAME, "models.json", "report.md", "report.html",
+                                 "run.toml"})
 # ".NAME.lowprec-tmpPID": this module's temp files; "NAME.tmpPID" of lowprec's own file names:
 # the temp files of earlier versions (still removed when a killed one left them)
 _TEMP_RE = re.compile(r"^\..+\.lowprec-tmp\d+$")
@@ -186,6 +194,8 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
             continue
         if e.is_symlink():
             return name
+        if name == EXPORT_FOLDER and e.is_dir():
+            continue
         if models:
             if name in MODELS_FOLDER_FILES and e.is_file():
                 continue

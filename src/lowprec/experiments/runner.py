@@ -37,14 +37,16 @@ from ..training.hardware import device_facts
 from ..training.optim import SGD, Adam
 from ..training.precision import Precision
 from .results import NOT_REQUESTED, ResultsDB, is_blank
-from .runfolder import (FolderLock, RunIOError, atomic_torch_save, foreign_entry, io_error,
-                        remove_stale_temps, temp_path)
+from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_torch_save,
+                        atomic_write_bytes, foreign_entry, io_error, remove_stale_temps,
+                        temp_path)
 from .system import tune_cpu_allocator
+from .timing import EpochMeter
 
 __all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
            "certificate_formats", "config_differences", "check_policies", "failed_runs",
            "Progress", "run_id_of", "checkpoint_path", "resumable", "start_run_record",
-           "failure_message", "mark_unrequested", "refuse_foreign"]
+           "failure_message", "mark_unrequested", "refuse_foreign", "record_config_file"]
 
 def environment() -> dict:
     """Library versions, git revision and hardware, recorded with every run."""
@@ -221,15 +223,19 @@ def evaluate(model: nn.Module, prec: Precision, x: torch.Tensor, y: torch.Tensor
 
 
 class Progress:
-    """rich progress bars: one overall, one per run in flight (the local runner has one at a
-    time; the Ray driver one per task); nothing when quiet. ``step`` and ``run_done`` without a
-    name act on the run started last."""
+    """Progress of a comparison: nothing when quiet; on a terminal, rich progress bars (one
+    overall, one per run in flight: the local runner has one at a time, the Ray driver one per
+    task); otherwise (a pipe, a log file: ``make demo > log``), one plain line per finished
+    epoch and per finished run, flushed at once, where rich would draw nothing until the end.
+    ``step`` and ``run_done`` without a name act on the run started last."""
 
-    def __init__(self, total_runs: int, quiet: bool) -> None:
+    def __init__(self, total_runs: int, quiet: bool, *, plain: bool | None = None) -> None:
         self.quiet = quiet
         self.bars: dict[str, int] = {}
         self.last: str | None = None
-        if quiet:
+        self.total, self.done = total_runs, 0
+        self.plain = (not sys.stdout.isatty()) if plain is None else plain
+        if quiet or self.plain:
             return
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
@@ -238,18 +244,25 @@ class Progress:
                        TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
         self.overall = self.p.add_task("all runs", total=total_runs)
 
+    @property
+    def _bars(self) -> bool:
+        return not (self.quiet or self.plain)
+
+    def _line(self, text: str) -> None:
+        print(text, flush=True)
+
     def __enter__(self):
-        if not self.quiet:
+        if self._bars:
             self.p.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if not self.quiet:
+        if self._bars:
             self.p.__exit__(*exc)
 
     def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
         self.last = name
-        if self.quiet:
+        if not self._bars:
             return
         if name in self.bars:
             self.p.remove_task(self.bars.pop(name))
@@ -257,12 +270,30 @@ class Progress:
 
     def step(self, n: int = 1, name: str | None = None) -> None:
         name = self.last if name is None else name
-        if not self.quiet and name in self.bars:
+        if self._bars and name in self.bars:
             self.p.advance(self.bars[name], n)
+
+    def epoch_done(self, name: str, epoch: int, epochs: int, *, train_loss=None,
+                   test_acc=None, seconds=None) -> None:
+        """A finished epoch (1-based): a plain line when not on a terminal."""
+        if self.quiet or not self.plain:
+            return
+        parts = [f"{name}: epoch {epoch}/{epochs}"]
+        if train_loss is not None and math.isfinite(train_loss):
+            parts.append(f"train loss {train_loss:.4f}")
+        if test_acc is not None and math.isfinite(test_acc):
+            parts.append(f"test acc {100 * test_acc:.2f}%")
+        if seconds is not None:
+            parts.append(f"{seconds:.1f} s")
+        self._line(", ".join(parts))
 
     def run_done(self, name: str | None = None) -> None:
         name = self.last if name is None else name
+        self.done += 1
         if self.quiet:
+            return
+        if self.plain:
+            self._line(f"all runs: {self.done}/{self.total} done" + (f" ({name})" if name else ""))
             return
         if name in self.bars:
             self.p.remove_task(self.bars.pop(name))
@@ -346,6 +377,18 @@ def failure_message(err: BaseException) -> str:
     return " ".join(msg.split())[:500]
 
 
+@torch.no_grad()
+def _grad_norm(model: nn.Module, scale: float) -> float:
+    """The 2-norm of every parameter gradient, unscaled (the loss was multiplied by ``scale``),
+    in fp32, as backward produced them (before the step rounds them to the parameter format);
+    Inf or NaN on a step whose gradients overflowed."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+             for p in model.parameters() if p.grad is not None]
+    if not norms:
+        return float("nan")
+    return torch.linalg.vector_norm(torch.stack(norms)).item() / scale
+
+
 def _record_epoch(db: ResultsDB, run_id: str, record: dict) -> None:
     rest = {k: v for k, v in record.items() if k != "epoch"}
     db.record_epoch(run_id, record["epoch"], **rest)
@@ -388,7 +431,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
     ckpt_path = checkpoint_path(out, run_id)
     existing = db.run(run_id)
     if existing and existing["status"] in ("finished", "diverged"):
-        progress.run_done()
+        progress.run_done(f"{policy} seed {seed}")
         return existing["status"]
 
     model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
@@ -432,8 +475,8 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, epoch)
-        t0 = time.perf_counter()
-        losses, trace_start = [], len(prec.trace)
+        meter = EpochMeter().start()
+        losses, trace_start, steps = [], len(prec.trace), []
         skipped0, nonfinite0 = prec.skipped, prec.nonfinite
         consecutive_bad = 0
         model.train()
@@ -444,17 +487,21 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
             with prec.autocast():
                 loss = nn.functional.cross_entropy(model(xb).float(), yb)
             prec.backward(loss)
+            grad_norm = _grad_norm(model, prec.loss_scale.scale)
+            steps.append({"step": prec.steps, "loss": loss.item(),
+                          "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm})
             prec.step(opt)
-            lv = loss.item()
+            lv = steps[-1]["loss"]
             losses.append(lv)
             consecutive_bad = consecutive_bad + 1 if not math.isfinite(lv) else 0
+            meter.sample()
             progress.step()
             params_bad = (prec.steps % 20 == 0 or i + cfg.batch_size >= n) and not all(
                 torch.isfinite(p).all() for p in model.parameters())
             if params_bad or consecutive_bad >= 200:
                 status, diverged_step = "diverged", prec.steps - 1
                 break
-        seconds = time.perf_counter() - t0
+        timing = meter.stop()  # the training steps' time; evaluation is not counted
         finite = [v for v in losses if math.isfinite(v)]
         train_loss = sum(finite) / len(finite) if len(finite) == len(losses) else float("nan")
         if status == "diverged":
@@ -462,10 +509,12 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Re
         else:
             test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
         record = dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
-                      test_acc=test_acc, seconds=seconds, skipped=prec.skipped - skipped0,
+                      test_acc=test_acc, skipped=prec.skipped - skipped0,
                       nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
-                      trace=prec.trace[trace_start:])
+                      trace=prec.trace[trace_start:], steps=steps, **timing)
         _record_epoch(db, run_id, record)
+        progress.epoch_done(f"{policy} seed {seed}", epoch + 1, cfg.epochs, train_loss=train_loss,
+                            test_acc=test_acc, seconds=timing["seconds"])
         if status == "diverged":
             break
         records.append(record)
@@ -494,7 +543,15 @@ def _disk_error(err: BaseException, db_path: Path) -> RunIOError:
     return io_error(db_path, "results", err)
 
 
-def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False) -> Path:
+def record_config_file(out: Path, text: str | None) -> None:
+    """The ``--config`` file a comparison was started with, as given: ``OUT/run.toml`` (its
+    effective configuration is in results.db)."""
+    if text is not None:
+        atomic_write_bytes(out / CONFIG_FILE, text.encode(), "the configuration file")
+
+
+def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False,
+                config_text: str | None = None) -> Path:
     """Train every policy x seed of ``cfg``, store the results, write the report.
     Returns the run folder.
 
@@ -505,7 +562,9 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
 
     The folder is locked for the whole call (:class:`FolderLock`). With ``cfg.resume`` the
     stored configuration must match ``cfg`` (RunError listing the differences) unless
-    ``force_config``, which is recorded in the database. Raises RunError for a user's mistake,
+    ``force_config``, which is recorded in the database. ``config_text``: the text of the
+    ``--config`` file the command was given, kept as ``OUT/run.toml``. Raises RunError for a
+    user's mistake,
     RunIOError when the disk fails, and KeyboardInterrupt as is (the folder stays resumable).
     """
     cfg.validate()
@@ -514,12 +573,13 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     if len(split_models(cfg.model)) > 1:  # one comparison per architecture
         from .multi import run_models
 
-        return run_models(cfg, executor, force_config=force_config)
+        return run_models(cfg, executor, force_config=force_config, config_text=config_text)
     tune_cpu_allocator()
     out = Path(cfg.out)
     _prepare_out(out)
     with FolderLock(out, "lowprec compare"):
         remove_stale_temps(out)
+        record_config_file(out, config_text)
         db_path = out / "results.db"
         if db_path.exists() and not cfg.resume and not is_blank(db_path):
             raise RunError(f"{db_path} already exists: continue it with --resume, or choose "

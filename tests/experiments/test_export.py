@@ -1,0 +1,134 @@
+"""`lowprec export`: every format round-trips the database's numbers, read back with the
+readers of each tool (pandas, TensorBoard's EventAccumulator, MLflow's client)."""
+
+import json
+import math
+import sqlite3
+
+import numpy as np
+import pytest
+
+from lowprec.cli import main
+from lowprec.experiments import CompareConfig, run_compare
+from lowprec.experiments.export import EXPORT_TABLES
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp") / "run"
+    # 16-mixed: a dynamic loss scale, so the scale trace holds more than ones
+    run_compare(CompareConfig(data="digits", model="mlp", policies=("32-true", "16-mixed"),
+                              seeds=(0,), epochs=2, batch_size=64, train_subset=256,
+                              out=str(out), quiet=True))
+    return out
+
+
+def tables(run):
+    c = sqlite3.connect(run / "results.db")
+    out = {}
+    for t, order in EXPORT_TABLES.items():
+        cur = c.execute(f"SELECT * FROM {t} ORDER BY {', '.join(order)}")
+        out[t] = ([d[0] for d in cur.description], cur.fetchall())
+    c.close()
+    return out
+
+
+def same(a, b):
+    if a is None or (isinstance(a, float) and math.isnan(a)):
+        return b is None or (isinstance(b, float) and math.isnan(b))
+    if isinstance(b, (np.integer, np.floating)):
+        b = b.item()
+    return a == b
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_tables_round_trip_through_pandas(run, tmp_path, fmt, capsys):
+    import pandas as pd
+
+    out = tmp_path / fmt
+    assert main(["export", str(run), "--to", fmt, "--out", str(out), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert said["runs"] == 2 and said["format"] == fmt and len(said["files"]) == 7
+    for table, (cols, rows) in tables(run).items():
+        path = out / f"{table}.{fmt}"
+        df = pd.read_csv(path, keep_default_na=False, na_values=[""]) if fmt == "csv" else \
+            pd.read_parquet(path)
+        assert list(df.columns) == cols, table
+        assert len(df) == len(rows) and rows, table
+        for row, got in zip(rows, df.itertuples(index=False)):
+            for name, a, b in zip(cols, row, got):
+                if fmt == "csv" and isinstance(a, str) and not isinstance(b, str):
+                    b = str(b)  # a text column pandas read as numbers ('1' in meta)
+                assert same(a, b), (table, name, a, b)
+
+
+def test_tensorboard_events_hold_the_steps_and_epochs(run, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    assert main(["export", str(run), "--to", "tensorboard", "--out", str(out)]) == 0
+    c = sqlite3.connect(run / "results.db")
+    for run_id, folder in (("32-true|seed=0", "32-true_seed_0"),
+                           ("16-mixed|seed=0", "16-mixed_seed_0")):
+        ea = EventAccumulator(str(out / folder), size_guidance={"scalars": 0})
+        ea.Reload()
+        for tag, sql in (("step/loss", "SELECT step, loss FROM steps"),
+                         ("step/grad_norm", "SELECT step, grad_norm FROM steps"),
+                         ("step/lr", "SELECT step, lr FROM steps"),
+                         ("step/loss_scale", "SELECT step, scale FROM scale_trace"),
+                         ("epoch/test_acc", "SELECT epoch, test_acc FROM epochs"),
+                         ("epoch/cpu_seconds", "SELECT epoch, cpu_seconds FROM epochs")):
+            want = c.execute(f"{sql} WHERE run_id = ? ORDER BY 1", (run_id,)).fetchall()
+            got = [(e.step, e.value) for e in ea.Scalars(tag)]
+            # TensorBoard stores float32
+            assert got == [(s, float(np.float32(v))) for s, v in want], tag
+        total = c.execute("SELECT total FROM memory WHERE run_id = ?", (run_id,)).fetchone()[0]
+        assert ea.Scalars("memory/total")[0].value == float(np.float32(total))
+        assert "certificate/fp16/certified" in ea.Tags()["scalars"]
+    c.close()
+
+
+def test_mlflow_file_store_holds_runs_params_and_metrics(run, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "mlruns"
+    assert main(["export", str(run), "--to", "mlflow", "--out", str(out)]) == 0
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's opt-in to read it
+    client = MlflowClient(tracking_uri=out.resolve().as_uri())
+    (exp,) = [e for e in client.search_experiments() if e.name.startswith("lowprec:")]
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"32-true|seed=0", "16-mixed|seed=0"}
+    c = sqlite3.connect(run / "results.db")
+    for run_id, r in runs.items():
+        assert r.data.tags["policy"] == run_id.split("|")[0] and r.info.status == "FINISHED"
+        assert r.data.params["epochs"] == "2" and r.data.params["seed"] == "0"
+        for key, sql in (("step_loss", "SELECT step, loss FROM steps"),
+                         ("step_grad_norm", "SELECT step, grad_norm FROM steps"),
+                         ("epoch_test_acc", "SELECT epoch, test_acc FROM epochs"),
+                         ("step_loss_scale", "SELECT step, scale FROM scale_trace")):
+            want = c.execute(f"{sql} WHERE run_id = ? ORDER BY 1", (run_id,)).fetchall()
+            got = sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id,
+                                                                               key))
+            assert got == want, key  # float64, exactly
+        path = client.download_artifacts(r.info.run_id, "analysis.json", str(tmp_path / "a"))
+        payload = json.loads(open(path).read())
+        assert payload["certificate:fp16"]["summary"]["violations"] == 0
+    c.close()
+
+
+def test_an_export_never_writes_over_a_folder(run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "mine.txt").write_text("x")
+    assert main(["export", str(run), "--to", "csv", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not an empty folder" in err and err.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_the_default_export_folder_stays_part_of_the_run_folder(run, capsys):
+    assert main(["export", str(run), "--to", "csv"]) == 0
+    assert (run / "export" / "csv" / "epochs.csv").is_file()
+    from lowprec.experiments.runfolder import foreign_entry
+
+    assert foreign_entry(run) is None  # --resume still accepts the folder
