@@ -88,6 +88,8 @@ def _can_be_native(policy: Policy) -> bool:
         roles.append(policy.master)
     if policy.is_fp32:
         return True
+    if policy.scaled is not None:  # scaled GEMMs are emulated (training/emulation/scaled.py)
+        return False
     return all(f in _NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
 
 
