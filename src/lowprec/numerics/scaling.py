@@ -365,54 +365,73 @@ def _mx_exponent(amax: torch.Tensor, cast: ScaledCast) -> torch.Tensor:
 
 
 def scaled_cast(x: torch.Tensor, cast: ScaledCast | str, axis: int = -1, *,
-                history: AmaxHistory | None = None, key: str = "") -> torch.Tensor:
+                history: AmaxHistory | None = None, key: str = "",
+                stats: dict | None = None) -> torch.Tensor:
     """``x`` (float32) cast as ``cast`` says and brought back to its scale: the values a GEMM
     computes with in an emulated scaled recipe. ``axis`` is the GEMM's reduction axis (-1 or
     -2: per-row scales, tiles and blocks run along it). Delayed scaling reads and extends
-    ``history[key]``. The result has ``x``'s shape and layout; no autograd history.
+    ``history[key]``. The result has ``x``'s shape and layout; no autograd history. A dict
+    given as ``stats`` receives the counts of :func:`cast_stats`.
     """
     cast = parse_cast(cast)
     if cast.kind is ScaleKind.HP:
         return x
     if x.dtype != torch.float32:
         raise TypeError(f"scaled_cast takes a float32 tensor, got {x.dtype}")
-    if axis not in (-1, -2) and not (x.dim() >= 1 and axis in (x.dim() - 1, x.dim() - 2)):
-        raise ValueError(f"axis={axis}: the reduction axis of a GEMM operand is -1 or -2")
-    if x.dim() < 2 and axis in (-2, x.dim() - 2):
-        raise ValueError("axis -2 needs an operand of at least 2 dimensions")
-    el = cast.element
+    ax = axis - x.dim() if axis >= 0 else axis
+    if ax not in (-1, -2) or ax < -max(x.dim(), 1):
+        raise ValueError(f"axis={axis}: the reduction axis of a GEMM operand is its last or "
+                         f"second-to-last ({x.dim()}-d operand)")
+    axis = ax
     with torch.no_grad():
         if x.numel() == 0:
             return x.clone()
-        if cast.kind is ScaleKind.NONE:
-            return _like(x, el)
-        if cast.kind is ScaleKind.MX:
-            return _mx_cast(x, cast, axis)
-        if cast.kind is ScaleKind.NVFP4:
-            return _nvfp4_cast(x, cast, axis)
-        amax = _amax(x, cast, axis)
-        used = amax
-        if cast.kind is ScaleKind.DELAYED:
-            if history is None:
-                raise ValueError("delayed scaling needs an AmaxHistory (Precision keeps one)")
-            used = history.scale_amax(key, amax)
-            history.push(key, amax, cast.history)
-        scale = _amax_scale(used, el.max, cast.rounding is ScaleRounding.POW2)
-        # torchao: bits = saturate(x * scale) rounded to nearest-even; the GEMM reads bits / scale
-        return _like(x * scale, el) / scale
+        ys, back = _scaled(x, cast, axis, history, key)
+        q = _like(ys, cast.element)
+        y = back(q)
+        if y.stride() != x.stride():  # per-element scales may have given another layout
+            y = torch.empty_like(x).copy_(y)
+        if stats is not None:
+            stats.update(cast_stats(x, ys, q, y, cast.element))
+        return y
 
 
-def _mx_cast(x: torch.Tensor, cast: ScaledCast, axis: int) -> torch.Tensor:
+def _scaled(x: torch.Tensor, cast: ScaledCast, axis: int, history, key: str):
+    """(x on the element's scale, the function bringing a rounded element back)."""
+    el = cast.element
+    if cast.kind is ScaleKind.NONE:
+        return x, lambda q: q
+    if cast.kind is ScaleKind.MX:
+        return _mx_scaled(x, cast, axis)
+    if cast.kind is ScaleKind.NVFP4:
+        return _nvfp4_scaled(x, cast, axis)
+    amax = _amax(x, cast, axis)
+    used = amax
+    if cast.kind is ScaleKind.DELAYED:
+        if history is None:
+            raise ValueError("delayed scaling needs an AmaxHistory (Precision keeps one)")
+        used = history.scale_amax(key, amax)
+        history.push(key, amax, cast.history)
+    scale = _amax_scale(used, el.max, cast.rounding is ScaleRounding.POW2)
+    # torchao: bits = saturate(x * scale) rounded to nearest-even; the GEMM reads bits / scale
+    return x * scale, lambda q: q / scale
+
+
+def _mx_scaled(x: torch.Tensor, cast: ScaledCast, axis: int):
     amax = _amax(x, cast, axis)
     s = _mx_exponent(amax, cast)
     bad = ~torch.isfinite(amax)  # a block holding Inf or NaN: the E8M0 NaN scale
     # elements rounded from x * 2**-s, exact in float32 (a product below 2**-126 lies far
     # below the element's smallest subnormal and rounds to zero either way)
-    q = _like(x * _pow2(-s), cast.element) * _pow2(s)
-    return torch.where(bad, torch.full_like(q, float("nan")), q)
+
+    def back(q):
+        y = q * _pow2(s)
+        return torch.where(bad, torch.full_like(y, float("nan")), y)
+
+    return x * _pow2(-s), back
 
 
-def _nvfp4_cast(x: torch.Tensor, cast: ScaledCast, axis: int) -> torch.Tensor:
+def _nvfp4_scaled(x: torch.Tensor, cast: ScaledCast, axis: int):
     """Two-level NVFP4 as torchao's ``nvfp4_quantize`` with a per-tensor scale computes it:
     tensor scale ts = amax / (448 * 6); block scale amax_b / 6 / ts rounded to e4m3 after a
     clamp to [2**-6, 448]; x * ((1 / ts) / block) rounded to e2m1 (saturating); the GEMM reads
@@ -423,25 +442,30 @@ def _nvfp4_cast(x: torch.Tensor, cast: ScaledCast, axis: int) -> torch.Tensor:
     if float(amax_t) == 0.0:
         # torchao divides 0 by 0 here and returns NaN for an all-zero tensor (a dead layer's
         # gradient); the values are all zero
-        return x * 0.0
+        return x * 0.0, lambda q: q
     amax_b = _amax(x, cast, axis)
     block = (amax_b / el.max) / ts
     block8 = quantize(torch.clamp(block, min=E4M3_BLOCK_SCALE.min_normal,
                                   max=E4M3_BLOCK_SCALE.max), E4M3_BLOCK_SCALE)
     recip = (1.0 / ts) / block8
-    q = _like(torch.clamp(x * recip, -el.max, el.max), el)
-    return q * (ts * block8)
+    # torchao clamps to +-6 before its e2m1 cast; the saturating element does the same
+    return x * recip, lambda q: q * (ts * block8)
 
 
-def cast_stats(x: torch.Tensor, y: torch.Tensor) -> dict:
-    """What a scaled cast did to an operand: its amax, the fraction of nonzero values flushed
-    to zero and the largest relative error of the others (float64)."""
-    xd, yd = x.detach().double(), y.detach().double()
-    nz = xd != 0
-    flushed = (nz & (yd == 0)).sum().item()
-    keep = nz & (yd != 0) & torch.isfinite(yd)
-    rel = ((yd - xd).abs() / xd.abs())[keep]
-    return {"amax": float(xd.abs().max()) if xd.numel() else 0.0,
-            "flushed": flushed / max(int(nz.sum().item()), 1),
-            "max_rel_error": float(rel.max()) if rel.numel() else 0.0,
-            "nonfinite": int((~torch.isfinite(yd)).sum().item())}
+def cast_stats(x: torch.Tensor, scaled: torch.Tensor, q: torch.Tensor, y: torch.Tensor,
+               element: FloatFormat) -> dict:
+    """What a cast did: ``n`` values, of the nonzero finite ones the fraction ``flushed`` to
+    zero, ``subnormal`` (an element below its smallest normal) and ``saturated`` (beyond the
+    element's max after scaling), the ``amax`` and smallest nonzero |x|, non-finite outputs."""
+    a = x.detach().abs()
+    live = (a > 0) & torch.isfinite(a)
+    n = int(live.sum())
+    qa = q.abs()
+    frac = (lambda m: int((m & live).sum()) / n) if n else (lambda m: 0.0)
+    return {"n": int(x.numel()), "nonzero": n,
+            "flushed": frac(qa == 0),
+            "subnormal": frac((qa > 0) & (qa < element.min_normal)),
+            "saturated": frac(scaled.abs() > element.max),
+            "amax": float(a[live].max()) if n else 0.0,
+            "amin": float(a[live].min()) if n else 0.0,
+            "nonfinite": int((~torch.isfinite(y)).sum())}

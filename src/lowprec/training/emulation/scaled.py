@@ -26,13 +26,14 @@ model (:func:`bind_history`), so it travels in ``Precision.state_dict()``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 from ...numerics.scaling import AmaxHistory, scaled_cast
 
-__all__ = ["run_scaled", "bind_history", "history_of", "scaled_matmul"]
+__all__ = ["run_scaled", "bind_history", "history_of", "scaled_matmul", "record_casts"]
 
 # model -> the amax history of its delayed casts (Precision's regime binds it); an engine
 # without a bound model keeps one of its own
@@ -81,11 +82,32 @@ class _ScaledMatmul(torch.autograd.Function):
         return ga, gb, None
 
 
+_RECORDERS: list[list] = []
+
+
+@contextlib.contextmanager
+def record_casts():
+    """Collect one row per operand cast run in this block (the analyses' view of a recipe):
+    ``layer`` (module and op), ``role``, ``cast`` and the counts of
+    :func:`lowprec.numerics.scaling.cast_stats`."""
+    rows: list[dict] = []
+    _RECORDERS.append(rows)
+    try:
+        yield rows
+    finally:
+        _RECORDERS.remove(rows)
+
+
 def _caster(recipe, history: AmaxHistory, key: str):
     def cast(role: str, t: torch.Tensor, axis: int) -> torch.Tensor:
         t = t if t.dtype == torch.float32 else t.float()
-        return scaled_cast(t, getattr(recipe, role), axis, history=history,
-                           key=f"{key}.{role}")
+        c = getattr(recipe, role)
+        stats = {} if _RECORDERS and not c.is_hp else None
+        y = scaled_cast(t, c, axis, history=history, key=f"{key}.{role}", stats=stats)
+        if stats is not None:
+            for rows in _RECORDERS:
+                rows.append({"layer": key, "role": role, "cast": str(c), **stats})
+        return y
     return cast
 
 
