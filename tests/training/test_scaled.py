@@ -297,7 +297,8 @@ def test_compare_runs_recipes(tmp_path):
 
     out = tmp_path / "r"
     assert main(["compare", "--data", "digits", "--model", "mlp", "--policies",
-                 "fp8-tensorwise,p=fp32,sc=mxfp4", "--seeds", "1", "--epochs", "1", "--train-subset", "600",
+                 "fp8-tensorwise,p=fp32,sc=mxfp4", "--seeds", "1", "--epochs", "1",
+                 "--train-subset", "600",
                  "--out", str(out), "--quiet"]) == 0
     db = ResultsDB(out / "results.db", create=False)
     runs = db.runs()

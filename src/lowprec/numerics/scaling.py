@@ -155,8 +155,9 @@ class ScaledCast:
                                  "amaxes")
         elif self.history is not None:
             raise ValueError(f"a {kind} scale keeps no history")
-        if kind is ScaleKind.NVFP4 and el.bits > 8:
-            raise ValueError("nvfp4 scales an element of at most 8 bits (e2m1fn)")
+        if kind in (ScaleKind.MX, ScaleKind.NVFP4) and el.bits > 8:
+            raise ValueError(f"{kind} scales an element of at most 8 bits (e4m3fn, e5m2, e3m2fn, "
+                             f"e2m3fn, e2m1fn), got {el}")
 
     @property
     def is_hp(self) -> bool:

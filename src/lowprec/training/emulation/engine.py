@@ -43,6 +43,7 @@ from ...numerics.quantize import quantize, quantize_
 from ...numerics import summation
 from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy
+from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
@@ -75,7 +76,7 @@ class Rule:
     rounding: Rounding = Rounding.NEAREST_EVEN
     grad_rounding: Rounding = Rounding.NEAREST_EVEN
     scope: str = "all"
-    scaled: object = None  # a GemmScaling: the GEMMs it covers run as scaled GEMMs (.scaled)
+    scaled: GemmScaling | None = None  # the GEMMs it covers run as scaled GEMMs (.scaled)
 
     @classmethod
     def of(cls, policy: Policy) -> "Rule":
