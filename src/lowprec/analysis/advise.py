@@ -22,7 +22,7 @@ from torch import nn
 from ..numerics.formats import Format
 from ..training.policy import Backend, Policy
 from ..training.tree import batch_size_of, slice_batch
-from .common import static_format
+from .common import scaled_policy, static_format
 from .scaling import find_loss_scale
 from .certify import Certificate, certify
 from .layers import LayerError, layer_errors
@@ -131,8 +131,11 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
            optimizer: str = "sgd", output_fn=None) -> Advice:
     """``data``: a :class:`lowprec.experiments.data.Dataset`. The model is analysed as given (train it first,
     or let ``lowprec advise --epochs N`` do it). Its inputs may be a tensor or a dict of keyword
-    inputs; ``output_fn`` picks the output tensor (default: ``logits``, else the first tensor)."""
-    fmt = static_format(fmt, "advise")
+    inputs; ``output_fn`` picks the output tensor (default: ``logits``, else the first tensor).
+    ``fmt`` may be a policy with scaled GEMMs (``"fp8-tensorwise"``): each analysis then
+    studies the recipe (see :func:`lowprec.analysis.common.scaled_policy`)."""
+    pol = scaled_policy(fmt)
+    fmt = pol if pol is not None else static_format(fmt, "advise")
     loss_fn = loss_fn or nn.functional.cross_entropy
     n = min(batch_size_of(data.x_train), batches * batch_size)
     xb, yb = slice_batch(data.x_train, 0, n), data.y_train[:n]
@@ -147,6 +150,7 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
                         output_fn=output_fn)
     errs = layer_errors(model, first, fmt)
     nf = first_nonfinite(model, (first, yb[:batch_size]), loss_fn,
+                         pol if pol is not None else
                          Policy(params=fmt, compute=fmt, grads=fmt, optimizer_state=fmt,
                                 backend=Backend.EMULATED), output_fn=output_fn)
 
@@ -156,8 +160,9 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
                              forward_nonfinite=nf.forward, backward_nonfinite=nf.backward)
     if errs:
         last = errs[-1]
-        reasons.append(f"relative error of the output layer {last.name}: {last.rel_error:.2e} "
-                       f"(format eps {fmt.eps:.1e})")
+        eps = "" if pol is not None else f" (format eps {fmt.eps:.1e})"
+        reasons.append(f"relative error of the output layer {last.name}: {last.rel_error:.2e}"
+                       + eps)
     act_over = ranges.fraction("activations", "overflow")
     if act_over > 0:
         reasons.append(f"{100 * act_over:.3f}% of activation values exceed the format's range")

@@ -23,7 +23,8 @@ import torch
 from ..numerics.formats import Format, parse_format
 from ..numerics.quantize import quantize
 from ..training.tree import cast_floating
-from .common import as_batches, fp32_twin, low_precision_copy, run_model, static_format
+from .common import (as_batches, fp32_twin, low_precision_copy, run_model, scaled_policy,
+                     static_format)
 
 __all__ = ["certify", "Certificate", "certificate_from_outputs"]
 
@@ -125,9 +126,13 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
     """
     if outputs not in ("logits", "probs"):
         raise ValueError(f"outputs={outputs!r}; accepted: logits, probs")
-    fmt = parse_format(fmt) if outputs == "logits" else static_format(
-        fmt, "certify(outputs='probs'), which rounds the softmax onto the format,",
-        "certify its logits (outputs='logits')")
+    pol = scaled_policy(fmt)  # a scaled-GEMM recipe: its copy computes the softmax in fp32
+    if pol is not None:
+        fmt = pol
+    else:
+        fmt = parse_format(fmt) if outputs == "logits" else static_format(
+            fmt, "certify(outputs='probs'), which rounds the softmax onto the format,",
+            "certify its logits (outputs='logits')")
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()
@@ -144,7 +149,9 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
                 y = None
         if outputs == "probs":
             o32 = torch.softmax(o32, dim=1)
-            o16 = quantize(torch.softmax(o16, dim=1), fmt)  # the 16-bit model's softmax
+            o16 = torch.softmax(o16, dim=1)
+            if pol is None:
+                o16 = quantize(o16, fmt)  # the 16-bit model's softmax
         o32s.append(o32)
         o16s.append(o16)
         if y is not None:

@@ -11,12 +11,12 @@ from torch import nn
 
 from ..numerics.formats import DynamicFixedFormat, Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec
-from ..training.policy import Backend, Policy
+from ..training.policy import Backend, Policy, parse_policy
 from ..training.precision import Precision
 from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
 
 __all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model",
-           "parameter_groups"]
+           "parameter_groups", "scaled_policy"]
 
 
 def static_format(fmt: str | Format, what: str, hint: str = "") -> Format:
@@ -32,6 +32,28 @@ def static_format(fmt: str | Format, what: str, hint: str = "") -> Format:
                              f"analyse a static format of the same width (fixed<{fmt.bits},F>), "
                              f"or certify {fmt} (certify accepts it)")))
     return fmt
+
+
+def scaled_policy(spec) -> Policy | None:
+    """The policy ``spec`` names when it is one with scaled GEMMs (a recipe such as
+    ``"fp8-tensorwise"``, ``"p=fp32,sc=mxfp4"``, or such a Policy), else None (``spec`` is then
+    a format, read by the analysis as before). Analyses given such a policy study the recipe:
+    a copy set up under it (certificate, layer errors, first non-finite), the cast GEMM
+    operands (ranges, loss scale), the parameter format (lost updates)."""
+    if isinstance(spec, Policy):
+        return spec if spec.scaled is not None else None
+    if not isinstance(spec, str):
+        return None
+    try:
+        parse_format(spec)
+        return None  # a format (``mxfp4`` is the OCP format, as ever)
+    except (ValueError, TypeError):
+        pass
+    try:
+        pol = parse_policy(spec)
+    except (ValueError, TypeError):
+        return None
+    return pol if pol.scaled is not None else None
 
 
 def run_model(model: nn.Module, inputs, output_fn=None) -> torch.Tensor:
@@ -73,12 +95,19 @@ def fp32_twin(model: nn.Module) -> nn.Module:
     return _strip_hooks(copy.deepcopy(model)).float()
 
 
-def low_precision_copy(model: nn.Module, fmt: str | Format,
+def low_precision_copy(model: nn.Module, fmt: str | Format | Policy,
                        backend: str | Backend = Backend.EMULATED,
                        rounding: str | Rounding | RoundingSpec = "nearest"
                        ) -> tuple[nn.Module, Precision]:
     """The same weights rounded to ``fmt`` and run in it: every layer's output and weight on the
-    format's grid (pure ``fmt``), as a 16-bit network computes."""
+    format's grid (pure ``fmt``), as a 16-bit network computes. A policy with scaled GEMMs
+    (:func:`scaled_policy`) gives a copy set up under that policy."""
+    pol = scaled_policy(fmt)
+    if pol is not None:
+        twin = fp32_twin(model)
+        prec = Precision(pol)
+        twin, _ = prec.setup(twin)
+        return twin, prec
     fmt = parse_format(fmt)
     twin = fp32_twin(model)
     # the rounding applies to the forward values; gradients (unused here) round to nearest

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..numerics.formats import Format, parse_format
 from ..training.tree import cast_floating
-from .common import fp32_twin, low_precision_copy, run_model
+from .common import fp32_twin, low_precision_copy, run_model, scaled_policy
 
 __all__ = ["layer_errors", "LayerError"]
 
@@ -51,7 +51,7 @@ def _leaf_outputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
 def layer_errors(model: nn.Module, x, fmt: str | Format = "fp16", *,
                  backend: str = "emulated") -> list[LayerError]:
     """``x``: a tensor or a dict of keyword inputs (integer tensors are passed as they are)."""
-    fmt = parse_format(fmt)
+    fmt = scaled_policy(fmt) or parse_format(fmt)  # a format, or a scaled-GEMM recipe
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .common import fresh_grads, parameter_groups, run_model, static_format
+from .common import fresh_grads, parameter_groups, run_model, scaled_policy, static_format
 from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify"]
@@ -78,6 +78,8 @@ class RangeProfile:
         """The power-of-two loss scale this profile recommends (find_loss_scale's rule)."""
         from .scaling import power_of_two_scale
 
+        if scaled_policy(self.format) is not None:
+            return 1.0  # a scaled-GEMM recipe scales each gradient operand itself
         gmax = max((r.max_abs for r in self.stats if r.role.endswith("grads") and r.n), default=0)
         return power_of_two_scale(gmax, parse_format(self.format), headroom, max_scale)
 
@@ -95,7 +97,16 @@ def _stats(layer: str, role: str, t: torch.Tensor, fmt: Format) -> RoleStats:
 def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", *,
                   optimizer=None, loss_scale: float = 1.0, output_fn=None) -> RangeProfile:
     """Profile one float32 forward and backward pass of ``model`` on ``batch`` (inputs,
-    targets); gradients are taken at ``loss_scale`` (1: what unscaled training stores)."""
+    targets); gradients are taken at ``loss_scale`` (1: what unscaled training stores).
+
+    Given a policy with scaled GEMMs (``"fp8-tensorwise"``), the profile is of the GEMM
+    operands after their casts, one row per layer and role (``gemm:input``, ``gemm:weight``,
+    ``gemm:grad_output``...; :mod:`lowprec.analysis.scaled`): overflow is the fraction saturated
+    at the element's max, flush the fraction cast to zero, subnormal the fraction among the
+    element's subnormals; no histogram."""
+    pol = scaled_policy(fmt)
+    if pol is not None:
+        return _scaled_profile(model, batch, loss_fn, pol, loss_scale, output_fn)
     fmt = static_format(fmt, "the range profile")
     inputs, targets = batch
     acts: dict[str, list[torch.Tensor]] = {}
@@ -139,3 +150,15 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
         for h in handles:
             h.remove()
     return RangeProfile(str(fmt), stats)
+
+
+def _scaled_profile(model, batch, loss_fn, policy, loss_scale: float, output_fn) -> RangeProfile:
+    from .scaled import scaled_operands
+
+    def scaled_loss(out, targets):
+        return loss_fn(out, targets).float() * loss_scale
+
+    rows = scaled_operands(model, batch, scaled_loss, policy, output_fn)
+    stats = [RoleStats(r["layer"], f"gemm:{r['role']}", r["nonzero"], r["saturated"],
+                       r["flushed"], r["subnormal"], r["amax"], r["amin"]) for r in rows]
+    return RangeProfile(str(policy), stats)

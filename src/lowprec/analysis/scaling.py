@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics.formats import Format, parse_format
-from .common import fresh_grads, run_model, static_format
+from .common import fresh_grads, run_model, scaled_policy, static_format
 
 __all__ = ["LossScaleChoice", "find_loss_scale", "gradient_magnitudes", "power_of_two_scale"]
 
@@ -88,6 +88,9 @@ def find_loss_scale(model: torch.nn.Module, batch, loss_fn, fmt: str | Format = 
     A gradient value g underflows when |g| * S rounds to zero in ``fmt`` (below half of its
     smallest subnormal); it overflows when |g| * S exceeds ``fmt.max``.
     """
+    pol = scaled_policy(fmt)
+    if pol is not None:
+        return _recipe_loss_scale(model, batch, loss_fn, pol, headroom, output_fn)
     fmt = static_format(fmt, "the loss-scale search")
     mags = gradient_magnitudes(model, batch, loss_fn, output_fn).double()
     nz = mags[mags > 0]
@@ -106,3 +109,19 @@ def find_loss_scale(model: torch.nn.Module, batch, loss_fn, fmt: str | Format = 
         scale=scale, format=str(fmt), n_values=int(mags.numel()), max_abs=gmax,
         min_abs_nonzero=gmin, underflow_at_1=under(1.0), underflow_at_scale=under(scale),
         overflow_at_scale=(nz * scale > fmt.max).double().mean().item(), headroom=headroom)
+
+
+def _recipe_loss_scale(model, batch, loss_fn, policy, headroom: float, output_fn
+                       ) -> LossScaleChoice:
+    """Under a scaled-GEMM recipe every gradient operand is scaled by its cast, so the loss
+    scale stays 1; what flushes or saturates is measured on the cast gradient operands."""
+    from .scaled import gradient_rows, largest, scaled_operands, smallest, weighted
+
+    rows = gradient_rows(scaled_operands(model, batch, loss_fn, policy, output_fn))
+    cast = policy.scaled.grad_output
+    fmt = "fp32" if cast.is_hp else str(cast.element)
+    flushed = weighted(rows, "flushed")
+    return LossScaleChoice(
+        scale=1.0, format=fmt, n_values=sum(r["nonzero"] for r in rows), max_abs=largest(rows),
+        min_abs_nonzero=smallest(rows), underflow_at_1=flushed, underflow_at_scale=flushed,
+        overflow_at_scale=weighted(rows, "saturated"), headroom=headroom)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .common import fresh_grads, parameter_groups, run_model, static_format
+from .common import fresh_grads, parameter_groups, run_model, scaled_policy, static_format
 from ..numerics.formats import Format
 from ..numerics.quantize import quantize
 from ..numerics.rounding import check_generator
@@ -58,7 +58,8 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
     """Per layer, for the update of one optimizer step on ``batch`` computed in float32:
     ``sgd``: Δw = -lr g; ``adam``: its first step, Δw = -lr g / (|g| + eps)."""
     check_generator(generator)
-    fmt = static_format(fmt, "the lost-update analysis")
+    pol = scaled_policy(fmt)  # a scaled-GEMM recipe: updates land in its parameter format
+    fmt = static_format(pol.params if pol is not None else fmt, "the lost-update analysis")
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer={optimizer!r}; accepted: sgd, adam")
     inputs, targets = batch

@@ -14,7 +14,9 @@ Compact specs, one ``key=value`` per role, a format optionally followed by ``:ro
 Keys: ``p`` params (``:nearest|stochastic|kahan`` is the write-back), ``c`` compute (``:mode``
 rounds activations), ``g`` activation gradients (``:mode``), ``o`` optimizer state, ``m`` master
 weights (``none``), ``ls`` loss scale (below), ``b`` backend (``auto``, ``native``, ``emulated``), ``s`` scope of the compute
-format (``all`` layers, or ``matmul`` layers only as torch.autocast does).
+format (``all`` layers, or ``matmul`` layers only as torch.autocast does), ``sc`` scaled GEMMs: a
+recipe casting each operand of the forward and both backward GEMMs with its own scaling
+(``fp8-rowwise``, ``mxfp8``...; see :mod:`lowprec.training.scaling`), emulated.
 
 Loss scale ``ls=``: ``none``; ``static:S`` with S > 0 finite; ``dynamic``; or ``dynamic:`` with
 options separated by ``;`` (or by ``,``: an option key after ``ls=`` continues it), each checked
@@ -35,6 +37,7 @@ from enum import Enum
 from ..numerics.formats import FP32, FloatFormat, Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec, parse_rounding
 from .loss_scale import DYNAMIC_OPTIONS, loss_scale_spec, parse_loss_scale
+from .scaling import RECIPES, GemmScaling, parse_scaling
 
 __all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top",
            "WriteBack", "Backend", "Scope"]
@@ -129,6 +132,7 @@ class Policy:
     loss_scale: str = "none"
     backend: Backend = Backend.AUTO
     scope: Scope = Scope.ALL
+    scaled: GemmScaling | None = None
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,11 +147,13 @@ class Policy:
         object.__setattr__(self, "backend", Backend.parse(self.backend))
         object.__setattr__(self, "scope", Scope.parse(self.scope))
         object.__setattr__(self, "loss_scale", _check_loss_scale(self.loss_scale))
+        object.__setattr__(self, "scaled", parse_scaling(self.scaled))
 
     @property
     def is_fp32(self) -> bool:
         return all(f == FP32 for f in (self.params, self.compute, self.grads,
-                                       self.optimizer_state)) and self.master is None
+                                       self.optimizer_state)) and self.master is None \
+            and self.scaled is None
 
     @property
     def spec(self) -> str:
@@ -161,6 +167,8 @@ class Policy:
                  f"o={self.optimizer_state}",
                  f"m={self.master if self.master is not None else 'none'}",
                  f"ls={self.loss_scale}", f"b={self.backend}", f"s={self.scope}"]
+        if self.scaled is not None:
+            parts.append(f"sc={self.scaled}")
         return ",".join(parts)
 
     def __str__(self) -> str:
@@ -200,6 +208,7 @@ _KEYS = {
     "s": "scope", "scope": "scope",
     "r": "rounding", "rounding": "rounding",
     "u": "update", "update": "update",
+    "sc": "scaled", "scaled": "scaled",
 }
 
 POLICIES: dict[str, Policy] = {}
@@ -217,7 +226,7 @@ def _bad_policy(spec, why: str = "") -> ValueError:
     names = ", ".join(POLICIES)
     reason = f" ({why})" if why else ""
     return ValueError(f"unknown policy {spec!r}{reason}; valid names: {names}; or a spec such as "
-                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s")
+                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc")
 
 
 def _parse_spec(spec: str) -> Policy:
@@ -288,6 +297,8 @@ def _parse_spec(spec: str) -> Policy:
     for key in ("loss_scale", "backend", "scope", "update"):
         if key in kv:
             kwargs[key] = kv[key].lower()
+    if "scaled" in kv:
+        kwargs["scaled"] = parse_scaling(kv["scaled"])
     if "rounding" in kv:
         kwargs["rounding"] = kv["rounding"]
         kwargs.setdefault("grad_rounding", kv["rounding"])
@@ -362,3 +373,10 @@ register_policy("binary-stochastic", "p=fp32,c=binary:sr,g=fp32,o=fp32,s=matmul"
 # OCP MX v1.0: weights and activations of every matmul in blocks of 32 along the reduction axis
 for _mx in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8"):
     register_policy(_mx, f"p=fp32,c={_mx},g=fp32,o=fp32,s=matmul")
+# Scaled GEMMs (lowprec.training.scaling): every linear layer's forward GEMM and both backward
+# GEMMs with each operand cast under its own scaling; everything else in fp32. "mxfp4" is taken
+# by the OCP MX policy above (forward operands of every matmul-like op, convolutions included),
+# so that recipe is reached as "p=fp32,sc=mxfp4".
+for _name in RECIPES:
+    if _name not in POLICIES:
+        register_policy(_name, f"p=fp32,sc={_name}")

@@ -53,6 +53,8 @@ def can_be_native(policy: Policy) -> bool:
         roles.append(policy.master)
     if policy.is_fp32:
         return True
+    if getattr(policy, "scaled", None) is not None:  # scaled GEMMs are emulated (emulation/scaled.py)
+        return False
     return all(f in NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
 
 

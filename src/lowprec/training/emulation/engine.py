@@ -43,10 +43,11 @@ from ...numerics.quantize import quantize, quantize_
 from ...numerics import summation
 from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy
+from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
-from . import backward_kernels, kernels, recurrent_kernels
+from . import backward_kernels, kernels, recurrent_kernels, scaled
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -75,11 +76,12 @@ class Rule:
     rounding: Rounding = Rounding.NEAREST_EVEN
     grad_rounding: Rounding = Rounding.NEAREST_EVEN
     scope: str = "all"
+    scaled: GemmScaling | None = None  # the GEMMs it covers run as scaled GEMMs (.scaled)
 
     @classmethod
     def of(cls, policy: Policy) -> "Rule":
         return cls(policy.compute, policy.grads, policy.params, policy.rounding,
-                   policy.grad_rounding, policy.scope)
+                   policy.grad_rounding, policy.scope, policy.scaled)
 
     @property
     def active(self) -> bool:
@@ -370,6 +372,8 @@ class _Mode(TorchFunctionMode):
         elif isinstance(dt, torch.dtype) and dt in DTYPE_FORMATS:  # dtype=torch.float16: fp32, rounded
             out = em.run_16(func, name, rule, args, dict(kwargs, dtype=torch.float32),
                             DTYPE_FORMATS[dt])
+        elif rule.scaled is not None and name in rule.scaled.op_names:
+            out = scaled.run_scaled(em, func, name, rule, args, kwargs)
         elif not rule.active:
             out = func(*args, **kwargs)
         elif rule.scope == "all":
@@ -464,6 +468,11 @@ class Emulation:
                     for b in m.buffers(recurse=False):
                         if b.is_floating_point():
                             _mark(b, rule.compute)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model whose forward this engine rounds (None for ``emulated()``)."""
+        return getattr(self, "_model", None)
 
     def rule_of(self, name: str) -> Rule:
         """The rule of the module owning parameter (or buffer) ``name``."""

@@ -1,9 +1,9 @@
 """Regimes of the literature that need more than formats, as plug-ins of ``Precision``:
-BinaryNet (a model transformation) and dynamic fixed point (ranges that move with overflow
-rates). :mod:`.base` holds the interface, the registry and the typed group keys."""
+BinaryNet (a model transformation), dynamic fixed point (ranges that move with overflow
+rates) and scaled GEMMs (the amax history of delayed scaling). :mod:`.base` holds the interface, the registry and the typed group keys."""
 
-from . import base, binary, dynamic_fixed
+from . import base, binary, dynamic_fixed, scaled
 from .base import REGIMES, GroupKey, Regime, Role, regimes_for, register_regime
 
-__all__ = ["base", "binary", "dynamic_fixed", "Regime", "REGIMES", "register_regime",
+__all__ = ["base", "binary", "dynamic_fixed", "scaled", "Regime", "REGIMES", "register_regime",
            "regimes_for", "GroupKey", "Role"]
