@@ -140,10 +140,11 @@ def test_keyword_arguments_as_f_conv2d():
 def test_native_backend_warns_that_it_does_not_apply():
     from torch import nn
 
+    from helpers import native
     from lowprec import Precision
 
     with pytest.warns(UserWarning, match="match_cpu_kernels=True has no effect"):
-        Precision("bf16-true", match_cpu_kernels=True).setup(nn.Conv2d(1, 1, 3))
+        Precision(native("bf16-true"), match_cpu_kernels=True).setup(nn.Conv2d(1, 1, 3))
 
 
 def test_the_engine_uses_it_when_asked(reference_conv):
