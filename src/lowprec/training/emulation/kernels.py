@@ -268,10 +268,15 @@ def _fexp_values(d: torch.Tensor) -> torch.Tensor:
 def _flash_scores(q, k, sc, attn_mask, is_causal):
     """scale * q @ k^T, causal positions -inf, plus the mask (-inf where a bool mask is
     False): the fp32 scores both directions of the flash kernel compute."""
-    s = (q @ k.transpose(-2, -1)) * sc
+    return _masked_scores((q @ k.transpose(-2, -1)) * sc, attn_mask, is_causal)
+
+
+def _masked_scores(s, attn_mask, is_causal):
+    """Scores with the causal positions -inf and the mask applied (-inf where a bool mask is
+    False, added otherwise), as both SDPA paths do."""
     if is_causal:
-        L, S = q.shape[-2], k.shape[-2]
-        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1),
+        L, S = s.shape[-2], s.shape[-1]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
                           float("-inf"))
     if attn_mask is not None:
         s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
@@ -373,8 +378,7 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
 
         return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), sc, act, grad)
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped keys and values
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        k, v = _grouped(k, q.shape[-3] // k.shape[-3]), _grouped(v, q.shape[-3] // v.shape[-3])
     s = _flash_scores(q, k, sc, attn_mask, is_causal)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
@@ -416,16 +420,8 @@ def attention_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     sf = torch.tensor(scale if scale is not None else q.shape[-1] ** -0.5,
                       dtype=torch.float32).sqrt()
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    s = (q * sf) @ (k.transpose(-2, -1) * sf)
-    if is_causal:
-        L, S = q.shape[-2], k.shape[-2]
-        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1),
-                          float("-inf"))
-    if attn_mask is not None:
-        s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-             else s + attn_mask)
+        k, v = _grouped(k, q.shape[-3] // k.shape[-3]), _grouped(v, q.shape[-3] // v.shape[-3])
+    s = _masked_scores((q * sf) @ (k.transpose(-2, -1) * sf), attn_mask, is_causal)
     p = torch.softmax(s, -1)
     p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # _safe_softmax: masked rows 0
     return p @ v
