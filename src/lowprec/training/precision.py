@@ -17,8 +17,9 @@ device has fast kernels for the dtype (tensor cores on CUDA; AVX512-BF16 or AMX 
 CPU, AVX512-FP16 or AMX-FP16 for fp16: :mod:`lowprec.training.hardware`) and emulation
 otherwise, and says which once per process and policy (``prec.backend_choice`` holds it).
 ``match_cpu_kernels=True`` makes emulated 2-D convolutions sum in the order of that reference
-kernel (:mod:`lowprec.numerics.summation`): their forward is then bit-exact with ``model.half()``
-on CPUs where it runs (benchmarks/summation.py gives the cost).
+kernel (:mod:`lowprec.numerics.summation`) and matrix products run on this CPU's own 16-bit
+GEMM (:mod:`lowprec.training.emulation.native_gemm`): forwards are then bit-exact with
+``model.half()`` on CPUs where those kernels run (benchmarks/summation.py gives the cost).
 
 Regimes that need more than formats (BinaryNet, dynamic fixed point) plug in through
 :class:`lowprec.training.regimes.Regime`: Precision builds those the policy needs and calls their

@@ -18,8 +18,9 @@ own ``forward``, in a container's ``forward`` or in a plain function. For each c
   inputs are in it (autocast's dtype propagation), fp32 otherwise.
 
 With ``match_cpu_kernels=True``, convolutions sum in the order of torch's reference CPU 16-bit
-kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, which makes an
-emulated run bit-exact with ``model.half()`` on CPUs where that kernel runs (no AVX512-FP16).
+kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, and matrix products
+run on this CPU's 16-bit GEMM (:mod:`.native_gemm`), which makes an emulated run's forward
+bit-exact with ``model.half()`` on CPUs where those kernels run (no AVX512-FP16).
 
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
 twice. Module hooks track which module is running, for per-module overrides and for naming ops.
@@ -47,7 +48,7 @@ from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
 from ..tree import tensors_in
-from . import backward_kernels, kernels, recurrent_kernels, scaled
+from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -853,9 +854,9 @@ class Emulation:
             # 16-bit results, two roundings), as nn.MultiheadAttention(batch_first=True) runs
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = self.round(func(x, w), rule, key) + b
+            out = self.round(self._conv(func, name, rule, (x, w))(x, w), rule, key) + b
         else:
-            out = self._conv(func, name)(*args, **kwargs)
+            out = self._conv(func, name, rule, args, kwargs)(*args, **kwargs)
         if name in BUFFER_OPS:
             self._round_buffers(args, rule)
         if inplace:
@@ -906,7 +907,7 @@ class Emulation:
                          for i, a in enumerate(args))
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
-            out = self._conv(func, name)(*args, **kwargs)
+            out = self._conv(func, name, rule, args, kwargs, pure=False)(*args, **kwargs)
             inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
@@ -940,9 +941,19 @@ class Emulation:
 
         return _map(rout, out)
 
-    def _conv(self, func, name: str):
-        # match_cpu_kernels: convolutions summed as torch's reference CPU 16-bit kernel sums
-        return summation.conv2d if name == "conv2d" and self.match_cpu_kernels else func
+    def _conv(self, func, name: str, rule: Rule | None = None, args=(), kwargs=None,
+              pure: bool = True):
+        # match_cpu_kernels: convolutions summed as torch's reference CPU 16-bit kernel sums,
+        # matrix products by this CPU's own 16-bit kernel (native_gemm explains why)
+        if not self.match_cpu_kernels:
+            return func
+        if name == "conv2d":
+            return summation.conv2d
+        if name in native_gemm.GEMM_OPS and rule is not None:
+            dt = format_dtype(rule.compute)
+            if native_gemm.applies(rule, args, kwargs or {}, pure, dt):
+                return native_gemm.native_gemm(func, dt)
+        return func
 
     def _round_buffers(self, args, rule: Rule) -> None:
         # running statistics as the parameter format stores them (pure policies: fp16 buffers)
