@@ -81,6 +81,39 @@ def test_dynamic_loss_scale_goes_through_accelerate(tmp_path):
         assert torch.equal(p, quantize(p, "fp16"))
 
 
+class Recorder(transformers.TrainerCallback):
+    """What the Trainer hands its loggers (TensorBoard, MLflow...: every report_to callback
+    gets the same ``logs``)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append((state.global_step, dict(logs)))
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_loss_scale_and_skipped_steps_reach_the_trainers_loggers(tmp_path, on):
+    """Each training log entry carries the scale the next step will use and the running step
+    counts, the Precision trace's numbers at that step; none with log_metrics=False."""
+    rec = Recorder()
+    trainer, _, _ = train("16-master", tmp_path, loss_scale="dynamic:init=1073741824",
+                          callbacks=[rec], log_metrics=on)
+    trace = trainer.lowprec.trace
+    entries = [(step, logs) for step, logs in rec.logs if "loss" in logs]
+    assert len(entries) == 5  # 20 steps, logging_steps=4
+    for step, logs in entries:
+        if not on:
+            assert not any(k.startswith("lowprec/") for k in logs)
+            continue
+        scale = trace[step]["scale"] if step < len(trace) else trainer.lowprec.loss_scale.scale
+        assert logs["lowprec/loss_scale"] == scale
+        assert logs["lowprec/skipped_steps"] == sum(e["skipped"] for e in trace[:step])
+        assert logs["lowprec/steps"] == step
+    if on:
+        assert entries[0][1]["lowprec/skipped_steps"] >= 1
+
+
 def test_fp16_training_arguments_are_refused(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True,
                                           report_to=[])

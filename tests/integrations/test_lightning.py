@@ -214,3 +214,43 @@ def test_fabric_plugin_trains():
     assert sum(losses[16:]) < 0.7 * sum(losses[:16])
     for p in model.parameters():
         assert torch.equal(p, quantize(p, "fp16"))
+
+
+def test_loss_scale_and_skipped_steps_reach_lightnings_logger(tmp_path):
+    """Live logging through the Trainer's own logger (a CSVLogger here): after each optimizer
+    step the scale the next step will use and the running counts, the same numbers as the
+    Precision's per-step trace. A scale of 2^30 overflows fp16 gradients: steps are skipped
+    and the scale backs off, and the log shows it as it happens."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = Digits()
+    plugin = LowprecPrecision("16-true", loss_scale="dynamic:init=1073741824,interval=4")
+    kw = {k: v for k, v in QUIET.items() if k != "logger"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = Trainer(precision=plugin, max_epochs=1, logger=CSVLogger(tmp_path, name="log"),
+                    log_every_n_steps=1, enable_checkpointing=False, **kw)
+        t.fit(model, loader())
+    with open(t.logger.log_dir + "/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("lowprec/loss_scale")]
+    trace = plugin.lowprec.trace
+    assert len(rows) == len(trace) == 16
+    after = [e["scale"] for e in trace[1:]] + [plugin.lowprec.loss_scale.scale]
+    assert [float(r["lowprec/loss_scale"]) for r in rows] == after
+    skipped = [sum(e["skipped"] for e in trace[:i + 1]) for i in range(len(trace))]
+    assert [float(r["lowprec/skipped_steps"]) for r in rows] == skipped
+    assert 0 < skipped[-1] < 16 and after[-1] < 2**30
+    assert [float(r["lowprec/steps"]) for r in rows] == list(range(1, 17))
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_logging_can_be_turned_off(on):
+    model = Digits()
+    plugin = LowprecPrecision("16-true", log_metrics=on)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = trainer(plugin, 1, enable_checkpointing=False)
+        t.fit(model, loader())
+    assert any(k.startswith("lowprec/") for k in t.logged_metrics) == on

@@ -21,7 +21,10 @@ Saved models and checkpoints look like a native run's: emulated 16-bit weights a
 fp16/bf16 tensors (fp8 as float8; :meth:`lowprec.Precision.checkpoint_state_dict`) and
 config.json names that dtype, so ``from_pretrained`` gives 16-bit tensors; resuming copies them
 back into the float32 carriers bit for bit. ``scaler.pt`` holds the loss scale and the
-Precision's constant-size state (the per-step trace stays in ``trainer.lowprec.trace``).
+Precision's constant-size state (the per-step trace stays in ``trainer.lowprec.trace``). Each
+training log entry also carries the loss scale and the step counts (``lowprec/loss_scale``,
+``lowprec/skipped_steps``...; :mod:`lowprec.integrations.metrics`), so TensorBoard, MLflow or any
+``report_to`` logger shows them live; ``LowprecTrainer(..., log_metrics=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..training.optim import AdamW
 from ..training.policy import Policy
 from ..training.precision import Precision
 from .gradscaler import GradScaler
+from .metrics import step_metrics
 
 __all__ = ["LowprecTrainer"]
 
@@ -46,9 +50,10 @@ class LowprecTrainer(Trainer):
     or a :class:`lowprec.Precision`); every other argument is the Trainer's."""
 
     def __init__(self, *args, policy: str | Policy | Precision = "32-true", loss_scale=None,
-                 seed: int | None = None, **kwargs) -> None:
+                 seed: int | None = None, log_metrics: bool = True, **kwargs) -> None:
         self.lowprec = policy if isinstance(policy, Precision) else Precision(
             policy, loss_scale=loss_scale, seed=seed)
+        self.log_metrics = bool(log_metrics)
         model = kwargs.get("model", args[0] if args else None)
         if model is None:
             raise ValueError("LowprecTrainer needs a model (model_init is not supported: the "
@@ -105,6 +110,14 @@ class LowprecTrainer(Trainer):
             config.save_pretrained(output_dir)
         finally:
             config.dtype = before
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """The Trainer's log, with the loss scale and step counts added to each training entry
+        (not to evaluation or prediction metrics), so every ``report_to`` logger gets them."""
+        if self.log_metrics and self.lowprec.steps and not any(
+                k.startswith(("eval_", "test_", "predict_")) for k in logs):
+            logs = {**logs, **step_metrics(self.lowprec)}
+        super().log(logs, *args, **kwargs)
 
     def autocast_smart_context_manager(self, cache_enabled=True):
         return self.lowprec.autocast()

@@ -20,7 +20,10 @@ autocast, the loss is multiplied by the loss scale before ``backward``, the clos
 the step, gradients are unscaled before ``on_before_optimizer_step`` and clipping (as Lightning's
 ``MixedPrecision`` does), a step with Inf/NaN gradients is skipped and the scale backs off; the
 Precision's state (loss scale, step counts, generator; constant size, the per-step trace stays
-in ``plugin.lowprec.trace``) is saved in checkpoints. Checkpoints hold the weights as a native
+in ``plugin.lowprec.trace``) is saved in checkpoints. After each step the loss scale and the
+step counts (taken, skipped, with Inf/NaN) go to the Trainer's own loggers as
+``lowprec/loss_scale``, ``lowprec/skipped_steps``... (:mod:`lowprec.integrations.metrics`;
+``LowprecPrecision(..., log_metrics=False)`` turns it off). Checkpoints hold the weights as a native
 run stores them: emulated 16-bit parameters as fp16/bf16 tensors, fp8 as float8
 (:meth:`lowprec.Precision.checkpoint_state_dict`; a ``weights_only`` checkpoint, which Lightning
 writes without the plugin's hook, keeps the float32 carriers), and 16-bit optimizer state in
@@ -41,6 +44,7 @@ from ..training.optim import FormatOptimizer
 from ..training.policy import Policy
 from ..training.precision import Precision
 from ..training.tree import cast_floating
+from .metrics import step_metrics
 
 __all__ = ["LowprecPrecision", "LowprecFabricPrecision", "Trainer"]
 
@@ -51,9 +55,10 @@ _LIGHTNING_NAMES = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
 class _Common:
     """What both plugins share: a Precision, module conversion, contexts and state."""
 
-    def _init(self, policy, loss_scale, seed) -> None:
+    def _init(self, policy, loss_scale, seed, log_metrics: bool = True) -> None:
         self.lowprec = policy if isinstance(policy, Precision) else Precision(
             policy, loss_scale=loss_scale, seed=seed)
+        self.log_metrics = bool(log_metrics)
         name = str(self.lowprec.policy)
         self.precision = name if name in _LIGHTNING_NAMES else "32-true"
 
@@ -107,8 +112,8 @@ class LowprecPrecision(_Common, TrainerPrecision):
     ``policy``: a name, a spec, a :class:`Policy` or a :class:`lowprec.Precision`."""
 
     def __init__(self, policy: str | Policy | Precision = "32-true", *, loss_scale=None,
-                 seed: int | None = None) -> None:
-        self._init(policy, loss_scale, seed)
+                 seed: int | None = None, log_metrics: bool = True) -> None:
+        self._init(policy, loss_scale, seed, log_metrics)
 
     def connect(self, model, optimizers, lr_schedulers):
         if self.lowprec.model is None:
@@ -130,7 +135,16 @@ class LowprecPrecision(_Common, TrainerPrecision):
         self.lowprec.unscale_(optimizer)  # hooks and clipping see unscaled gradients
         self._after_closure(model, optimizer)
         self.lowprec.step(optimizer)
+        self._log(model)
         return closure_result
+
+    def _log(self, model) -> None:
+        """The loss scale and step counts to the Trainer's loggers (``log_metrics=False``: not)."""
+        log = getattr(model, "log_dict", None)
+        if not self.log_metrics or log is None or getattr(model, "_trainer", None) is None:
+            return
+        log(step_metrics(self.lowprec), on_step=True, on_epoch=False, prog_bar=False,
+            logger=True)
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val,
