@@ -39,6 +39,19 @@ PRESETS: dict[str, dict] = {
     # add an L2 term of 1e-4; one setting serves every model here). They train 100 epochs on
     # CIFAR-10; here the full Fashion-MNIST, 2 epochs x 2 seeds: about an hour on 2 CPU cores
     # (benchmarks/preset_epoch.py). One comparison per model in OUT/MODEL, a combined report.
+    # Below 16 bits (issue: scaled fp8, MX and NVFP4 training), on a character-level language
+    # model over the licence texts Debian ships (experiments/text.py); the image tables run the
+    # same preset with --data mnist --model mlp. fp8: no scale against current, per-row and
+    # delayed scaling (Micikevicius et al. 2022; torchao's recipes); fp4: MXFP4 against NVFP4
+    # at equal element bits, NVFP4 with and without stochastic rounding of the gradients
+    # (arXiv:2509.25149), MXFP8 as the 8-bit reference
+    "fp8": {"data": "text", "model": "chartransformer", "optimizer": "adam", "lr": 0.003,
+            "weight_decay": 0.0, "batch_size": 64, "epochs": 3, "seeds": (0, 1),
+            "policies": ("32-true", "fp8-unscaled", "fp8-tensorwise", "fp8-rowwise",
+                         "fp8-rowwise-gw-hp", "fp8-delayed")},
+    "fp4": {"data": "text", "model": "chartransformer", "optimizer": "adam", "lr": 0.003,
+            "weight_decay": 0.0, "batch_size": 64, "epochs": 3, "seeds": (0, 1),
+            "policies": ("32-true", "mxfp8", "p=fp32,sc=mxfp4", "nvfp4", "nvfp4-sr")},
     "yun2023": {"data": "fashion-mnist", "model": "resnet20,vgg,transformer,mobilenet",
                 "policies": ("32-true", "16-true", "16-mixed", "bf16-true"), "seeds": (0, 1),
                 "epochs": 2, "batch_size": 256, "lr": 0.01, "momentum": 0.9,

@@ -9,6 +9,8 @@
                    or ``fashion-mnist:DIR`` with the four IDX files)
 ``idx:DIR``        any MNIST-format directory: train/t10k images-idx3 and labels-idx1 (.gz or not)
 ``cifar10:DIR``    the python-pickle CIFAR-10 batches (cifar-10-batches-py)
+``text[:PATH]``    next character of 16-character windows of the licence texts Debian ships
+                   (or of your own UTF-8 file or directory): :mod:`lowprec.experiments.text`
 ``module:function`` your own: returns (x_train, y_train, x_test, y_test), arrays or tensors
 =================  ==============================================================================
 
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .text import text_arrays
 from .util import USER_ERRORS, describe_error, import_callable, short
 
 __all__ = ["Dataset", "load_dataset", "load_checked_dataset", "check_dataset", "DatasetNotFound",
@@ -369,9 +372,18 @@ def load_user(spec: str) -> Dataset:
     return Dataset(spec, xtr, ytr, xte, yte, top + 1)
 
 
+def load_text(path: str | None = None) -> Dataset:
+    """Next-character prediction on a text corpus (:mod:`lowprec.experiments.text`)."""
+    try:
+        return Dataset(*text_arrays(path))
+    except FileNotFoundError as err:
+        raise DatasetNotFound(str(err)) from None
+
+
 DATASETS = {"mnist": load_mnist, "digits": load_digits, "mnist1d": load_mnist1d,
-            "fashion-mnist": load_fashion_mnist}
-_ACCEPTED = "mnist, digits, mnist1d, fashion-mnist[:DIR], idx:DIR, cifar10:DIR, module:function"
+            "fashion-mnist": load_fashion_mnist, "text": load_text}
+_ACCEPTED = ("mnist, digits, mnist1d, fashion-mnist[:DIR], text[:PATH], idx:DIR, cifar10:DIR, "
+             "module:function")
 
 
 def check_dataset(d: Dataset) -> Dataset:
@@ -452,6 +464,8 @@ def load_dataset(spec: str, *, quiet: bool = False) -> Dataset:
             return load_cifar10(rest)
         if kind == "fashion-mnist":
             return load_fashion_mnist(rest, quiet=quiet)
+        if kind == "text" and rest:
+            return load_text(rest)
         if rest and rest.isidentifier():
             return load_user(s)
     raise ValueError(f"unknown dataset {spec!r}; accepted: {_ACCEPTED}")

@@ -1,7 +1,8 @@
 """Models: one definition serves every policy (no ``vgg_low.py`` beside ``vgg.py``).
 
 ``build_model(name, input_shape, num_classes)`` with name one of ``mlp``, ``lenet5``,
-``resnet20``, ``vgg``, ``cnn1d``, ``transformer``, ``mobilenet``, or ``module:function`` for your own
+``resnet20``, ``vgg``, ``cnn1d``, ``transformer``, ``mobilenet``, ``chartransformer`` (the
+``text`` data's language model), or ``module:function`` for your own
 (called as ``function(input_shape, num_classes)``, returning an ``nn.Module``).
 """
 
@@ -15,7 +16,8 @@ from torch import nn
 from .util import USER_ERRORS, describe_error, import_callable, short
 
 __all__ = ["build_model", "build_checked_model", "check_model", "MODELS", "MLP", "LeNet5",
-           "ResNet20", "SmallVGG", "CNN1d", "TransformerClassifier", "MobileNetV2Small"]
+           "ResNet20", "SmallVGG", "CNN1d", "TransformerClassifier", "MobileNetV2Small",
+           "CharTransformer"]
 
 
 class MLP(nn.Sequential):
@@ -209,8 +211,39 @@ class MobileNetV2Small(nn.Module):
         return self.head(self.blocks(self.stem(x)))
 
 
+class CharTransformer(nn.Module):
+    """A small character-level language model for the ``text`` data: the window's character
+    ids (float features, (N, 1, L)) embedded, a learned position embedding, 2 causal pre-norm
+    transformer layers (4 heads, width 48, GELU), and the next character read from the last
+    position. The ids index the embedding, so they must reach it as integers: under a pure
+    policy whose compute format has fewer than 8 significand bits they would not."""
+
+    def __init__(self, input_shape, num_classes, d_model=48, layers=2, heads=4):
+        super().__init__()
+        if len(input_shape) != 2 or input_shape[0] != 1:
+            raise ValueError(f"chartransformer takes (1, length) character ids, got input "
+                             f"shape {tuple(input_shape)}: use it with --data text")
+        self.length, self.vocab = input_shape[1], num_classes
+        self.embed = nn.Embedding(num_classes, d_model)
+        self.pos = nn.Parameter(torch.zeros(1, self.length, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0,
+                                           activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(
+            self.length), persistent=False)
+
+    def forward(self, x):
+        ids = x[:, 0].round().long().clamp(0, self.vocab - 1)
+        z = self.encoder(self.embed(ids) + self.pos, mask=self.causal, is_causal=True)
+        return self.head(self.norm(z[:, -1]))
+
+
 MODELS = {"mlp": MLP, "lenet5": LeNet5, "resnet20": ResNet20, "vgg": SmallVGG, "cnn1d": CNN1d,
-          "transformer": TransformerClassifier, "mobilenet": MobileNetV2Small}
+          "transformer": TransformerClassifier, "mobilenet": MobileNetV2Small,
+          "chartransformer": CharTransformer}
 _ACCEPTED = ", ".join(MODELS) + ", module:function"
 
 

@@ -108,14 +108,18 @@ class ScaledCast:
     rounding: ScaleRounding | None = None
     tile: tuple[int, int] | None = None
     history: int | None = None
+    stochastic: bool = False  # the element rounded stochastically (NVFP4's gradients)
 
     def __post_init__(self) -> None:
         kind = ScaleKind(self.kind)
         object.__setattr__(self, "kind", kind)
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic={self.stochastic!r} must be True or False")
         if kind is ScaleKind.HP:
             if self.element is not None or self.rounding is not None or self.tile is not None \
-                    or self.history is not None:
-                raise ValueError("an 'hp' operand takes no element, rounding, tile or history")
+                    or self.history is not None or self.stochastic:
+                raise ValueError("an 'hp' operand takes no element, rounding, tile, history or "
+                                 "stochastic rounding")
             return
         el = parse_format(self.element) if self.element is not None else None
         if not isinstance(el, FloatFormat):
@@ -178,7 +182,8 @@ class ScaledCast:
             rule = self.kind.value
         default = ScaleRounding.FLOOR if self.kind is ScaleKind.MX else ScaleRounding.EXACT
         suffix = "" if self.rounding is default else f":{self.rounding}"
-        return f"{el_name}@{rule}{suffix}"
+        sr = ":sr" if self.stochastic else ""
+        return f"{el_name}{sr}@{rule}{suffix}"
 
 
 HP = ScaledCast(ScaleKind.HP)
@@ -187,7 +192,8 @@ _RULE_RE = re.compile(r"^(?:(none|tensor|axis|nvfp4)|delayed(\d+)|(\d+)x(\d+)|mx
 
 
 def parse_cast(spec: str | ScaledCast) -> ScaledCast:
-    """``hp`` or ``ELEMENT@RULE[:ROUNDING]`` (see the module docstring); casts pass through."""
+    """``hp`` or ``ELEMENT[:sr]@RULE[:ROUNDING]`` (see the module docstring; ``:sr`` after the
+    element rounds it stochastically); casts pass through."""
     if isinstance(spec, ScaledCast):
         return spec
     if not isinstance(spec, str):
@@ -200,12 +206,20 @@ def parse_cast(spec: str | ScaledCast) -> ScaledCast:
         raise ValueError(f"scaled cast {spec!r}: expected 'hp' or ELEMENT@RULE[:ROUNDING] "
                          "(e4m3fn@tensor, e4m3fn@axis:pow2, e5m2@delayed16, e4m3fn@1x128, "
                          "e4m3fn@mx:rceil, e2m1fn@nvfp4)")
+    el, _, el_rnd = el.partition(":")
+    if el_rnd:
+        if el_rnd not in ("sr", "stochastic"):
+            raise ValueError(f"scaled cast {spec!r}: element rounding {el_rnd!r}; accepted: sr "
+                             "(stochastic; nearest-even when absent)")
+        kwargs_sr = {"stochastic": True}
+    else:
+        kwargs_sr = {}
     rule, _, rnd = rule.partition(":")
     m = _RULE_RE.match(rule)
     if not m:
         raise ValueError(f"scaled cast {spec!r}: rule {rule!r} is not none, tensor, delayedN, "
                          "axis, RxC, mx[N] or nvfp4")
-    kwargs: dict = {}
+    kwargs: dict = dict(kwargs_sr)
     if m.group(1):
         kwargs["kind"] = ScaleKind(m.group(1))
     elif m.group(2):
@@ -314,15 +328,15 @@ def _amax(x: torch.Tensor, cast: ScaledCast, axis: int) -> torch.Tensor:
     return _oriented(_tile_amax(_oriented(x, axis), cast.tile), axis)
 
 
-def _like(y: torch.Tensor, fmt, rounding: str = "nearest") -> torch.Tensor:
+def _like(y: torch.Tensor, fmt, rounding: str = "nearest", generator=None) -> torch.Tensor:
     """quantize(y) laid out as ``y`` is (a transposed operand stays transposed), so that the
     GEMM reading it runs the same kernel as on torchao's tensors."""
     if y.is_contiguous() or y.dim() < 2:
-        return quantize(y, fmt, rounding)
+        return quantize(y, fmt, rounding, generator=generator)
     yt = y.transpose(-1, -2)
     if yt.is_contiguous():
-        return quantize(yt, fmt, rounding).transpose(-1, -2)
-    return torch.empty_like(y).copy_(quantize(y, fmt, rounding))
+        return quantize(yt, fmt, rounding, generator=generator).transpose(-1, -2)
+    return torch.empty_like(y).copy_(quantize(y, fmt, rounding, generator=generator))
 
 
 def _amax_scale(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tensor:
@@ -367,12 +381,14 @@ def _mx_exponent(amax: torch.Tensor, cast: ScaledCast) -> torch.Tensor:
 
 def scaled_cast(x: torch.Tensor, cast: ScaledCast | str, axis: int = -1, *,
                 history: AmaxHistory | None = None, key: str = "",
-                stats: dict | None = None) -> torch.Tensor:
+                stats: dict | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
     """``x`` (float32) cast as ``cast`` says and brought back to its scale: the values a GEMM
     computes with in an emulated scaled recipe. ``axis`` is the GEMM's reduction axis (-1 or
     -2: per-row scales, tiles and blocks run along it). Delayed scaling reads and extends
     ``history[key]``. The result has ``x``'s shape and layout; no autograd history. A dict
-    given as ``stats`` receives the counts of :func:`cast_stats`.
+    given as ``stats`` receives the counts of :func:`cast_stats`. A stochastic cast draws its
+    random bits from ``generator`` (torch's default generator when None).
     """
     cast = parse_cast(cast)
     if cast.kind is ScaleKind.HP:
@@ -388,7 +404,7 @@ def scaled_cast(x: torch.Tensor, cast: ScaledCast | str, axis: int = -1, *,
         if x.numel() == 0:
             return x.clone()
         ys, back = _scaled(x, cast, axis, history, key)
-        q = _like(ys, cast.element)
+        q = _like(ys, cast.element, "stochastic" if cast.stochastic else "nearest", generator)
         y = back(q)
         if y.stride() != x.stride():  # per-element scales may have given another layout
             y = torch.empty_like(x).copy_(y)

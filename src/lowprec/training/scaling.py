@@ -101,6 +101,9 @@ def _recipe(name: str, **casts) -> None:
 # e4m3 for input and weight, e5m2 for the gradient
 _recipe("fp8-tensorwise", input="e4m3fn@tensor", weight="e4m3fn@tensor",
         grad_output="e5m2@tensor")
+# the same formats with no scale at all (scale 1): what "just cast to fp8" does, the baseline
+# every scaled recipe improves on (Micikevicius et al. 2022, section 3)
+_recipe("fp8-unscaled", input="e4m3fn@none", weight="e4m3fn@none", grad_output="e5m2@none")
 # "rowwise": per-row scales along each GEMM's reduction axis, e4m3 everywhere, scales rounded
 # down to powers of two (round_scales_to_power_of_2=True)
 _recipe("fp8-rowwise", input="e4m3fn@axis:pow2", weight="e4m3fn@axis:pow2",
@@ -122,6 +125,11 @@ _recipe("mxfp8", input="e4m3fn@mx", weight="e4m3fn@mx", grad_output="e4m3fn@mx")
 _recipe("mxfp4", input="e2m1fn@mx", weight="e2m1fn@mx", grad_output="e2m1fn@mx")
 # NVFP4 (arXiv:2509.25149): e2m1 in 16-element blocks with e4m3 scales and an fp32 tensor scale
 _recipe("nvfp4", input="e2m1fn@nvfp4", weight="e2m1fn@nvfp4", grad_output="e2m1fn@nvfp4")
+# ... with the gradient's elements rounded stochastically in both backward GEMMs, as the NVFP4
+# pretraining recipe does (arXiv:2509.25149, 4.3; its random Hadamard transform and 16x16 weight
+# blocks are not modelled)
+_recipe("nvfp4-sr", input="e2m1fn@nvfp4", weight="e2m1fn@nvfp4",
+        grad_output="e2m1fn:sr@nvfp4")
 
 
 def parse_scaling(spec: str | GemmScaling | None) -> GemmScaling | None:

@@ -98,12 +98,13 @@ def record_casts():
         _RECORDERS.remove(rows)
 
 
-def _caster(recipe, history: AmaxHistory, key: str):
+def _caster(recipe, history: AmaxHistory, key: str, generator=None):
     def cast(role: str, t: torch.Tensor, axis: int) -> torch.Tensor:
         t = t if t.dtype == torch.float32 else t.float()
         c = getattr(recipe, role)
         stats = {} if _RECORDERS and not c.is_hp else None
-        y = scaled_cast(t, c, axis, history=history, key=f"{key}.{role}", stats=stats)
+        y = scaled_cast(t, c, axis, history=history, key=f"{key}.{role}", stats=stats,
+                        generator=generator)
         if stats is not None:
             for rows in _RECORDERS:
                 rows.append({"layer": key, "role": role, "cast": str(c), **stats})
@@ -112,11 +113,11 @@ def _caster(recipe, history: AmaxHistory, key: str):
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, recipe, *, history: AmaxHistory | None
-                  = None, key: str = "") -> torch.Tensor | None:
+                  = None, key: str = "", generator=None) -> torch.Tensor | None:
     """``a @ b`` under ``recipe`` (a :class:`lowprec.training.scaling.GemmScaling`), or None
     for shapes it does not cover (a vector, broadcast batch dimensions): a 2-d ``b`` with any
     ``a`` of 2 or more dimensions (``x @ W``), or equal batch shapes."""
-    cast = _caster(recipe, history if history is not None else AmaxHistory(), key)
+    cast = _caster(recipe, history if history is not None else AmaxHistory(), key, generator)
     if a.dim() >= 2 and b.dim() == 2:
         a2 = a.reshape(-1, a.shape[-1])
         out = _ScaledMatmul.apply(a2, b, cast)
@@ -159,17 +160,18 @@ def run_scaled(engine, func, name: str, rule, args, kwargs):
         a = engine.round(a, rule, key)
         b = engine.round(b, rule, key, grads=not isinstance(b, torch.nn.Parameter))
     history = history_of(engine)
+    gen = engine.generator  # stochastic element casts draw from the Precision's generator
     with torch._C.DisableTorchFunction():
         if name == "linear":
-            out = scaled_matmul(a, b.t(), recipe, history=history, key=key) \
+            out = scaled_matmul(a, b.t(), recipe, history=history, key=key, generator=gen) \
                 if a.dim() >= 2 else None
             if out is None:  # a 1-d input: one row
                 out = scaled_matmul(a.unsqueeze(0), b.t(), recipe, history=history,
-                                    key=key).squeeze(0)
+                                    key=key, generator=gen).squeeze(0)
             if bias is not None:
                 out = out + bias  # in fp32, after the GEMM, as torchao's layer adds it
         else:
-            out = scaled_matmul(a, b, recipe, history=history, key=key)
+            out = scaled_matmul(a, b, recipe, history=history, key=key, generator=gen)
             if out is None:
                 return func(*args, **kwargs)
     if rule.active:
