@@ -46,11 +46,13 @@ PRESETS: dict[str, dict] = {
     # at equal element bits, NVFP4 with and without stochastic rounding of the gradients
     # (arXiv:2509.25149), MXFP8 as the 8-bit reference
     "fp8": {"data": "text", "model": "chartransformer", "optimizer": "adam", "lr": 0.003,
-            "weight_decay": 0.0, "batch_size": 64, "epochs": 3, "seeds": (0, 1),
+            "weight_decay": 0.0, "batch_size": 64, "epochs": 2, "train_subset": 8000,
+            "seeds": (0, 1),
             "policies": ("32-true", "fp8-unscaled", "fp8-tensorwise", "fp8-rowwise",
                          "fp8-rowwise-gw-hp", "fp8-delayed")},
     "fp4": {"data": "text", "model": "chartransformer", "optimizer": "adam", "lr": 0.003,
-            "weight_decay": 0.0, "batch_size": 64, "epochs": 3, "seeds": (0, 1),
+            "weight_decay": 0.0, "batch_size": 64, "epochs": 2, "train_subset": 8000,
+            "seeds": (0, 1),
             "policies": ("32-true", "mxfp8", "p=fp32,sc=mxfp4", "nvfp4", "nvfp4-sr")},
     "yun2023": {"data": "fashion-mnist", "model": "resnet20,vgg,transformer,mobilenet",
                 "policies": ("32-true", "16-true", "16-mixed", "bf16-true"), "seeds": (0, 1),
