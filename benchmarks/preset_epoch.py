@@ -26,7 +26,8 @@ from lowprec.analysis.certify import certify
 from lowprec.experiments.config import PRESETS, CompareConfig, split_models
 from lowprec.experiments.data import load_dataset
 from lowprec.experiments.models import build_model
-from lowprec.experiments.runner import analyse_run, certificate_formats, evaluate
+from lowprec.experiments.run_analyses import analyse_run, certificate_formats
+from lowprec.experiments.runner import evaluate
 from lowprec.experiments.system import tune_cpu_allocator
 from lowprec.training.optim import SGD
 from lowprec.training.precision import Precision

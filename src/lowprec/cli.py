@@ -196,8 +196,9 @@ def _print_models_summary(run_dir, console: Console) -> None:
 
 
 def _print_summary(run_dir, console: Console) -> None:
-    from .experiments.multi import MODELS_FILE
-    from .experiments.report import summarize, summary_rows
+    from .experiments.report import summary_rows
+    from .experiments.runfolder import MODELS_FILE
+    from .experiments.summary import summarize
     from .experiments.results import ResultsDB
 
     if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
@@ -289,7 +290,8 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     from .experiments.results import CorruptDatabase
     from .experiments.config import RunError
     from .experiments.runfolder import FolderBusy, RunIOError
-    from .experiments.runner import failed_runs, run_compare
+    from .experiments.compare import run_compare
+    from .experiments.runner import failed_runs
 
     try:
         out = run_compare(cfg, executor, force_config=force_config, config_text=config_text)
@@ -348,7 +350,8 @@ def cmd_report(args, console: Console) -> int:
     from .experiments.results import CorruptDatabase
     from .experiments.runfolder import RunIOError
 
-    from .experiments.multi import MODELS_FILE, write_models_report
+    from .experiments.multi import write_models_report
+    from .experiments.runfolder import MODELS_FILE
 
     run_dir = Path(args.run_dir)
     try:

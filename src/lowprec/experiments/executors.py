@@ -33,8 +33,9 @@ from pathlib import Path
 
 from .config import RunError
 from .runfolder import SHARED_TOKEN
-from .runner import (Progress, checkpoint_path, failure_message, resumable, run_id_of,
-                     start_run_record, train_run)
+from .checkpoints import checkpoint_path, resumable, run_id_of
+from .progress import Progress
+from .runner import failure_message, start_run_record, train_run
 
 __all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ray",
            "EXECUTORS", "TOKEN_FILE", "FAULT_ENV"]
