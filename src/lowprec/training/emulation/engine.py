@@ -38,11 +38,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format, parse_format
+from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format
 from ...numerics.quantize import quantize, quantize_
 from ...numerics import summation
 from ...numerics.rounding import Rounding, check_generator
-from ..policy import Policy, parse_policy
+from ..policy import Policy, parse_policy, policy_or_format
 from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role
 from ..regimes.dynamic_fixed import Controller, resolve
@@ -99,15 +99,13 @@ def parse_override(value, base: Policy) -> Rule:
     if isinstance(value, Policy):
         return Rule.of(value)
     try:
-        return Rule.of(parse_policy(value))
-    except (ValueError, TypeError):
-        pass
-    try:
-        fmt = parse_format(value)
+        found = policy_or_format(value)  # the grammar of every policy argument
     except (ValueError, TypeError):
         raise ValueError(f"override {value!r} is neither a policy (e.g. '32-true', "
                          "'p=fp32,c=bf16') nor a format (e.g. 'bf16', 'e4m3fn')") from None
-    return Rule(fmt, fmt, fmt, base.rounding, base.grad_rounding, "all")
+    if isinstance(found, Policy):
+        return Rule.of(found)
+    return Rule(found, found, found, base.rounding, base.grad_rounding, "all")
 
 
 _NAMES: dict = {}
