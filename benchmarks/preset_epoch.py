@@ -123,7 +123,7 @@ def main() -> None:
             per_model.setdefault(model_name, [0.0, 0.0])
             per_model[model_name][0] += epoch + ev
             per_model[model_name][1] += an
-            print(f"{model_name:<12} {policy:<10} {wall / args.steps:8.3f} "
+            print(f"{model_name:<12} {str(policy):<10} {wall / args.steps:8.3f} "
                   f"{cpu / args.steps:8.3f} {epoch:8.1f} {ev:7.1f} {an:10.1f}", flush=True)
     seeds = len(cfg.seeds)
     if args.anchor:

@@ -12,8 +12,9 @@ from .runfolder import atomic_torch_save
 __all__ = ["run_id_of", "checkpoint_path", "atomic_save", "resumable"]
 
 
-def run_id_of(policy: str, seed: int) -> str:
-    """The key of a (policy, seed) run in results.db."""
+def run_id_of(policy, seed: int) -> str:
+    """The key of a (policy, seed) run in results.db: the policy as the comparison was given it
+    (a name or spec string, or a Policy, which prints as that name)."""
     return f"{policy}|seed={seed}"
 
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataclasses import replace
+
 from .config import CompareConfig, split_models
 from .multi import run_models
+from .runner import failed_runs as _model_failed_runs
 from .runner import run_model
 
-__all__ = ["run_compare"]
+__all__ = ["run_compare", "failed_runs"]
 
 
 def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False,
@@ -35,3 +38,13 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
             executor.preflight()
         return run_models(cfg, executor, force_config=force_config, config_text=config_text)
     return run_model(cfg, executor, force_config=force_config, config_text=config_text)
+
+
+def failed_runs(out: str | Path, cfg: CompareConfig) -> list[tuple[str, str]]:
+    """(run id, reason) of each requested run of ``cfg`` that failed, read from the run folder
+    ``out``; over several models a run id is prefixed with its model (``MODEL/RUN``)."""
+    models = split_models(cfg.model)
+    if len(models) == 1:
+        return _model_failed_runs(Path(out), cfg)
+    return [(f"{m}/{run_id}", reason) for m in models
+            for run_id, reason in _model_failed_runs(Path(out) / m, replace(cfg, model=m))]

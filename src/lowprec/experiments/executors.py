@@ -340,7 +340,7 @@ def _drain(queue, db, progress) -> None:
 
 # -- the task (runs in a Ray worker process) -------------------------------------------------
 
-def _run_task(cfg, data, policy: str, seed: int, out: str, token: str, queue,
+def _run_task(cfg, data, policy, seed: int, out: str, token: str, queue,
               fault: str | None) -> str:
     from .system import tune_cpu_allocator
 

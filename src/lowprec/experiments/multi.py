@@ -18,13 +18,14 @@ from pathlib import Path
 from ..training.policy import parse_policy
 from .config import CompareConfig, RunError, split_models
 from .render import html_table, md_table
+from .report import write_report
 from .results import ResultsDB
 from .run_analyses import certificate_formats
 from .runner import record_config_file, refuse_foreign, run_model
 from .runfolder import MODELS_FILE, FolderLock, atomic_write_bytes, remove_stale_temps
 from .summary import BASELINE, acc_cell, summarize, time_cell
 
-__all__ = ["run_models", "write_models_report", "model_tables"]
+__all__ = ["run_models", "write_models_report", "write_all_reports", "model_tables"]
 
 
 def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
@@ -150,3 +151,11 @@ th {{ background: #f0f0f0; }} td:first-child, th:first-child {{ text-align: left
 </body></html>
 """)
     return md_path, html_path
+
+
+def write_all_reports(out: str | Path) -> None:
+    """Rebuild every model's report of a multi-model run folder, then the combined one."""
+    out = Path(out)
+    for sub in sorted(p.parent for p in out.glob("*/results.db")):
+        write_report(sub)
+    write_models_report(out)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..training.optim import SGD, Adam
+from ..training.policy import Policy
 from ..training.precision import Precision
 from .checkpoints import atomic_save, checkpoint_path, resumable, run_id_of
 from .config import CompareConfig, RunError, lr_at
@@ -146,7 +147,7 @@ def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
             p.grad = g
 
 
-def _set_up(cfg: CompareConfig, data: Dataset, policy: str, seed: int):
+def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int):
     """The model, optimizer, Precision and training split of a run, as every run builds them."""
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
@@ -159,11 +160,11 @@ def _set_up(cfg: CompareConfig, data: Dataset, policy: str, seed: int):
     return model, opt, prec, x_train, y_train
 
 
-def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env: dict,
+def _record_start(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, env: dict,
                   prec: Precision, model: nn.Module, x_train, y_train) -> None:
     """A fresh run's row, backend and memory ledger (measured without a trace)."""
     run_id = run_id_of(policy, seed)
-    db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
+    db.start_run(run_id, policy=str(policy), policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
                  hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg),
                            "backend_choice": prec.backend_choice.to_json()})
@@ -172,7 +173,7 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env
     db.record_memory(run_id, _measure_memory(prec, model, batch))
 
 
-def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: str, seed: int,
+def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: Policy, seed: int,
                      env: dict) -> None:
     """What :func:`train_run` records when a run starts afresh (its row, backend and memory
     ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
@@ -220,7 +221,7 @@ def _run_threads(cfg: CompareConfig):
         torch.set_num_threads(caller)
 
 
-def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+def train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db: ResultsDB,
               out: Path, env: dict, progress: "Progress | None" = None) -> str:
     """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
     in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
@@ -235,7 +236,7 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
         return _train_run(cfg, data, policy, seed, db, out, env, progress)
 
 
-def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db: ResultsDB,
                out: Path, env: dict, progress: "Progress | None") -> str:
     progress = progress or Progress(1, True)
     run_id = run_id_of(policy, seed)
@@ -404,7 +405,7 @@ def run_model(cfg: CompareConfig, executor=None, *, force_config: bool = False,
         except sqlite3.OperationalError as err:
             raise io_error(db_path, "the results database", err) from None
         try:
-            _check_and_record_config(db, cfg, force_config)
+            cfg = _check_and_record_config(db, cfg, force_config)
             if executor is None:
                 _train_all(cfg, data, db, out)
             else:
@@ -420,12 +421,14 @@ def run_model(cfg: CompareConfig, executor=None, *, force_config: bool = False,
     return out
 
 
-def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> None:
+def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> CompareConfig:
+    """``cfg`` with its threads resolved, checked against the stored configuration and
+    recorded."""
     stored = db.stored_config()
-    cfg.resolve_threads(stored)
+    cfg = cfg.resolve_threads(stored)
     if stored is None:
         db.set_meta("config", cfg.to_json())
-        return
+        return cfg
     diffs = config_differences(stored, cfg)
     if diffs and not force:
         raise RunError("--resume with another configuration (" + "; ".join(diffs) +
@@ -435,6 +438,7 @@ def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> 
         history.append({"time": time.time(), "differences": diffs, "config": cfg.to_json()})
         db.set_meta("forced_config", history)
         db.set_meta("config", cfg.to_json())
+    return cfg
 
 
 def mark_unrequested(db: ResultsDB, cfg: CompareConfig) -> None:
@@ -458,7 +462,7 @@ def _train_all(cfg: CompareConfig, data: Dataset, db: ResultsDB, out: Path) -> N
             except Exception as err:  # a run's failure is recorded; the others go on
                 run_id = run_id_of(policy, seed)
                 if db.run(run_id) is None:
-                    db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
+                    db.start_run(run_id, policy=str(policy), policy_spec=str(policy), seed=seed,
                                  config=cfg.to_json(), versions=env["versions"],
                                  git=env["git"], hardware=env["hardware"])
                 db.finish_run(run_id, "failed", error=failure_message(err))
