@@ -176,3 +176,25 @@ def test_public_api_is_importable_from_the_top():
         assert hasattr(lowprec, name), name
     assert callable(lowprec.analysis.certify)
     assert lowprec.optim.SGD.__module__.startswith("lowprec.training.optim")
+
+
+REGIME_MODULES = {"binary", "dynamic_fixed", "scaled"}
+FACADES = {("lowprec",), ("lowprec", "training")}
+
+
+@pytest.mark.parametrize("path,mod,is_pkg", ALL, ids=[".".join(m) for _, m, _ in ALL])
+def test_regimes_plug_in_and_import_no_optimizer(path, mod, is_pkg):
+    """Inside training: no module but the facades names a regime (binary, dynamic fixed point,
+    scaled) by importing it: the engine, the optimizers and Precision reach regimes through
+    the registry and ``resolve``; and a regime imports no optimizer (optim sits above them)."""
+    here = tuple(mod)
+    in_regimes = here[:3] == ("lowprec", "training", "regimes")
+    problems = []
+    for target, names, line in _imports(path, mod, is_pkg):
+        named = {t for t in target[3:4] + names} if target[:3] == ["lowprec", "training",
+                                                                    "regimes"] else set()
+        if named & REGIME_MODULES and not in_regimes and here not in FACADES:
+            problems.append(f"line {line}: imports the regime {sorted(named & REGIME_MODULES)}")
+        if in_regimes and target[:3] == ["lowprec", "training", "optim"]:
+            problems.append(f"line {line}: a regime imports {'.'.join(target)}")
+    assert not problems, "\n".join(problems)

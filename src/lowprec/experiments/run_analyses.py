@@ -10,7 +10,7 @@ from torch import nn
 
 from ..analysis import fp32_twin, layer_errors, lost_updates, range_profile
 from ..analysis.certify import certify
-from ..numerics.formats import FP32, BinaryFormat, DynamicFixedFormat, parse_format
+from ..numerics.formats import FP32, BinaryFormat, parse_format
 from ..training.precision import Precision
 from .config import CompareConfig
 from .data import Dataset
@@ -24,7 +24,7 @@ def certificate_formats(policy) -> list[str]:
     32-bit run (the paper's question: may this fp32 model run in 16 bits?)."""
     if isinstance(policy.compute, BinaryFormat):
         return []  # a binarized network has no float twin to compare with
-    if policy.compute == FP32 or isinstance(policy.compute, DynamicFixedFormat):
+    if policy.compute == FP32 or policy.compute.dynamic:
         return ["fp16", "bf16"]
     return [str(policy.compute)]
 

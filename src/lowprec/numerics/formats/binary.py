@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .registry import FormatFamily, register_format_family
 
@@ -12,6 +13,9 @@ __all__ = ["BinaryFormat", "BINARY_FAMILY"]
 @dataclass(frozen=True)
 class BinaryFormat:
     """Sign only: +1 or -1, with 0 mapped to +1 (BinaryNet, Courbariaux, Hubara et al. 2016)."""
+
+    #: a static grid (see DynamicFixedFormat.dynamic)
+    dynamic: ClassVar[bool] = False
 
     bits: int = field(default=1, init=False)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from .base import check_int
 from .fixed import FixedFormat
@@ -26,6 +27,9 @@ class BlockFormat:
     one exponent across the whole tensor: the dynamic fixed point of Courbariaux et al. (2014)
     with an integer element.
     """
+
+    #: a static grid per block scale (see DynamicFixedFormat.dynamic)
+    dynamic: ClassVar[bool] = False
 
     element: FloatFormat | FixedFormat
     block_size: int | None = 32

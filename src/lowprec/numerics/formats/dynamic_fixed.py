@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import check_int
 from .fixed import FixedFormat
@@ -26,6 +27,11 @@ class DynamicFixedFormat:
     stays; else it shrinks by one. The state lives in :class:`lowprec.training.regimes.dynamic_fixed.Controller`
     (Precision keeps one per run); each observation rounds with the range it starts with.
     """
+
+    #: True: the grid of a tensor is chosen while training, per group of tensors, by whoever
+    #: resolves the format (the dynamic_fixed regime of lowprec.training); every format class
+    #: has this flag, False for a static grid
+    dynamic: ClassVar[bool] = True
 
     bits: int
     max_overflow: float = 1e-4

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -22,6 +23,9 @@ class FixedFormat:
     saturates at both ends. ``signed=False`` gives [0, 2**IL - 2**-FL]; ``symmetric=True`` drops
     the most negative code (the OCP MXINT8 element range is symmetric).
     """
+
+    #: a static grid (see DynamicFixedFormat.dynamic)
+    dynamic: ClassVar[bool] = False
 
     int_bits: int
     frac_bits: int

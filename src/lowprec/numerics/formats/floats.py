@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import ClassVar
 
 import numpy as np
 
@@ -52,6 +53,9 @@ class FloatFormat:
     ``overflow`` defaults to what the style's standard does: Inf for ``ieee``, NaN for ``fn`` and
     ``fnuz`` formats that have a NaN, and saturation at ``±max`` for those without one.
     """
+
+    #: a static grid (see DynamicFixedFormat.dynamic)
+    dynamic: ClassVar[bool] = False
 
     exp_bits: int
     man_bits: int
