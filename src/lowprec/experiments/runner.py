@@ -33,6 +33,7 @@ from .data import Dataset, load_checked_dataset
 from .environment import environment
 from .models import build_checked_model
 from .progress import Progress
+from .report import write_report
 from .results import NOT_REQUESTED, ResultsDB, is_blank
 from .run_analyses import analyse_run
 from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_write_bytes, foreign_entry,
@@ -411,8 +412,6 @@ def run_model(cfg: CompareConfig, executor=None, *, force_config: bool = False,
             else:
                 mark_unrequested(db, cfg)
                 executor.execute(cfg, data, db, out, environment())
-            from .report import write_report
-
             write_report(out, db)
         except (OSError, sqlite3.OperationalError) as err:
             raise _disk_error(err, db_path) from None
