@@ -158,15 +158,17 @@ def static_resolve(fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
     return fmt
 
 
-def chain_resolve(regimes: list[Regime]) -> Resolve:
+class chain_resolve:  # noqa: N801 (a function to its callers; a class so that it pickles)
     """The resolve of ``regimes`` in order (each may refine the format the one before gave); a
     format still dynamic after them is refused as :func:`static_resolve` refuses it."""
-    def resolve(fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
-        for regime in regimes:
+
+    def __init__(self, regimes: list[Regime]) -> None:
+        self.regimes = list(regimes)
+
+    def __call__(self, fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
+        for regime in self.regimes:
             fmt = regime.resolve(fmt, key, x)
         return static_resolve(fmt, key, x)
-
-    return resolve
 
 
 def regimes_resolve(policy, generator: torch.Generator | None = None) -> Resolve:
