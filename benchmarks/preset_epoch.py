@@ -26,7 +26,8 @@ from lowprec.analysis.certify import certify
 from lowprec.experiments.config import PRESETS, CompareConfig, split_models
 from lowprec.experiments.data import load_dataset
 from lowprec.experiments.models import build_model
-from lowprec.experiments.runner import analyse_run, certificate_formats, evaluate
+from lowprec.experiments.run_analyses import analyse_run, certificate_formats
+from lowprec.experiments.runner import evaluate
 from lowprec.experiments.system import tune_cpu_allocator
 from lowprec.training.optim import SGD
 from lowprec.training.precision import Precision
@@ -122,7 +123,7 @@ def main() -> None:
             per_model.setdefault(model_name, [0.0, 0.0])
             per_model[model_name][0] += epoch + ev
             per_model[model_name][1] += an
-            print(f"{model_name:<12} {policy:<10} {wall / args.steps:8.3f} "
+            print(f"{model_name:<12} {str(policy):<10} {wall / args.steps:8.3f} "
                   f"{cpu / args.steps:8.3f} {epoch:8.1f} {ev:7.1f} {an:10.1f}", flush=True)
     seeds = len(cfg.seeds)
     if args.anchor:

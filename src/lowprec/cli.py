@@ -196,8 +196,9 @@ def _print_models_summary(run_dir, console: Console) -> None:
 
 
 def _print_summary(run_dir, console: Console) -> None:
-    from .experiments.multi import MODELS_FILE
-    from .experiments.report import summarize, summary_rows
+    from .experiments.report import summary_rows
+    from .experiments.runfolder import MODELS_FILE
+    from .experiments.summary import summarize
     from .experiments.results import ResultsDB
 
     if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
@@ -227,45 +228,14 @@ def _print_summary(run_dir, console: Console) -> None:
 
 
 def _config_from(args, **overrides):
-    """CompareConfig from the flags: the preset's settings, then every flag given explicitly."""
-    from .experiments.config import PRESETS, CompareConfig, split_policies
+    """CompareConfig from the flags (:func:`lowprec.experiments.assembly.assemble_config`)."""
+    from .experiments.assembly import SETTINGS, assemble_config
 
-    from pathlib import Path
-
-    from .experiments.results import CorruptDatabase, read_stored_config
-
-    preset = getattr(args, "preset", None)
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"preset={_short(preset)}; accepted: {', '.join(PRESETS)}")
-    stored = None
-    if args.resume and args.out.strip() and (Path(args.out) / "results.db").exists():
-        try:
-            stored = read_stored_config(Path(args.out) / "results.db")
-        except CorruptDatabase as err:
-            raise ValueError(str(err)) from None
-    if stored is not None:
-        # --resume continues the stored comparison: flags not given take the stored values,
-        # flags given must agree with them (the runner refuses a difference)
-        values = {k: stored[k] for k in ("data", "model", "epochs", "batch_size", "lr",
-                                         "optimizer", "momentum", "weight_decay",
-                                         "train_subset", "schedule", "threads") if k in stored}
-        values["policies"] = tuple(stored.get("policies") or ())
-        values["seeds"] = tuple(stored.get("seeds") or ())
-        if preset is not None:
-            values.update(PRESETS[preset])
-    else:
-        values = dict(PRESETS[preset or "default"])
-    for key in ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum",
-                "weight_decay", "train_subset", "schedule", "threads"):
-        v = getattr(args, key, None)
-        if v is not None:
-            values[key] = v
-    if getattr(args, "policies", None) is not None:
-        values["policies"] = tuple(split_policies(args.policies))
-    if getattr(args, "seeds", None) is not None:
-        values["seeds"] = tuple(range(args.seeds))
-    values.update(overrides)
-    return CompareConfig(out=args.out, resume=args.resume, quiet=args.quiet, **values)
+    return assemble_config(out=args.out, resume=args.resume, quiet=args.quiet,
+                           preset=getattr(args, "preset", None),
+                           policies=getattr(args, "policies", None),
+                           seeds=getattr(args, "seeds", None), overrides=overrides,
+                           **{k: getattr(args, k, None) for k in SETTINGS})
 
 
 def _executor_from(args):
@@ -289,7 +259,7 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     from .experiments.results import CorruptDatabase
     from .experiments.config import RunError
     from .experiments.runfolder import FolderBusy, RunIOError
-    from .experiments.runner import failed_runs, run_compare
+    from .experiments.compare import failed_runs, run_compare
 
     try:
         out = run_compare(cfg, executor, force_config=force_config, config_text=config_text)
@@ -303,14 +273,7 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
         print(f"interrupted: finished runs are stored in {cfg.out}; continue with --resume",
               file=sys.stderr)
         return 143 if isinstance(err, _Terminated) else 130
-    from dataclasses import replace
-
-    from .experiments.config import split_models
-
-    models = split_models(cfg.model)
-    failed = failed_runs(Path(out), cfg) if len(models) == 1 else [
-        (f"{m}/{run_id}", reason) for m in models
-        for run_id, reason in failed_runs(Path(out) / m, replace(cfg, model=m))]
+    failed = failed_runs(Path(out), cfg)
     if as_json:
         from .experiments.report import summary_json
 
@@ -348,7 +311,8 @@ def cmd_report(args, console: Console) -> int:
     from .experiments.results import CorruptDatabase
     from .experiments.runfolder import RunIOError
 
-    from .experiments.multi import MODELS_FILE, write_models_report
+    from .experiments.multi import write_all_reports
+    from .experiments.runfolder import MODELS_FILE
 
     run_dir = Path(args.run_dir)
     try:
@@ -358,9 +322,7 @@ def cmd_report(args, console: Console) -> int:
         raise UserError(f"{_short(args.run_dir)}: {err.strerror or err}") from None
     if several:
         try:  # a comparison over several models: every model's report, then the combined one
-            for sub in sorted(p.parent for p in run_dir.glob("*/results.db")):
-                write_report(sub)
-            write_models_report(run_dir)
+            write_all_reports(run_dir)
         except (CorruptDatabase, sqlite3.DatabaseError) as err:
             raise UserError(str(err)) from None
         if args.json:
@@ -417,30 +379,21 @@ def cmd_export(args, console: Console) -> int:
 
 def _trained_model(args, console: Console):
     """Load --data, build --model and, with --epochs > 0, train it briefly in fp32."""
-    import torch
-    from torch import nn
+    from .experiments.data import DatasetNotFound
+    from .experiments.pretrain import train_fp32, untrained
 
-    from .experiments.data import DatasetNotFound, load_checked_dataset
-    from .experiments.models import build_checked_model
-
-    torch.manual_seed(args.seed)
     try:
-        data = load_checked_dataset(args.data)
-        model = build_checked_model(args.model, data)
+        model, data = untrained(args.data, args.model, seed=args.seed)
     except (DatasetNotFound, ValueError) as err:
         raise UserError(str(err)) from None
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    n = len(data.x_train)
-    for epoch in range(args.epochs):
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        for i in range(0, n, args.batch_size):
-            idx = perm[i:i + args.batch_size]
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
-            opt.step()
+
+    def report(epoch: int) -> None:
         if not args.quiet:
-            console.print(f"trained {args.model} on {args.data} in fp32: epoch {epoch + 1}/"
+            console.print(f"trained {args.model} on {args.data} in fp32: epoch {epoch}/"
                           f"{args.epochs}")
+
+    train_fp32(model, data, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+               seed=args.seed, on_epoch=report)
     return model, data
 
 

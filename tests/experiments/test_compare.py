@@ -4,6 +4,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -241,7 +242,6 @@ def test_resume_before_the_first_checkpoint_redoes_the_run_in_place(tmp_path):
     c.commit()
     c.close()
     assert not list((out / "checkpoints").iterdir())
-    cfg.resume = True
-    run_compare(cfg)
+    run_compare(replace(cfg, resume=True))
     rows_after, started_after = _final(out / "results.db")
     assert rows_after == rows and started_after == started

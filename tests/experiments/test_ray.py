@@ -218,7 +218,7 @@ def test_a_killed_driver_resumes_to_the_numbers_of_an_uninterrupted_run(local_ra
 
     import psutil
 
-    from lowprec.experiments.runner import checkpoint_path
+    from lowprec.experiments.checkpoints import checkpoint_path
 
     flags = dict(policies=("q6.10-sr",), seeds=(0,), epochs=4, batch_size=16, train_subset=512)
     out = tmp_path / "r"

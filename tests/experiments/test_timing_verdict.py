@@ -5,7 +5,8 @@ import sqlite3
 
 import pytest
 
-from lowprec.experiments.report import acc_cell, flagged_note, time_cell
+from lowprec.experiments.report import flagged_note
+from lowprec.experiments.summary import acc_cell, time_cell
 from lowprec.experiments.results import SCHEMA_VERSION, CorruptDatabase, ResultsDB
 from lowprec.experiments.timing import (LOAD_DIFF_MAX, EpochMeter, compare_load,
                                         overlapping_runs)

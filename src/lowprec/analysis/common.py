@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..numerics.formats import DynamicFixedFormat, Format, parse_format
+from ..numerics.formats import Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec
 from ..training.policy import Backend, Policy, parse_policy
 from ..training.precision import Precision
@@ -25,7 +25,7 @@ def static_format(fmt: str | Format, what: str, hint: str = "") -> Format:
     training: ``what`` (loss-scale search, range profile, lost updates) has no grid to measure
     against. ``certify`` runs such a format through Precision and accepts it."""
     fmt = parse_format(fmt)
-    if isinstance(fmt, DynamicFixedFormat):
+    if fmt.dynamic:
         raise ValueError(f"{what} needs a format with a static grid; {fmt} is dynamic fixed "
                          "point, whose range (and so its largest value and smallest step) is "
                          "chosen per tensor group during training: " + (hint or (

@@ -2,6 +2,6 @@
 the runner (every policy x seed, resumable), the results database and the report."""
 
 from .config import DEFAULT_POLICIES, PRESETS, CompareConfig, RunError
-from .runner import run_compare
+from .compare import run_compare
 
 __all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "RunError", "run_compare"]

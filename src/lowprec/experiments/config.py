@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, replace
 
-from ..training.policy import parse_policy, split_top
+from ..training.policy import Policy, parse_policy, split_top
 
 __all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "OPTIMIZERS", "SCHEDULES", "RunError",
-           "lr_at", "split_policies", "split_models"]
+           "lr_at", "split_policies", "split_models", "parse_named_policy"]
 
 DEFAULT_POLICIES = ("32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "16-master")
 
@@ -80,11 +80,27 @@ class RunError(Exception):
     """A configuration or output-folder problem, reported to the user in one line."""
 
 
-@dataclass
+def parse_named_policy(text: str | Policy) -> Policy:
+    """A policy of a comparison, parsed once where it enters (the CLI, a CompareConfig): named
+    as given, so it prints, keys its runs (``TEXT|seed=N``) and is stored as the text the user
+    wrote (a spec is not rewritten to its canonical form)."""
+    if isinstance(text, Policy):
+        return text
+    pol = parse_policy(text)
+    name = text.strip() if isinstance(text, str) else None
+    return pol if pol.name == name else replace(pol, name=name)
+
+
+@dataclass(frozen=True)
 class CompareConfig:
+    """What a comparison runs, frozen. ``policies`` hold parsed :class:`Policy` objects (given
+    as names, specs or bare formats, a comma-separated string, or Policies); a text no grammar
+    reads is kept as given for :meth:`validate` to report (RunError), as are seeds out of
+    range. ``seeds`` may be given as a count."""
+
     data: str = "mnist"
     model: str = "lenet5"
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[Policy, ...] = DEFAULT_POLICIES
     seeds: tuple[int, ...] = (0, 1, 2)
     epochs: int = 15
     batch_size: int = 32
@@ -103,28 +119,44 @@ class CompareConfig:
     #: configuration, so --resume uses it (:meth:`resolve_threads`)
     threads: int | None = None
 
-    def resolve_threads(self, stored: dict | None) -> None:
-        """Give ``threads`` its value when not given: the stored comparison's, else (a new
-        comparison, or one stored before the field existed) this process's torch default."""
-        if self.threads is None:
-            import torch
+    def __post_init__(self) -> None:
+        policies = self.policies
+        if isinstance(policies, str):
+            policies = tuple(p.strip() for p in split_policies(policies))
+        parsed = []
+        for p in policies:
+            try:
+                parsed.append(parse_named_policy(p))
+            except (ValueError, TypeError):
+                parsed.append(p)  # validate() says why
+        object.__setattr__(self, "policies", tuple(parsed))
+        seeds = self.seeds
+        if isinstance(seeds, int):
+            if 1 <= seeds <= MAX_RUNS:  # a count; out of range, validate() says so
+                object.__setattr__(self, "seeds", tuple(range(seeds)))
+        elif not isinstance(seeds, str) and hasattr(seeds, "__iter__"):
+            object.__setattr__(self, "seeds", tuple(seeds))
 
-            self.threads = (stored or {}).get("threads") or torch.get_num_threads()
+    def resolve_threads(self, stored: dict | None) -> "CompareConfig":
+        """This configuration with ``threads`` given its value when not given: the stored
+        comparison's, else (a new comparison, or one stored before the field existed) this
+        process's torch default."""
+        if self.threads is not None:
+            return self
+        import torch
+
+        return replace(self, threads=(stored or {}).get("threads") or torch.get_num_threads())
 
     def validate(self) -> None:
-        if isinstance(self.policies, str):
-            self.policies = tuple(p.strip() for p in split_policies(self.policies))
         if not self.policies:
             raise RunError("no policies given")
         for p in self.policies:
             try:
-                parse_policy(p)
+                parse_named_policy(p)
             except (ValueError, TypeError) as err:
                 raise RunError(str(err)) from None
         if isinstance(self.seeds, int):
-            if not 1 <= self.seeds <= MAX_RUNS:
-                raise RunError(f"seeds={self.seeds}: give 1 to {MAX_RUNS} seeds per policy")
-            self.seeds = tuple(range(self.seeds))
+            raise RunError(f"seeds={self.seeds}: give 1 to {MAX_RUNS} seeds per policy")
         if not self.seeds:
             raise RunError("no seeds given")
         if len(self.seeds) * len(self.policies) > MAX_RUNS:
@@ -135,8 +167,7 @@ class CompareConfig:
                 raise RunError(f"seed {s!r} is not an integer in [0, {MAX_SEED}]")
         if len(set(self.seeds)) != len(self.seeds):
             raise RunError(f"seeds {list(self.seeds)[:10]} repeat a seed")
-        self.seeds = tuple(self.seeds)
-        if len(set(self.policies)) != len(self.policies):
+        if len({str(p) for p in self.policies}) != len(self.policies):
             raise RunError("a policy is listed twice")
         if not isinstance(self.out, str) or not self.out.strip():
             raise RunError("--out is empty: name a run folder")
@@ -172,10 +203,10 @@ class CompareConfig:
             raise RunError(f"train_subset={self.train_subset!r} must be a positive integer")
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.pop("resume")
         d.pop("quiet")
-        d["policies"] = list(self.policies)
+        d["policies"] = [str(p) for p in self.policies]
         d["seeds"] = list(self.seeds)
         return d
 

@@ -33,8 +33,9 @@ from pathlib import Path
 
 from .config import RunError
 from .runfolder import SHARED_TOKEN
-from .runner import (Progress, checkpoint_path, failure_message, resumable, run_id_of,
-                     start_run_record, train_run)
+from .checkpoints import checkpoint_path, resumable, run_id_of
+from .progress import Progress
+from .runner import failure_message, start_run_record, train_run
 
 __all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ray",
            "EXECUTORS", "TOKEN_FILE", "FAULT_ENV"]
@@ -339,7 +340,7 @@ def _drain(queue, db, progress) -> None:
 
 # -- the task (runs in a Ray worker process) -------------------------------------------------
 
-def _run_task(cfg, data, policy: str, seed: int, out: str, token: str, queue,
+def _run_task(cfg, data, policy, seed: int, out: str, token: str, queue,
               fault: str | None) -> str:
     from .system import tune_cpu_allocator
 

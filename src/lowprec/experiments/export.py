@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .config import RunError
 from .results import ResultsDB
-from .runfolder import EXPORT_FOLDER
+from .runfolder import EXPORT_FOLDER, MODELS_FILE
 
 __all__ = ["export_run", "EXPORT_FORMATS", "EXPORT_TABLES", "ExportResult"]
 
@@ -74,7 +74,6 @@ def export_run(run_dir: str | Path, to: str, out: str | Path | None = None) -> E
     format; RunError for a folder without results, a non-empty ``out`` or a missing library."""
     if to not in EXPORT_FORMATS:
         raise ValueError(f"--to {to!r}; accepted: {', '.join(EXPORT_FORMATS)}")
-    from .multi import MODELS_FILE
 
     run_dir = Path(run_dir)
     db_path = run_dir / "results.db"

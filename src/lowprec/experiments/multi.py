@@ -15,23 +15,23 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
+from ..training.policy import parse_policy
 from .config import CompareConfig, RunError, split_models
 from .render import html_table, md_table
-from .report import BASELINE, acc_cell, summarize, time_cell
+from .report import write_report
 from .results import ResultsDB
-from .runfolder import FolderLock, atomic_write_bytes, remove_stale_temps
+from .run_analyses import certificate_formats
+from .runner import record_config_file, refuse_foreign, run_model
+from .runfolder import MODELS_FILE, FolderLock, atomic_write_bytes, remove_stale_temps
+from .summary import BASELINE, acc_cell, summarize, time_cell
 
-__all__ = ["run_models", "write_models_report", "model_tables", "MODELS_FILE"]
-
-MODELS_FILE = "models.json"
+__all__ = ["run_models", "write_models_report", "write_all_reports", "model_tables"]
 
 
 def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
                config_text: str | None = None) -> Path:
     """Run the comparison of ``cfg`` once per model of ``cfg.model`` (comma-separated), each
     into ``OUT/MODEL``, then write the combined report. Returns OUT."""
-    from .runner import record_config_file, refuse_foreign, run_compare
-
     models = split_models(cfg.model)
     out = Path(cfg.out)
     listing = out / MODELS_FILE
@@ -55,8 +55,8 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
         session = getattr(executor, "connected", None)  # one Ray instance for every model
         with session() if session else nullcontext():
             for model in models:
-                run_compare(replace(cfg, model=model, out=str(out / model)), executor,
-                            force_config=force_config, config_text=config_text)
+                run_model(replace(cfg, model=model, out=str(out / model)), executor,
+                          force_config=force_config, config_text=config_text)
         write_models_report(out)
     return out
 
@@ -64,9 +64,6 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
 def _certified(db: ResultsDB) -> dict[str, tuple[str, float]]:
     """Per policy: the certified fraction of its first certificate format (fp16 for a 32-bit
     run: may this model run in 16 bits?), mean over the seeds."""
-    from ..training.policy import parse_policy
-    from .runner import certificate_formats
-
     fracs: dict[str, list[float]] = {}
     fmt_of: dict[str, str] = {}
     for r in db.runs():
@@ -154,3 +151,11 @@ th {{ background: #f0f0f0; }} td:first-child, th:first-child {{ text-align: left
 </body></html>
 """)
     return md_path, html_path
+
+
+def write_all_reports(out: str | Path) -> None:
+    """Rebuild every model's report of a multi-model run folder, then the combined one."""
+    out = Path(out)
+    for sub in sorted(p.parent for p in out.glob("*/results.db")):
+        write_report(sub)
+    write_models_report(out)

@@ -19,110 +19,11 @@ from pathlib import Path
 
 from .render import html_table, md_table, png_bytes, stacked, subplots
 from .results import ResultsDB
-from .runfolder import atomic_write_bytes, io_error
-from .timing import LOAD_DIFF_MAX, compare_load
+from .runfolder import MODELS_FILE, atomic_write_bytes, io_error
+from .summary import BASELINE, acc_cell, final_acc, pct, summarize, time_cell
+from .timing import LOAD_DIFF_MAX
 
-__all__ = ["summarize", "write_report", "summary_rows", "acc_cell", "time_cell", "flagged_note",
-           "verdict_markdown", "verdict_html", "summary_json"]
-
-BASELINE = "32-true"
-
-
-def _final_acc(epochs: list[dict]) -> float | None:
-    for e in reversed(epochs):
-        if e["test_acc"] is not None:
-            return e["test_acc"]
-    return None
-
-
-def _weighted(epochs: list[dict], key: str) -> float | None:
-    """Mean of ``key`` over the epochs that recorded it, weighted by their wall time."""
-    pairs = [(e[key], e["seconds"]) for e in epochs if e.get(key) is not None and e["seconds"]]
-    total = sum(w for _, w in pairs)
-    return sum(v * w for v, w in pairs) / total if total else None
-
-
-def summarize(db: ResultsDB) -> list[dict]:
-    """One dict per policy, in the order the policies were first run: accuracy over the
-    finished runs (mean, sample standard deviation, n), time per epoch (wall and process CPU),
-    the load the runs saw, memory, and ratios to 32-true; ``load_check`` says whether the time
-    ratio compares like with like (:func:`lowprec.experiments.timing.compare_load`)."""
-    by_policy: dict[str, list[dict]] = {}
-    for r in db.runs():
-        by_policy.setdefault(r["policy"], []).append(r)
-    base_mem = None
-    rows = []
-    for policy, runs in by_policy.items():
-        accs, all_epochs, mems, skipped = [], [], [], []
-        for r in runs:
-            ep = db.epochs(r["run_id"])
-            if r["status"] == "finished":
-                a = _final_acc(ep)
-                if a is not None:
-                    accs.append(a)
-            all_epochs += [e for e in ep if e["seconds"]]
-            skipped.append(sum(e["skipped"] for e in ep))
-            m = db.memory(r["run_id"])
-            if m:
-                mems.append(m)
-        secs = [e["seconds"] for e in all_epochs]
-        cpus = [e["cpu_seconds"] for e in all_epochs if e.get("cpu_seconds") is not None]
-        mem_total = mems[0]["total"] if mems else None
-        if policy == BASELINE:
-            base_mem = mem_total
-        rows.append({
-            "policy": policy,
-            "backend": runs[0].get("backend") or "",
-            "runs": len(runs),
-            "finished": sum(r["status"] == "finished" for r in runs),
-            "diverged": sum(r["status"] == "diverged" for r in runs),
-            "failed": sum(r["status"] == "failed" for r in runs),
-            "acc_mean": statistics.fmean(accs) if accs else None,
-            "acc_std": statistics.stdev(accs) if len(accs) > 1 else None,
-            "acc_n": len(accs),
-            "sec_per_epoch": statistics.fmean(secs) if secs else None,
-            "cpu_per_epoch": statistics.fmean(cpus) if cpus else None,
-            "load": _weighted(all_epochs, "load"),
-            "other_cpus": _weighted(all_epochs, "other_cpus"),
-            "cpus": runs[0]["hardware"].get("cpus"),
-            "threads": (runs[0]["config"].get("threads")
-                        or runs[0]["hardware"].get("torch_threads")),
-            "memory": mem_total,
-            "memory_parts": mems[0] if mems else None,
-            "skipped": statistics.fmean(skipped) if skipped else 0.0,
-            "errors": [r["error"] for r in runs if r.get("error")],
-        })
-    base = next((r for r in rows if r["policy"] == BASELINE), None)
-    for r in rows:
-        r["acc_delta"] = (r["acc_mean"] - base["acc_mean"]) if (
-            base and base["acc_mean"] is not None and r["acc_mean"] is not None) else None
-        r["memory_rel"] = (r["memory"] / base_mem) if (base_mem and r["memory"]) else None
-        r["time_rel"] = (r["sec_per_epoch"] / base["sec_per_epoch"]) if (
-            base and base["sec_per_epoch"] and r["sec_per_epoch"]) else None
-        r["cpu_rel"] = (r["cpu_per_epoch"] / base["cpu_per_epoch"]) if (
-            base and base["cpu_per_epoch"] and r["cpu_per_epoch"]) else None
-        r["load_check"] = (compare_load(base, r, other_name=r["policy"])
-                           if base and r is not base and r["time_rel"] is not None else None)
-        r["time_comparable"] = r["load_check"] is None or r["load_check"].comparable
-    return rows
-
-
-def acc_cell(r: dict) -> str:
-    """Accuracy of a summary row in percent: mean ± sample standard deviation over the seeds,
-    or the one value and n=1 (one seed has no spread to show)."""
-    if r["acc_mean"] is None:
-        return "-"
-    if r["acc_n"] < 2 or r["acc_std"] is None:
-        return f"{_pct(r['acc_mean'])} (n=1)"
-    return f"{_pct(r['acc_mean'])} ± {_pct(r['acc_std'])}"
-
-
-def time_cell(r: dict) -> str:
-    """The time ratio to 32-true; an asterisk where the runs saw different load."""
-    if r["time_rel"] is None:
-        return "-"
-    return f"{r['time_rel']:.2f}x" + ("" if r["time_comparable"] else "*")
-
+__all__ = ["write_report", "summary_rows", "flagged_note", "verdict_markdown", "verdict_html", "summary_json"]
 
 _JSON_KEYS = ("policy", "backend", "runs", "finished", "diverged", "failed", "acc_mean",
               "acc_std", "acc_n", "acc_delta", "sec_per_epoch", "cpu_per_epoch", "time_rel",
@@ -135,7 +36,6 @@ def summary_json(run_dir: str | Path) -> dict:
     numbers of the summary table (fractions, not percents; None where not measured), why a
     time ratio is not comparable, and the verdict; a comparison over several models gives one
     such summary per model under "models"."""
-    from .multi import MODELS_FILE
     from .verdict import recommend
 
     run_dir = Path(run_dir)
@@ -164,12 +64,6 @@ def summary_json(run_dir: str | Path) -> dict:
     return {**out, "verdict": verdict.to_json(), "policies": policies, "runs": runs}
 
 
-def _pct(v, signed=False):
-    if v is None:
-        return "-"
-    return f"{100 * v:+.2f}" if signed else f"{100 * v:.2f}"
-
-
 def summary_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Column names and formatted cells, shared by the CLI table and both reports."""
     cols = ["policy", "backend", "test acc % (mean ± std)", "Δ vs 32-true (pts)", "s/epoch",
@@ -177,7 +71,7 @@ def summary_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     out = []
     for r in rows:
         out.append([
-            r["policy"], r["backend"], acc_cell(r), _pct(r["acc_delta"], signed=True),
+            r["policy"], r["backend"], acc_cell(r), pct(r["acc_delta"], signed=True),
             "-" if r["sec_per_epoch"] is None else f"{r['sec_per_epoch']:.2f}",
             time_cell(r),
             "-" if r["memory_rel"] is None else f"{r['memory_rel']:.2f}x",
@@ -414,8 +308,8 @@ def _runs_table(db: ResultsDB) -> tuple[list[str], list[list[str]]]:
     cols = ["run", "status", "final test acc %", "diverged at step", "note"]
     out = []
     for r in db.runs():
-        a = _final_acc(db.epochs(r["run_id"]))
-        out.append([r["run_id"], r["status"], _pct(a), "-" if r["diverged_step"] is None else
+        a = final_acc(db.epochs(r["run_id"]))
+        out.append([r["run_id"], r["status"], pct(a), "-" if r["diverged_step"] is None else
                     str(r["diverged_step"]), (r.get("error") or "")[:160]])
     return cols, out
 

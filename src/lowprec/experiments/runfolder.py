@@ -26,7 +26,7 @@ from pathlib import Path
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
            "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
-           "CONFIG_FILE"]
+           "CONFIG_FILE", "MODELS_FILE"]
 
 LOCK_NAME = ".lock"
 #: written by the Ray driver for its tasks to prove they see the run folder
@@ -42,8 +42,10 @@ RUN_SUBFOLDERS = {"checkpoints": (".pt", ".killed"), "report_files": (".png",)}
 EXPORT_FOLDER = "export"
 #: the --config file a comparison was started with, as given (recorded in the run folder)
 CONFIG_FILE = "run.toml"
+#: the list of models of a comparison over several architectures (lowprec.experiments.multi)
+MODELS_FILE = "models.json"
 #: the files of a comparison over several models (each model's run folder is a sub-folder)
-MODELS_FOLDER_FILES = frozenset({LOCK_NAME, "models.json", "report.md", "report.html",
+MODELS_FOLDER_FILES = frozenset({LOCK_NAME, MODELS_FILE, "report.md", "report.html",
                                  "run.toml"})
 # ".NAME.lowprec-tmpPID": this module's temp files; "NAME.tmpPID" of lowprec's own file names:
 # the temp files of earlier versions (still removed when a killed one left them)

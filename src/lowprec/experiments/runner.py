@@ -1,142 +1,49 @@
-"""The experiment runner: every policy x seed, on real data, stored as it goes, resumable.
+"""The run loop: one (policy, seed) run trained, evaluated, recorded and checkpointed after
+every epoch; and one model's comparison (every policy x seed) run into its run folder.
 
-``run_compare(config)`` trains each (policy, seed) run with :class:`lowprec.Precision`,
+``run_model(config)`` trains each (policy, seed) run with :class:`lowprec.Precision`,
 evaluates on the test split after every epoch, and writes everything to ``results.db`` in the
 run folder (see :mod:`lowprec.experiments.results`). After each epoch the run's state (model, optimizer,
 precision, generators) is checkpointed atomically; an interrupted compare continues with
 ``resume=True``: finished runs are kept, unfinished ones restart from their last checkpoint
 and give the same numbers as an uninterrupted run. A run whose parameters become non-finite is
-recorded as diverged, with its step, and the comparison goes on.
+recorded as diverged, with its step, and the comparison goes on. The entry point, which also
+runs several models, is :func:`lowprec.experiments.compare.run_compare`.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
-import os
-import platform
 import sqlite3
-import subprocess
-import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .. import __version__
-from ..analysis.certify import certify
-from .config import CompareConfig, RunError, lr_at, split_models
-from .data import Dataset, load_checked_dataset
-from .models import build_checked_model
-from ..training.hardware import device_facts
 from ..training.optim import SGD, Adam
+from ..training.policy import Policy
 from ..training.precision import Precision
+from .checkpoints import atomic_save, checkpoint_path, resumable, run_id_of
+from .config import CompareConfig, RunError, lr_at
+from .data import Dataset, load_checked_dataset
+from .environment import environment
+from .models import build_checked_model
+from .progress import Progress
+from .report import write_report
 from .results import NOT_REQUESTED, ResultsDB, is_blank
-from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_torch_save,
-                        atomic_write_bytes, foreign_entry, io_error, remove_stale_temps,
-                        temp_path)
+from .run_analyses import analyse_run
+from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_write_bytes, foreign_entry,
+                        io_error, remove_stale_temps, temp_path)
 from .system import tune_cpu_allocator
 from .timing import EpochMeter
 
-__all__ = ["run_compare", "train_run", "environment", "atomic_save", "analyse_run",
-           "certificate_formats", "config_differences", "check_policies", "failed_runs",
-           "Progress", "run_id_of", "checkpoint_path", "resumable", "start_run_record",
-           "failure_message", "mark_unrequested", "refuse_foreign", "record_config_file"]
-
-def environment() -> dict:
-    """Library versions, git revision and hardware, recorded with every run."""
-    import numpy
-
-    from ..numerics import kernel as _kernel
-
-    versions = {"lowprec": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
-                "python": sys.version.split()[0]}
-    git = None
-    try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        if out.returncode == 0:
-            git = out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    hw = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-          "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-          "kernel": _kernel.available(), "platform": platform.platform(),
-          "cpu": device_facts("cpu").to_json()}  # what backend=auto decides by
-    if torch.cuda.is_available():
-        hw["cuda"] = torch.cuda.get_device_name(0)
-    return {"versions": versions, "git": git, "hardware": hw}
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, then rename: a reader sees the old or the new file; on
-    failure the temporary file is removed and RunIOError names the path."""
-    atomic_torch_save(obj, path, "the checkpoint")
-
-
-def certificate_formats(policy) -> list[str]:
-    """The formats a trained run is certified in: its compute format, or fp16 and bf16 for a
-    32-bit run (the paper's question: may this fp32 model run in 16 bits?)."""
-    from ..numerics.formats import FP32, BinaryFormat, DynamicFixedFormat
-
-    if isinstance(policy.compute, BinaryFormat):
-        return []  # a binarized network has no float twin to compare with
-    if policy.compute == FP32 or isinstance(policy.compute, DynamicFixedFormat):
-        return ["fp16", "bf16"]
-    return [str(policy.compute)]
-
-
-def analyse_run(db: ResultsDB, run_id: str, model: nn.Module, prec: Precision, data: Dataset,
-                x_train: torch.Tensor, y_train: torch.Tensor, cfg: CompareConfig) -> None:
-    """Store the analyses of a trained run for the report: the certificate, layer-wise errors,
-    the range profile and lost updates, in each format of :func:`certificate_formats`."""
-    from ..analysis import layer_errors, lost_updates, range_profile
-    from ..analysis import fp32_twin
-    from ..numerics.formats import FP32, parse_format
-
-    ce = nn.functional.cross_entropy
-    batch = (x_train[:256].clone(), y_train[:256].clone())
-    for fmt in certificate_formats(prec.policy):
-        cert = certify(model, (data.x_test, data.y_test), fmt)
-        db.record_analysis(run_id, f"certificate:{fmt}", cert.to_payload())
-        errs = layer_errors(model, data.x_test[:256], fmt)
-        db.record_analysis(run_id, f"layers:{fmt}", {"layers": [asdict(e) for e in errs]})
-        twin = fp32_twin(model)  # fp32 gradients, measured against the format
-        prof = range_profile(twin, batch, ce, fmt)
-        db.record_analysis(run_id, f"ranges:{fmt}", _compact_profile(prof))
-        pfmt = prec.policy.params if prec.policy.params != FP32 else parse_format(fmt)
-        lost = lost_updates(twin, batch, ce, pfmt, lr=cfg.lr,
-                            optimizer="adam" if cfg.optimizer == "adam" else "sgd")
-        db.record_analysis(run_id, f"lost:{fmt}", {"format": str(pfmt), "lr": cfg.lr,
-                                                   "layers": [asdict(r) for r in lost]})
-
-
-def _compact_profile(prof) -> dict:
-    """Per role: the histogram summed over layers and the weighted fractions."""
-    out = {"format": prof.format, "roles": {}, "recommended_scale": prof.gradient_scale()}
-    for role in ("weights", "activations", "activation_grads", "weight_grads"):
-        rows = prof.role(role)
-        if not rows:
-            continue
-        hist = None
-        for r in rows:
-            if r.hist:
-                hist = r.hist if hist is None else [a + b for a, b in zip(hist, r.hist)]
-        out["roles"][role] = {k: prof.fraction(role, k) for k in ("overflow", "flush",
-                                                                  "subnormal")}
-        out["roles"][role]["hist"] = hist or []
-    return out
-
-
-def _run_key(run_id: str) -> str:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run_id)[:60]
-    return f"{safe}-{hashlib.sha1(run_id.encode()).hexdigest()[:8]}"
+__all__ = ["run_model", "train_run", "evaluate", "config_differences", "check_policies",
+           "failed_runs", "start_run_record", "failure_message", "mark_unrequested",
+           "refuse_foreign", "record_config_file"]
 
 
 def _prepare_out(out: Path) -> None:
@@ -222,84 +129,6 @@ def evaluate(model: nn.Module, prec: Precision, x: torch.Tensor, y: torch.Tensor
     return total_loss / len(x), correct / len(x)
 
 
-class Progress:
-    """Progress of a comparison: nothing when quiet; on a terminal, rich progress bars (one
-    overall, one per run in flight: the local runner has one at a time, the Ray driver one per
-    task); otherwise (a pipe, a log file: ``make demo > log``), one plain line per finished
-    epoch and per finished run, flushed at once, where rich would draw nothing until the end.
-    ``step`` and ``run_done`` without a name act on the run started last."""
-
-    def __init__(self, total_runs: int, quiet: bool, *, plain: bool | None = None) -> None:
-        self.quiet = quiet
-        self.bars: dict[str, int] = {}
-        self.last: str | None = None
-        self.total, self.done = total_runs, 0
-        self.plain = (not sys.stdout.isatty()) if plain is None else plain
-        if quiet or self.plain:
-            return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _Rich, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
-
-        self.p = _Rich(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-        self.overall = self.p.add_task("all runs", total=total_runs)
-
-    @property
-    def _bars(self) -> bool:
-        return not (self.quiet or self.plain)
-
-    def _line(self, text: str) -> None:
-        print(text, flush=True)
-
-    def __enter__(self):
-        if self._bars:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._bars:
-            self.p.__exit__(*exc)
-
-    def start_run(self, name: str, total_steps: int, done_steps: int = 0) -> None:
-        self.last = name
-        if not self._bars:
-            return
-        if name in self.bars:
-            self.p.remove_task(self.bars.pop(name))
-        self.bars[name] = self.p.add_task(name, total=total_steps, completed=done_steps)
-
-    def step(self, n: int = 1, name: str | None = None) -> None:
-        name = self.last if name is None else name
-        if self._bars and name in self.bars:
-            self.p.advance(self.bars[name], n)
-
-    def epoch_done(self, name: str, epoch: int, epochs: int, *, train_loss=None,
-                   test_acc=None, seconds=None) -> None:
-        """A finished epoch (1-based): a plain line when not on a terminal."""
-        if self.quiet or not self.plain:
-            return
-        parts = [f"{name}: epoch {epoch}/{epochs}"]
-        if train_loss is not None and math.isfinite(train_loss):
-            parts.append(f"train loss {train_loss:.4f}")
-        if test_acc is not None and math.isfinite(test_acc):
-            parts.append(f"test acc {100 * test_acc:.2f}%")
-        if seconds is not None:
-            parts.append(f"{seconds:.1f} s")
-        self._line(", ".join(parts))
-
-    def run_done(self, name: str | None = None) -> None:
-        name = self.last if name is None else name
-        self.done += 1
-        if self.quiet:
-            return
-        if self.plain:
-            self._line(f"all runs: {self.done}/{self.total} done" + (f" ({name})" if name else ""))
-            return
-        if name in self.bars:
-            self.p.remove_task(self.bars.pop(name))
-        self.p.advance(self.overall, 1)
-
-
 def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
     """The memory ledger of one step, leaving no trace in the run: the forward and backward it
     needs would advance stochastic rounding's generator, move dynamic fixed-point ranges and
@@ -319,23 +148,7 @@ def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
             p.grad = g
 
 
-def run_id_of(policy: str, seed: int) -> str:
-    """The key of a (policy, seed) run in results.db."""
-    return f"{policy}|seed={seed}"
-
-
-def checkpoint_path(out: Path, run_id: str) -> Path:
-    """Where a run's checkpoint lives in the run folder."""
-    return out / "checkpoints" / f"{_run_key(run_id)}.pt"
-
-
-def resumable(existing: dict | None) -> bool:
-    """A stored run that continues (from its checkpoint) rather than starts afresh."""
-    return existing is not None and (existing["status"] == "running" or (
-        existing["status"] == "failed" and existing.get("error") == NOT_REQUESTED))
-
-
-def _set_up(cfg: CompareConfig, data: Dataset, policy: str, seed: int):
+def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int):
     """The model, optimizer, Precision and training split of a run, as every run builds them."""
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
@@ -348,11 +161,11 @@ def _set_up(cfg: CompareConfig, data: Dataset, policy: str, seed: int):
     return model, opt, prec, x_train, y_train
 
 
-def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env: dict,
+def _record_start(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, env: dict,
                   prec: Precision, model: nn.Module, x_train, y_train) -> None:
     """A fresh run's row, backend and memory ledger (measured without a trace)."""
     run_id = run_id_of(policy, seed)
-    db.start_run(run_id, policy=policy, policy_spec=prec.policy.spec, seed=seed,
+    db.start_run(run_id, policy=str(policy), policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
                  hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg),
                            "backend_choice": prec.backend_choice.to_json()})
@@ -361,7 +174,7 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: str, seed: int, env
     db.record_memory(run_id, _measure_memory(prec, model, batch))
 
 
-def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: str, seed: int,
+def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: Policy, seed: int,
                      env: dict) -> None:
     """What :func:`train_run` records when a run starts afresh (its row, backend and memory
     ledger), done by a driver whose runs execute elsewhere (the Ray executor): the model is
@@ -409,7 +222,7 @@ def _run_threads(cfg: CompareConfig):
         torch.set_num_threads(caller)
 
 
-def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+def train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db: ResultsDB,
               out: Path, env: dict, progress: "Progress | None" = None) -> str:
     """Train (or continue) one (policy, seed) run of ``cfg`` on ``data``, recording every epoch
     in ``db`` and checkpointing under ``out/checkpoints``; returns its status. The caller holds
@@ -424,7 +237,7 @@ def train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: Res
         return _train_run(cfg, data, policy, seed, db, out, env, progress)
 
 
-def _train_run(cfg: CompareConfig, data: Dataset, policy: str, seed: int, db: ResultsDB,
+def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db: ResultsDB,
                out: Path, env: dict, progress: "Progress | None") -> str:
     progress = progress or Progress(1, True)
     run_id = run_id_of(policy, seed)
@@ -550,15 +363,14 @@ def record_config_file(out: Path, text: str | None) -> None:
         atomic_write_bytes(out / CONFIG_FILE, text.encode(), "the configuration file")
 
 
-def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False,
-                config_text: str | None = None) -> Path:
-    """Train every policy x seed of ``cfg``, store the results, write the report.
+def run_model(cfg: CompareConfig, executor=None, *, force_config: bool = False,
+              config_text: str | None = None) -> Path:
+    """Train every policy x seed of ``cfg`` (one model), store the results, write the report.
     Returns the run folder.
 
     ``executor`` decides where the runs execute: None runs them one after another in this
     process; :class:`lowprec.experiments.executors.RayExecutor` runs each as a Ray task. Either
-    way this process is the only writer of results.db. Several models (``cfg.model``
-    comma-separated) run one comparison per model (:mod:`lowprec.experiments.multi`).
+    way this process is the only writer of results.db.
 
     The folder is locked for the whole call (:class:`FolderLock`). With ``cfg.resume`` the
     stored configuration must match ``cfg`` (RunError listing the differences) unless
@@ -570,10 +382,6 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     cfg.validate()
     if getattr(executor, "preflight", None):  # what can never run: refused before anything
         executor.preflight()
-    if len(split_models(cfg.model)) > 1:  # one comparison per architecture
-        from .multi import run_models
-
-        return run_models(cfg, executor, force_config=force_config, config_text=config_text)
     tune_cpu_allocator()
     out = Path(cfg.out)
     _prepare_out(out)
@@ -598,14 +406,12 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
         except sqlite3.OperationalError as err:
             raise io_error(db_path, "the results database", err) from None
         try:
-            _check_and_record_config(db, cfg, force_config)
+            cfg = _check_and_record_config(db, cfg, force_config)
             if executor is None:
                 _train_all(cfg, data, db, out)
             else:
                 mark_unrequested(db, cfg)
                 executor.execute(cfg, data, db, out, environment())
-            from .report import write_report
-
             write_report(out, db)
         except (OSError, sqlite3.OperationalError) as err:
             raise _disk_error(err, db_path) from None
@@ -614,12 +420,14 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     return out
 
 
-def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> None:
+def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> CompareConfig:
+    """``cfg`` with its threads resolved, checked against the stored configuration and
+    recorded."""
     stored = db.stored_config()
-    cfg.resolve_threads(stored)
+    cfg = cfg.resolve_threads(stored)
     if stored is None:
         db.set_meta("config", cfg.to_json())
-        return
+        return cfg
     diffs = config_differences(stored, cfg)
     if diffs and not force:
         raise RunError("--resume with another configuration (" + "; ".join(diffs) +
@@ -629,6 +437,7 @@ def _check_and_record_config(db: ResultsDB, cfg: CompareConfig, force: bool) -> 
         history.append({"time": time.time(), "differences": diffs, "config": cfg.to_json()})
         db.set_meta("forced_config", history)
         db.set_meta("config", cfg.to_json())
+    return cfg
 
 
 def mark_unrequested(db: ResultsDB, cfg: CompareConfig) -> None:
@@ -652,7 +461,7 @@ def _train_all(cfg: CompareConfig, data: Dataset, db: ResultsDB, out: Path) -> N
             except Exception as err:  # a run's failure is recorded; the others go on
                 run_id = run_id_of(policy, seed)
                 if db.run(run_id) is None:
-                    db.start_run(run_id, policy=policy, policy_spec=str(policy), seed=seed,
+                    db.start_run(run_id, policy=str(policy), policy_spec=str(policy), seed=seed,
                                  config=cfg.to_json(), versions=env["versions"],
                                  git=env["git"], hardware=env["hardware"])
                 db.finish_run(run_id, "failed", error=failure_message(err))

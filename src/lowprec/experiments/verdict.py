@@ -29,8 +29,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..analysis.advise import judge
-from .report import BASELINE, acc_cell
 from .results import ResultsDB
+from .summary import BASELINE, acc_cell
 
 __all__ = ["Verdict", "recommend", "MIN_TOLERANCE", "ONE_SEED_TOLERANCE", "MEMORY_TIE"]
 
@@ -117,7 +117,7 @@ def _findings(db: ResultsDB, policy: str) -> list[dict]:
 
 
 def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
-    """The verdict of a comparison (``rows``: :func:`lowprec.experiments.report.summarize`)."""
+    """The verdict of a comparison (``rows``: :func:`lowprec.experiments.summary.summarize`)."""
     base = next((r for r in rows if r["policy"] == BASELINE), None)
     if base is None or base["acc_mean"] is None:
         return Verdict(None, f"No recommendation: this comparison has no finished {BASELINE} "

@@ -52,9 +52,7 @@ class MemoryLedger:
 def _on_grid(t: torch.Tensor, fmt: Format) -> bool:
     """Whether every value of ``t`` is representable in ``fmt`` (for dynamic fixed point: at
     the range its largest value needs, or one or two above)."""
-    from ..numerics.formats import DynamicFixedFormat
-
-    if isinstance(fmt, DynamicFixedFormat):
+    if fmt.dynamic:
         amax = float(t.abs().max()) if t.numel() else 0.0
         if not amax or amax != amax or amax == float("inf"):
             return amax == 0.0

@@ -39,7 +39,7 @@ from ..numerics.rounding import Rounding, RoundingSpec, parse_rounding
 from .loss_scale import DYNAMIC_OPTIONS, loss_scale_spec, parse_loss_scale
 from .scaling import RECIPES, GemmScaling, parse_scaling
 
-__all__ = ["Policy", "parse_policy", "POLICIES", "register_policy", "UPDATE_MODES", "split_top",
+__all__ = ["Policy", "parse_policy", "policy_or_format", "POLICIES", "register_policy", "UPDATE_MODES", "split_top",
            "WriteBack", "Backend", "Scope"]
 
 
@@ -226,7 +226,8 @@ def _bad_policy(spec, why: str = "") -> ValueError:
     names = ", ".join(POLICIES)
     reason = f" ({why})" if why else ""
     return ValueError(f"unknown policy {spec!r}{reason}; valid names: {names}; or a spec such as "
-                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc")
+                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc; or a "
+                      "format such as 'bf16' or 'e4m3fn' (every role in it)")
 
 
 def _parse_spec(spec: str) -> Policy:
@@ -331,25 +332,46 @@ def _fixed_policy(name: str, m: re.Match) -> Policy:
     return replace(_parse_spec(spec), name=name)
 
 
-def parse_policy(spec: str | Policy) -> Policy:
-    """A named policy (``"16-true"``), a compact spec, or a Policy (returned as is)."""
+def policy_or_format(spec: str | Policy) -> Policy | Format:
+    """The one grammar of a policy argument (``--policies``, ``Precision(policy)``, the
+    ``overrides=`` of a module): a Policy (returned as is), a named policy (``"16-true"``), a
+    fixed-point regime (``"q6.10-sr"``), a compact spec (``"p=fp32,c=bf16"``), or else a bare
+    format (``"bf16"``, ``"e4m3fn"``), returned as the format: every role in it
+    (:func:`parse_policy` makes it a policy; an override keeps its base's rounding)."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"a policy must be a name, a spec string or a Policy, got {spec!r}")
+        try:
+            return parse_format(spec)  # a format object
+        except TypeError:
+            raise TypeError(f"a policy must be a name, a spec string, a format or a Policy, got "
+                            f"{spec!r}") from None
     key = spec.strip()
     if key in POLICIES:
         return POLICIES[key]
     if m := _FIXED_POLICY_RE.match(key.lower()):
         return _fixed_policy(key, m)
     if "=" not in key:
-        raise _bad_policy(spec)
+        try:
+            return parse_format(key)
+        except (ValueError, TypeError):
+            raise _bad_policy(spec) from None
     try:
         return _parse_spec(key)
     except ValueError as err:
         if str(err).startswith("unknown policy"):
             raise
         raise ValueError(f"policy {spec!r}: {err}") from None
+
+
+def parse_policy(spec: str | Policy) -> Policy:
+    """A named policy (``"16-true"``), a compact spec, a bare format (``"e4m3fn"``: the policy
+    with every role in that format, named as given), or a Policy (returned as is); the grammar
+    of :func:`policy_or_format`."""
+    found = policy_or_format(spec)
+    if isinstance(found, Policy):
+        return found
+    return replace(_parse_spec(f"p={found}"), name=spec.strip() if isinstance(spec, str) else None)
 
 
 # Lightning's names where it has them; Apex O2 is "16-master".

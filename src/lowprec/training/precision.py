@@ -48,7 +48,7 @@ from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
 from .optim.torch_adam import TORCH_ADAMS, OptimizerPrecisionWarning, adam_risks, adam_warning
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
-from .regimes import GroupKey, Regime, regimes_for
+from .regimes import GroupKey, Regime, regimes_for, static_resolve
 
 # models a Precision has converted (weak: a model's copy is not in it; a dead model leaves it)
 _SET_UP: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -134,7 +134,7 @@ class Precision:
         """The static format a group rounds with now (each regime may refine it)."""
         for regime in self.regimes:
             fmt = regime.resolve(fmt, key, x)
-        return fmt
+        return static_resolve(fmt, key, x)  # a dynamic format no regime resolved: refused
 
     def _engine_options(self) -> dict:
         options: dict = {}
@@ -261,7 +261,7 @@ class Precision:
     def _setup_optimizer(self, optimizer):
         pol = self.policy
         storage = self._backend.optimizer_storage()  # param_format (, param_formats)
-        options = dict(self._engine_options(), names=self._backend.names,
+        options = dict(self._engine_options(), names=self._backend.names, resolve=self._resolve,
                        **{k: v for k, v in storage.items() if k != "param_format"})
         kwargs = dict(param_format=storage["param_format"], state_format=pol.optimizer_state,
                       master_format=pol.master, update=pol.update, generator=self.generator,

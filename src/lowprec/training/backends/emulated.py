@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ...numerics.formats import FP32, DynamicFixedFormat, Format
+from ...numerics.formats import FP32, Format
 from ...numerics.quantize import quantize_
 from ..emulation import Emulation
 from ..policy import Backend, Scope
@@ -39,7 +39,7 @@ class EmulatedBackend(PrecisionBackend):
         pol = self.policy
         self.engine = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
                                 overrides=self.overrides,
-                                match_cpu_kernels=self.match_cpu_kernels,
+                                match_cpu_kernels=self.match_cpu_kernels, resolve=self.resolve,
                                 **self.engine_options)
         self._store(model)
 
@@ -55,7 +55,7 @@ class EmulatedBackend(PrecisionBackend):
         for name, b in model.named_buffers():
             fmt = em.param_format(name)
             if (b.is_floating_point() and fmt != FP32 and em.rule_of(name).scope == "all"
-                    and not isinstance(fmt, DynamicFixedFormat)):
+                    and not fmt.dynamic):
                 quantize_(b, fmt)
         em.mark_storage(model)
 
@@ -98,7 +98,7 @@ class EmulatedBackend(PrecisionBackend):
         for name, b in model.named_buffers(remove_duplicate=False):
             fmt = em.param_format(name)
             if (b.is_floating_point() and em.rule_of(name).scope == "all"
-                    and not isinstance(fmt, DynamicFixedFormat)):
+                    and not fmt.dynamic):
                 out[name] = fmt
         return {k: f for k, f in out.items() if f != FP32}
 

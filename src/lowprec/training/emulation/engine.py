@@ -39,14 +39,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...numerics.formats import FP32, BlockFormat, DynamicFixedFormat, Format, parse_format
+from ...numerics.formats import FP32, BlockFormat, Format
 from ...numerics.quantize import quantize, quantize_
 from ...numerics import summation
 from ...numerics.rounding import Rounding, check_generator
-from ..policy import Policy, parse_policy
+from ..policy import Policy, parse_policy, policy_or_format
 from ..scaling import GemmScaling
-from ..regimes.base import GroupKey, Role
-from ..regimes.dynamic_fixed import Controller, resolve
+from ..regimes.base import GroupKey, Role, Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
@@ -100,15 +99,13 @@ def parse_override(value, base: Policy) -> Rule:
     if isinstance(value, Policy):
         return Rule.of(value)
     try:
-        return Rule.of(parse_policy(value))
-    except (ValueError, TypeError):
-        pass
-    try:
-        fmt = parse_format(value)
+        found = policy_or_format(value)  # the grammar of every policy argument
     except (ValueError, TypeError):
         raise ValueError(f"override {value!r} is neither a policy (e.g. '32-true', "
                          "'p=fp32,c=bf16') nor a format (e.g. 'bf16', 'e4m3fn')") from None
-    return Rule(fmt, fmt, fmt, base.rounding, base.grad_rounding, "all")
+    if isinstance(found, Policy):
+        return Rule.of(found)
+    return Rule(found, found, found, base.rounding, base.grad_rounding, "all")
 
 
 _NAMES: dict = {}
@@ -398,13 +395,14 @@ class Emulation:
     """
 
     def __init__(self, model: nn.Module | None, policy: Policy, generator: torch.Generator | None
-                 = None, *, active: bool = True, controller: Controller | None = None,
+                 = None, *, active: bool = True, resolve: Resolve | None = None,
                  overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
         self.policy = policy
         self.match_cpu_kernels = match_cpu_kernels
         self.generator = check_generator(generator)
         self.active = active
-        self.controller = controller
+        # the static format a group of a dynamic format rounds with now (the regimes' resolve)
+        self.resolve = resolve if resolve is not None else static_resolve
         self.root_rule = Rule.of(policy)
         self.overrides = {str(k): parse_override(v, policy) for k, v in (overrides or {}).items()}
         self.observers: list[Callable] = []
@@ -461,8 +459,8 @@ class Emulation:
         when an op uses them); call after the parameters were rounded to it."""
         for mname, m in model.named_modules():
             rule = self.rules.get(mname, self.root_rule)
-            if rule.params == rule.compute and not isinstance(rule.compute,
-                                                             (BlockFormat, DynamicFixedFormat)):
+            if rule.params == rule.compute and not (isinstance(rule.compute, BlockFormat)
+                                                    or rule.compute.dynamic):
                 for p in m.parameters(recurse=False):
                     _mark(p, rule.compute)
                 if rule.scope == "all":  # model.half() converts floating buffers too
@@ -541,11 +539,11 @@ class Emulation:
         if axis is not None:
             c = replace(c, axis=axis) if isinstance(c, BlockFormat) else c
             g = replace(g, axis=axis) if isinstance(g, BlockFormat) else g
-        if isinstance(c, DynamicFixedFormat):
-            c = resolve(c, group_key("act", key), x, self.controller)
-        if isinstance(g, DynamicFixedFormat):
-            gfmt, ctrl, gkey = g, self.controller, group_key("grad", key)
-            g = lambda t: resolve(gfmt, gkey, t, ctrl)  # noqa: E731 (resolved on the gradient)
+        if c.dynamic:
+            c = self.resolve(c, group_key("act", key), x)
+        if g is not None and g.dynamic:
+            gfmt, res, gkey = g, self.resolve, group_key("grad", key)
+            g = lambda t: res(gfmt, gkey, t)  # noqa: E731 (resolved on the gradient)
         if g is not None and g == FP32:
             g = None
         return c, g
@@ -957,7 +955,7 @@ class Emulation:
 
     def _round_buffers(self, args, rule: Rule) -> None:
         # running statistics as the parameter format stores them (pure policies: fp16 buffers)
-        if rule.params == FP32 or isinstance(rule.params, (BlockFormat, DynamicFixedFormat)):
+        if rule.params == FP32 or isinstance(rule.params, BlockFormat) or rule.params.dynamic:
             return
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for i in _BUFFER_POS:
@@ -967,7 +965,7 @@ class Emulation:
 
 @contextlib.contextmanager
 def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
-             controller: Controller | None = None, match_cpu_kernels: bool = False):
+             resolve: Resolve | None = None, match_cpu_kernels: bool = False):
     """Round every op run in this block onto ``policy``'s grids (no model needed):
 
     >>> with emulated("16-true"):
@@ -975,10 +973,9 @@ def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
     """
     check_generator(generator)
     pol = parse_policy(policy)
-    if controller is None and any(isinstance(f, DynamicFixedFormat)
-                                  for f in (pol.compute, pol.grads)):
-        controller = Controller()
-    em = Emulation(None, pol, generator, controller=controller,
+    if resolve is None and any(f.dynamic for f in (pol.compute, pol.grads)):
+        resolve = regimes_resolve(pol, generator)  # the regimes the policy needs, this block's
+    em = Emulation(None, pol, generator, resolve=resolve,
                    match_cpu_kernels=match_cpu_kernels)
     with em.enabled():
         yield em

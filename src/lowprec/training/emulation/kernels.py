@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...numerics.formats import BF16, BlockFormat, DynamicFixedFormat
+from ...numerics.formats import BF16, BlockFormat
 from ...numerics.quantize import quantize
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
@@ -440,9 +440,8 @@ def plain_formats(rule) -> bool:
     nearest = all(getattr(r, "mode", r) == Rounding.NEAREST_EVEN
                   for r in (rule.rounding, rule.grad_rounding))
     return (nearest and
-            not isinstance(rule.compute, (BlockFormat, DynamicFixedFormat)) and
-            not isinstance(rule.grads, (BlockFormat, DynamicFixedFormat)) and
-            not isinstance(rule.params, (BlockFormat, DynamicFixedFormat)))
+            not any(isinstance(f, BlockFormat) or f.dynamic
+                    for f in (rule.compute, rule.grads, rule.params)))
 
 
 # Rows per thread up to which layer norm's backward replays the kernel's sequential 16-bit

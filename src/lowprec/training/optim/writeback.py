@@ -15,7 +15,8 @@ from ...numerics.formats import FP32, Format, parse_format
 from ...numerics.quantize import quantize
 from ...numerics.rounding import check_generator
 from ...numerics.storage import NATIVE_DTYPES, format_of_dtype
-from ..policy import WriteBack
+from ..policy import Policy, WriteBack
+from ..regimes.base import GroupKey, regimes_resolve, static_resolve
 
 __all__ = ["Storage", "group_lr", "round_to", "write", "kahan_write"]
 
@@ -65,21 +66,21 @@ class Storage:
                        master_format=master_format, update=update, generator=generator)
 
     def configure(self, *, param_format=None, state_format=None, master_format=None,
-                  update: str | None = None, generator=None, controller=None,
+                  update: str | None = None, generator=None, resolve=None,
                   names: dict | None = None, param_formats: dict | None = None) -> None:
         """Set the formats (``None`` keeps a parameter's own dtype); used by Precision.setup.
-        ``controller`` holds the ranges of dynamic fixed-point formats, ``names`` maps
+        ``resolve(fmt, key, x)`` gives the static format a group of a dynamic format (dynamic
+        fixed point) rounds with now (Precision's regimes; by default, fresh instances of the
+        regimes these formats need: see :func:`~lowprec.training.regimes.base.regimes_resolve`), ``names`` maps
         ``id(param)`` to the parameter's name (the key of its groups), ``param_formats`` maps
         ``id(param)`` to the storage format of a parameter that differs from ``param_format``
         (a per-module override: fp32 norm weights under a 16-bit policy)."""
-        from ..regimes.dynamic_fixed import Controller
-
-        self.controller = controller if controller is not None else Controller()
         self.names = dict(names or {})
         self.param_format = None if param_format is None else parse_format(param_format)
         self.param_formats = {k: parse_format(v) for k, v in (param_formats or {}).items()}
         self.state_format = None if state_format is None else parse_format(state_format)
         self.master_format = None if master_format is None else parse_format(master_format)
+        self.resolve = resolve if resolve is not None else self._own_resolve()
         if update is not None:
             self.update = WriteBack.parse(update)
         elif not hasattr(self, "update"):
@@ -98,10 +99,20 @@ class Storage:
     def now(self, fmt: Format, p: torch.Tensor, role: str, x: torch.Tensor) -> Format:
         """``fmt``, or for dynamic fixed point the static format its group has now. ``role``:
         a :class:`~lowprec.training.regimes.base.Role` value, else a state buffer's name."""
-        from ..regimes.base import GroupKey
-        from ..regimes.dynamic_fixed import resolve
+        if not fmt.dynamic:
+            return fmt
+        return self.resolve(fmt, GroupKey.of(role, self.names.get(id(p), id(p))), x)
 
-        key = GroupKey.of(role, self.names.get(id(p), id(p)))
-        return resolve(fmt, key, x, self.controller)
+    def _own_resolve(self):
+        """The resolve of an optimizer built on its own: fresh regimes for its formats (a
+        dynamic fixed-point one keeps every group's range), formats with none passed as they
+        are."""
+        fmts = [f for f in (self.param_format, self.state_format, self.master_format,
+                            *self.param_formats.values()) if f is not None and f.dynamic]
+        if not fmts:
+            return static_resolve
+        # every dynamic format in a role a regime looks at (their classes decide by the formats)
+        return regimes_resolve(Policy(params=fmts[0], compute=FP32, grads=FP32,
+                                      optimizer_state=FP32, master=None))
 
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ...numerics.formats import Format
 
-__all__ = ["Role", "GroupKey", "Regime", "register_regime", "regimes_for", "REGIMES"]
+__all__ = ["Role", "GroupKey", "Regime", "register_regime", "regimes_for", "REGIMES", "Resolve",
+           "chain_resolve", "static_resolve", "regimes_resolve"]
 
 
 class Role(str, Enum):
@@ -141,3 +143,35 @@ def register_regime(cls: type[Regime]) -> type[Regime]:
 def regimes_for(policy, generator: torch.Generator | None = None) -> list[Regime]:
     """One instance of every registered regime ``policy`` needs, in registration order."""
     return [cls(policy, generator) for cls in REGIMES if cls.applies(policy)]
+
+
+#: ``resolve(fmt, key, x)``: the static format group ``key`` rounds ``x`` with now (the engine,
+#: the optimizers' storage and the backends take one; Precision's chains its regimes')
+Resolve = Callable[[Format, GroupKey, torch.Tensor], Format]
+
+
+def static_resolve(fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
+    """``fmt`` itself; ValueError for a dynamic format (``fmt.dynamic``), which needs a regime
+    to choose its grid (Precision, or :func:`regimes_resolve`)."""
+    if fmt.dynamic:
+        raise ValueError(f"{fmt} needs a dynamic fixed-point Controller (use Precision)")
+    return fmt
+
+
+class chain_resolve:  # noqa: N801 (a function to its callers; a class so that it pickles)
+    """The resolve of ``regimes`` in order (each may refine the format the one before gave); a
+    format still dynamic after them is refused as :func:`static_resolve` refuses it."""
+
+    def __init__(self, regimes: list[Regime]) -> None:
+        self.regimes = list(regimes)
+
+    def __call__(self, fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
+        for regime in self.regimes:
+            fmt = regime.resolve(fmt, key, x)
+        return static_resolve(fmt, key, x)
+
+
+def regimes_resolve(policy, generator: torch.Generator | None = None) -> Resolve:
+    """The resolve of fresh instances of the regimes ``policy`` needs: for code that rounds
+    outside a Precision (``emulated(...)``, an optimizer built on its own)."""
+    return chain_resolve(regimes_for(policy, generator))

@@ -241,11 +241,10 @@ class BinaryRegime(Regime):
                         generator=self.generator)
 
     def configure_optimizer(self, optimizer, added: list[nn.Parameter]) -> None:
-        from ..optim.protocol import PolicyOptimizer
-
         if added:
             optimizer.add_param_group({"params": added})
-        if isinstance(optimizer, PolicyOptimizer) and optimizer.honours_lr_scale:
+        # lowprec's optimizers say so (PolicyOptimizer.honours_lr_scale); torch's have no flag
+        if getattr(optimizer, "honours_lr_scale", False) is True:
             apply_lr_scales(optimizer, glorot_lr_scales(self.model))
 
     def after_step(self, model: nn.Module) -> None:

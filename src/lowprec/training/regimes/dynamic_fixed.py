@@ -144,9 +144,6 @@ class DynamicFixedRegime(Regime):
     def resolve(self, fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
         return resolve(fmt, key, x, self.controller)
 
-    def engine_options(self) -> dict:
-        return {"controller": self.controller}
-
     def state_dict(self) -> dict:
         return {"ranges": self.controller.state_dict()}
 

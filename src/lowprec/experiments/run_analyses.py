@@ -1,0 +1,67 @@
+"""The analyses of a finished run, stored for the report: the certificate, layer-wise errors,
+the range profile and lost updates, in each format the run is certified in."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from ..analysis import fp32_twin, layer_errors, lost_updates, range_profile
+from ..analysis.certify import certify
+from ..numerics.formats import FP32, BinaryFormat, parse_format
+from ..training.precision import Precision
+from .config import CompareConfig
+from .data import Dataset
+from .results import ResultsDB
+
+__all__ = ["certificate_formats", "analyse_run"]
+
+
+def certificate_formats(policy) -> list[str]:
+    """The formats a trained run is certified in: its compute format, or fp16 and bf16 for a
+    32-bit run (the paper's question: may this fp32 model run in 16 bits?)."""
+    if isinstance(policy.compute, BinaryFormat):
+        return []  # a binarized network has no float twin to compare with
+    if policy.compute == FP32 or policy.compute.dynamic:
+        return ["fp16", "bf16"]
+    return [str(policy.compute)]
+
+
+def analyse_run(db: ResultsDB, run_id: str, model: nn.Module, prec: Precision, data: Dataset,
+                x_train: torch.Tensor, y_train: torch.Tensor, cfg: CompareConfig) -> None:
+    """Store the analyses of a trained run for the report: the certificate, layer-wise errors,
+    the range profile and lost updates, in each format of :func:`certificate_formats`."""
+    ce = nn.functional.cross_entropy
+    batch = (x_train[:256].clone(), y_train[:256].clone())
+    for fmt in certificate_formats(prec.policy):
+        cert = certify(model, (data.x_test, data.y_test), fmt)
+        db.record_analysis(run_id, f"certificate:{fmt}", cert.to_payload())
+        errs = layer_errors(model, data.x_test[:256], fmt)
+        db.record_analysis(run_id, f"layers:{fmt}", {"layers": [asdict(e) for e in errs]})
+        twin = fp32_twin(model)  # fp32 gradients, measured against the format
+        prof = range_profile(twin, batch, ce, fmt)
+        db.record_analysis(run_id, f"ranges:{fmt}", _compact_profile(prof))
+        pfmt = prec.policy.params if prec.policy.params != FP32 else parse_format(fmt)
+        lost = lost_updates(twin, batch, ce, pfmt, lr=cfg.lr,
+                            optimizer="adam" if cfg.optimizer == "adam" else "sgd")
+        db.record_analysis(run_id, f"lost:{fmt}", {"format": str(pfmt), "lr": cfg.lr,
+                                                   "layers": [asdict(r) for r in lost]})
+
+
+def _compact_profile(prof) -> dict:
+    """Per role: the histogram summed over layers and the weighted fractions."""
+    out = {"format": prof.format, "roles": {}, "recommended_scale": prof.gradient_scale()}
+    for role in ("weights", "activations", "activation_grads", "weight_grads"):
+        rows = prof.role(role)
+        if not rows:
+            continue
+        hist = None
+        for r in rows:
+            if r.hist:
+                hist = r.hist if hist is None else [a + b for a, b in zip(hist, r.hist)]
+        out["roles"][role] = {k: prof.fraction(role, k) for k in ("overflow", "flush",
+                                                                  "subnormal")}
+        out["roles"][role]["hist"] = hist or []
+    return out
