@@ -88,10 +88,24 @@ def test_kernel_torch_reference_agree(fmt, order):
 @pytest.mark.parametrize("spec", ["fp16:chunk32:sr", "bf16:pairwise", "e8m13:chunk16", "q4.10:rn"])
 def test_kernel_matches_reference_over_shapes(k, spec):
     # K not a multiple of the chunk, N across the kernel's 64-column tiles
-    a, b = _data(k, (1, 2, k), 3), _data(k + 7, (1, k, 67), 3)
+    a, b = _data(k, (1, 2, k), 3), _data(k + 7, (1, k, 259), 3)
     seed = (7, 9)
     ref = torch.tensor(gemm_acc_reference(a, b, spec, seed))
     assert torch.equal(_bits(gemm_acc(a, b, spec, seed=seed, impl="kernel")), _bits(ref))
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", ["fp16:chunk16", "fp16:chunk16:sr", "bf16:sr5", "e8m13:pairwise",
+                                  "fp32:sr", "e4m3fn-sat:chunk8"])
+def test_kernel_fast_path_matches_reference(spec):
+    # magnitudes in [0.5, 2): every product and sum stays in the normal range, so the kernel's
+    # integer-trick fast path rounds whole tiles (elsewhere mixed with the general path)
+    g = torch.Generator().manual_seed(8)
+    sign = lambda shape: torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    a = (0.5 + 1.5 * torch.rand(1, 3, 40, generator=g)) * sign((1, 3, 40))
+    b = (0.5 + 1.5 * torch.rand(1, 40, 70, generator=g)) * sign((1, 40, 70))
+    ref = torch.tensor(gemm_acc_reference(a, b, spec, (3, 4)))
+    assert torch.equal(_bits(gemm_acc(a, b, spec, seed=(3, 4), impl="kernel")), _bits(ref))
 
 
 @pytest.mark.parametrize("impl", ["kernel", "torch"])

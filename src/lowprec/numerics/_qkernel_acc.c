@@ -51,6 +51,10 @@ typedef struct {
     uint64_t maxpos, maxneg; /* float64 bits of the limits */
     uint64_t special;        /* float64 bits of what an overflow becomes (Inf, NaN) */
     uint64_t saturate, signed_zero, rmask; /* masks */
+    /* the fast path (float formats, values in the normal range, no overflow): round the float64
+     * pattern at bit fshift = 52 - man by an integer add and a mask, as quantize's fast path */
+    int32_t fast;
+    uint64_t fshift, fmask, fhalf, bemin;
 } lp_acc_inv;
 
 LP_INLINE uint64_t m64(int c) { return (uint64_t)0 - (uint64_t)(c != 0); }
@@ -67,6 +71,11 @@ static lp_acc_inv acc_inv(const lp_acc_fmt *p) {
     v.saturate = m64(p->overflow == OV_SAT);
     v.signed_zero = m64(p->signed_zero);
     v.rmask = p->rmask;
+    v.fast = p->emin < (1 << 19); /* a float format (fixed point has a huge emin) */
+    v.fshift = (uint64_t)(52 - p->man);
+    v.fmask = (1ull << v.fshift) - 1ull;
+    v.fhalf = (1ull << (v.fshift - 1)) - 1ull;
+    v.bemin = (uint64_t)(int64_t)(v.fast ? p->emin + 1023 : 0);
     return v;
 }
 
@@ -126,10 +135,53 @@ LP_INLINE double round_f64(double x, uint32_t r, const lp_acc_inv *p, const int 
     return u2d(sel64(m64(a > 0x7ff0000000000000ull), u, res)); /* NaN passes through */
 }
 
+/* y = x rounded, for the nb lanes of a tile. Nearest-even and stochastic rounding first try the
+ * fast path on every lane; if a lane is zero-adjacent (below the normal range), overflows, or is
+ * not finite, the whole tile goes through round_f64 instead. Both give the same bits.
+ * Stochastic: the carry of (top 32 fraction bits + r) is the carry of adding r, aligned to the
+ * fraction's top, to the pattern (r's bits are multiples of the masked-off unit either way). */
+/* The fast path for one value: nearest-even or stochastic rounding of a float64 value that is
+ * zero or in the format's normal range and stays within range; *bad collects the lanes where
+ * that does not hold (their result is then recomputed by round_f64). */
+LP_INLINE double round_fast(double x, uint32_t r32, const lp_acc_inv *p, const int mode,
+                            uint64_t *bad) {
+    const uint64_t u = d2u(x);
+    const uint64_t sign = u & 0x8000000000000000ull, a = u & 0x7fffffffffffffffull;
+    const uint64_t fs = p->fshift;
+    uint64_t add;
+    if (mode == R_NE) {
+        add = p->fhalf + ((a >> fs) & 1ull);
+    } else {
+        const uint64_t r = (uint64_t)r32 & p->rmask;
+        add = fs >= 32 ? r << (fs - 32) : r >> (32 - fs);
+    }
+    const uint64_t rf = (a + add) & ~p->fmask;
+    const uint64_t lim = sign ? p->maxneg : p->maxpos;
+    *bad |= (uint64_t)(((a >> 52) < p->bemin) & (a != 0)) | (uint64_t)((int64_t)rf > (int64_t)lim);
+    uint64_t res = rf | sign;
+    res &= ~(m64(rf == 0) & ~p->signed_zero);
+    return u2d(res);
+}
+
+/* y = x rounded, for the nb lanes of a tile: the fast path on every lane first (nearest-even and
+ * stochastic rounding of float formats), round_f64 for the whole tile if a lane left it. Both
+ * give the same bits. Stochastic: the carry of (top 32 fraction bits + r) is the carry of adding
+ * r, aligned to the fraction's top, to the pattern (r's bits are multiples of the masked-off
+ * unit either way, so cutting both to the random bits changes nothing). */
+LP_INLINE void round_tile(const double *x, double *y, const uint32_t *rnd, int64_t nb,
+                          const lp_acc_inv *p, const int mode) {
+    if ((mode == R_NE || mode == R_SR) && p->fast) {
+        uint64_t bad = 0;
+        for (int64_t j = 0; j < nb; ++j) y[j] = round_fast(x[j], rnd[j], p, mode, &bad);
+        if (!bad) return;
+    }
+    for (int64_t j = 0; j < nb; ++j) y[j] = round_f64(x[j], rnd[j], p, mode);
+}
+
 LP_INLINE uint32_t acc_step_key(uint32_t step) { return mix32(step + 0x9e3779b9u); }
 
 /* Column tile width: the lanes every rounding runs across. */
-#define LP_ACC_NB 64
+#define LP_ACC_NB 256
 
 /* One tile of columns [j0, j0 + nb) of one output row. */
 LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int64_t sb_k,
@@ -137,15 +189,16 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
                         const lp_acc_inv *p, const lp_acc_inv *w, uint32_t k0, uint32_t k1,
                         uint64_t e0, double *buf, const int mode) {
     const lp_acc_inv P = *p, W = *w;
-    double acc[LP_ACC_NB], wide[LP_ACC_NB], prod[LP_ACC_NB];
-    uint32_t base[LP_ACC_NB], rnd[LP_ACC_NB];
+    double accb[LP_ACC_NB], wide[LP_ACC_NB], prodb[LP_ACC_NB], raw[LP_ACC_NB];
+    double *acc = accb, *prod = prodb;
+    uint32_t base[LP_ACC_NB], rnd[LP_ACC_NB], rnd2[LP_ACC_NB];
     if (mode == R_SR) {
         for (int64_t j = 0; j < nb; ++j) {
             const uint64_t e = e0 + (uint64_t)j;
             base[j] = mix32(mix32((uint32_t)e ^ k0) + (k1 ^ mix32((uint32_t)(e >> 32))));
         }
     }
-    for (int64_t j = 0; j < nb; ++j) rnd[j] = 0;
+    for (int64_t j = 0; j < nb; ++j) rnd[j] = rnd2[j] = 0;
     if (g->order == 1) { /* pairwise: all products, then the tree */
         for (int64_t l = 0; l < K; ++l) {
             const double al = (double)arow[l * sa_k];
@@ -155,7 +208,8 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
                 const uint32_t sk = acc_step_key((uint32_t)l);
                 for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sk);
             }
-            for (int64_t j = 0; j < nb; ++j) pl[j] = round_f64(al * (double)bl[j], rnd[j], &P, mode);
+            for (int64_t j = 0; j < nb; ++j) raw[j] = al * (double)bl[j];
+            round_tile(raw, pl, rnd, nb, &P, mode);
         }
         int64_t n = K;
         uint32_t step = (uint32_t)K;
@@ -167,7 +221,8 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
                     const uint32_t sk = acc_step_key(step);
                     for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sk);
                 }
-                for (int64_t j = 0; j < nb; ++j) y[j] = round_f64(x0[j] + x1[j], rnd[j], &P, mode);
+                for (int64_t j = 0; j < nb; ++j) raw[j] = x0[j] + x1[j];
+                round_tile(raw, y, rnd, nb, &P, mode);
             }
             if (n & 1)
                 for (int64_t j = 0; j < nb; ++j) buf[(n / 2) * LP_ACC_NB + j] = buf[(n - 1) * LP_ACC_NB + j];
@@ -188,18 +243,36 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
                 sa = acc_step_key((uint32_t)(K + l - 1));
                 for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sk);
             }
-            double *dst = l == c0 ? acc : prod; /* a chunk starts at its first product */
-            for (int64_t j = 0; j < nb; ++j) dst[j] = round_f64(al * (double)bl[j], rnd[j], &P, mode);
-            if (l != c0) {
-                if (mode == R_SR)
-                    for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sa);
-                for (int64_t j = 0; j < nb; ++j) acc[j] = round_f64(acc[j] + prod[j], rnd[j], &P, mode);
+            if (l == c0) { /* a chunk starts at its first product */
+                for (int64_t j = 0; j < nb; ++j) raw[j] = al * (double)bl[j];
+                round_tile(raw, acc, rnd, nb, &P, mode);
+                continue;
             }
+            if (mode == R_SR)
+                for (int64_t j = 0; j < nb; ++j) rnd2[j] = mix32(base[j] ^ sa);
+            if ((mode == R_NE || mode == R_SR) && P.fast) {
+                /* product and addition fused on the fast path, into prod; kept only when every
+                 * lane stayed on it (else the step is redone below from acc) */
+                uint64_t bad = 0;
+                for (int64_t j = 0; j < nb; ++j) {
+                    const double pj = round_fast(al * (double)bl[j], rnd[j], &P, mode, &bad);
+                    prod[j] = round_fast(acc[j] + pj, rnd2[j], &P, mode, &bad);
+                }
+                if (!bad) {
+                    double *t = acc;
+                    acc = prod;
+                    prod = t;
+                    continue;
+                }
+            }
+            for (int64_t j = 0; j < nb; ++j) prod[j] = round_f64(al * (double)bl[j], rnd[j], &P, mode);
+            for (int64_t j = 0; j < nb; ++j) acc[j] = round_f64(acc[j] + prod[j], rnd2[j], &P, mode);
         }
         if (c0 == 0) {
             for (int64_t j = 0; j < nb; ++j) wide[j] = acc[j];
         } else {
-            for (int64_t j = 0; j < nb; ++j) wide[j] = round_f64(wide[j] + acc[j], 0, &W, R_NE);
+            for (int64_t j = 0; j < nb; ++j) raw[j] = wide[j] + acc[j];
+            round_tile(raw, wide, rnd, nb, &W, R_NE);
         }
     }
     for (int64_t j = 0; j < nb; ++j) crow[j] = (float)wide[j];
