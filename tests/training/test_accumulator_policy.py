@@ -157,3 +157,31 @@ def test_attention_forward_and_backward():
     s = s.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
     hand = gemm_acc(torch.softmax(s, -1), v.reshape(6, 5, 8), "fp16").reshape(2, 3, 5, 8)
     assert torch.equal(y16, hand)
+
+
+@pytest.mark.parametrize("padding,kernel", [("same", 3), ("same", 4), ("valid", 3)])
+def test_conv2d_string_padding(padding, kernel):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 6, 5, generator=g)
+    w = torch.randn(3, 2, kernel, kernel, generator=g)
+    with emulated("p=fp32,acc=fp32"):
+        y = F.conv2d(x, w, padding=padding)
+    ref = F.conv2d(x, w, padding=padding)
+    assert y.shape == ref.shape and torch.allclose(y, ref, atol=1e-5)
+
+
+def test_attention_dropout_runs_and_keeps_the_expectation_shape():
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    torch.manual_seed(0)
+    with emulated("p=fp32,acc=fp32"):
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert y.shape == (1, 2, 4, 8) and torch.isfinite(y).all()
+
+
+def test_compare_policy_list_takes_the_accumulator_spec():
+    from lowprec.experiments.config import split_policies
+
+    pols = split_policies("32-true,p=fp32,acc=fp16:chunk128:sr,16-true")
+    assert pols == ["32-true", "p=fp32,acc=fp16:chunk128:sr", "16-true"]
+    assert str(parse_policy(pols[1]).accumulator) == "fp16:chunk128:sr"

@@ -11,7 +11,7 @@ accumulator), and everything around them in fp32:
   bias; the input gradient's col2im sum (``F.fold``) is in fp32, and so is the sum over the
   batch of a grouped convolution's weight gradient (groups=1: one GEMM over all positions).
 * ``scaled_dot_product_attention``: the two GEMMs Q K^T and P V accumulate; scaling, mask and
-  softmax are fp32 (as in the math reference of torch's SDPA); no dropout.
+  softmax are fp32 (as in the math reference of torch's SDPA); dropout with ``F.dropout``.
 
 The functions take ``acc`` and ``generator`` first so that :func:`bind` can fix them; no
 torch-function mode sees their inner ops (the emulation engine rounds only their result).
@@ -59,14 +59,24 @@ def matmul(acc, generator, input, other, *, out=None):
 def conv2d(acc, generator, input, weight, bias=None, stride=1, padding=0, dilation=1,
            groups: int = 1):
     """``F.conv2d`` through im2col and one accumulated GEMM per group."""
-    if isinstance(padding, str):
-        raise ValueError(f"conv2d with an accumulator: padding={padding!r} is not supported; "
-                         "give the numbers")
     x = input
     squeeze = x.dim() == 3
     if squeeze:
         x = x[None]
-    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    stride, dilation = _pair(stride), _pair(dilation)
+    if isinstance(padding, str):
+        if padding not in ("same", "valid"):
+            raise ValueError(f"conv2d: padding={padding!r}; accepted: 'same', 'valid' or numbers")
+        if padding == "valid":
+            padding = 0
+        else:  # as torch resolves it: d * (k - 1) // 2 each side, an odd unit on the right
+            if any(st != 1 for st in stride):
+                raise ValueError(f"conv2d: padding 'same' needs stride 1, got {stride}")
+            totals = [d * (k - 1) for d, k in zip(dilation, weight.shape[2:])]
+            if any(t % 2 for t in totals):
+                x = F.pad(x, [0, totals[1] % 2, 0, totals[0] % 2])
+            padding = (totals[0] // 2, totals[1] // 2)
+    padding = _pair(padding)
     n, _, h, w_ = x.shape
     co, cig, kh, kw = weight.shape
     cols = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)
@@ -92,9 +102,6 @@ def conv2d(acc, generator, input, weight, bias=None, stride=1, padding=0, dilati
 def scaled_dot_product_attention(acc, generator, query, key, value, attn_mask=None,
                                  dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``F.scaled_dot_product_attention`` with Q K^T and P V accumulated in ``acc``."""
-    if dropout_p:
-        raise ValueError(f"attention with an accumulator: dropout_p={dropout_p} is not "
-                         "supported (0 only)")
     lq, lk = query.shape[-2], key.shape[-2]
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
@@ -111,6 +118,8 @@ def scaled_dot_product_attention(acc, generator, query, key, value, attn_mask=No
         else:
             scores = scores + attn_mask
     p = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        p = F.dropout(p, dropout_p)  # torch's RNG, not the fused kernel's stream
     return matmul_acc(p, value, acc, generator=generator)
 
 
