@@ -108,6 +108,22 @@ def test_kernel_fast_path_matches_reference(spec):
     assert torch.equal(_bits(gemm_acc(a, b, spec, seed=(3, 4), impl="kernel")), _bits(ref))
 
 
+@needs_kernel
+@pytest.mark.parametrize("inputs", ["fp16", "bf16"])
+@pytest.mark.parametrize("spec", ["fp16", "fp16:chunk16", "bf16:chunk7", "e5m2", "e4m3fn:chunk5",
+                                  "e3m4fn-sat", "e5m10-nosub:chunk4"])
+def test_kernel_float32_lanes_match_reference(inputs, spec):
+    # operands of at most 12 significant bits and an accumulator of at most 11: the kernel
+    # runs nearest rounding on float32 lanes (exact products, innocuous double rounding of
+    # sums); subnormal, zero, overflowing and Inf lanes fall back to the float64 path
+    a = quantize(_data(21, (2, 3, 150), 9), inputs)
+    b = quantize(_data(22, (2, 150, 40), 9), inputs)
+    a[0, 0, 3] = math.inf
+    b[1, 4, 7] = 3e4
+    ref = torch.tensor(gemm_acc_reference(a, b, spec))
+    assert torch.equal(_bits(gemm_acc(a, b, spec, impl="kernel")), _bits(ref))
+
+
 @pytest.mark.parametrize("impl", ["kernel", "torch"])
 def test_overflow_and_specials(impl):
     if impl == "kernel" and not kernel.gemm_acc_available():

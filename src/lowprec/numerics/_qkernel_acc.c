@@ -192,6 +192,7 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
     double accb[LP_ACC_NB], wide[LP_ACC_NB], prodb[LP_ACC_NB], raw[LP_ACC_NB];
     double *acc = accb, *prod = prodb;
     uint32_t base[LP_ACC_NB], rnd[LP_ACC_NB], rnd2[LP_ACC_NB];
+    uint64_t flag[LP_ACC_NB];
     if (mode == R_SR) {
         for (int64_t j = 0; j < nb; ++j) {
             const uint64_t e = e0 + (uint64_t)j;
@@ -255,15 +256,22 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
                  * lane stayed on it (else the step is redone below from acc) */
                 uint64_t bad = 0;
                 for (int64_t j = 0; j < nb; ++j) {
-                    const double pj = round_fast(al * (double)bl[j], rnd[j], &P, mode, &bad);
-                    prod[j] = round_fast(acc[j] + pj, rnd2[j], &P, mode, &bad);
+                    uint64_t lane = 0;
+                    const double pj = round_fast(al * (double)bl[j], rnd[j], &P, mode, &lane);
+                    prod[j] = round_fast(acc[j] + pj, rnd2[j], &P, mode, &lane);
+                    flag[j] = lane;
+                    bad |= lane;
                 }
-                if (!bad) {
-                    double *t = acc;
-                    acc = prod;
-                    prod = t;
-                    continue;
-                }
+                if (bad) /* only the lanes that left the fast path, on the general path */
+                    for (int64_t j = 0; j < nb; ++j)
+                        if (flag[j]) {
+                            const double pj = round_f64(al * (double)bl[j], rnd[j], &P, mode);
+                            prod[j] = round_f64(acc[j] + pj, rnd2[j], &P, mode);
+                        }
+                double *t = acc;
+                acc = prod;
+                prod = t;
+                continue;
             }
             for (int64_t j = 0; j < nb; ++j) prod[j] = round_f64(al * (double)bl[j], rnd[j], &P, mode);
             for (int64_t j = 0; j < nb; ++j) acc[j] = round_f64(acc[j] + prod[j], rnd2[j], &P, mode);
@@ -301,6 +309,120 @@ LP_ACC_DEFINE(acc_rows_up, R_UP)
 LP_ACC_DEFINE(acc_rows_down, R_DOWN)
 LP_ACC_DEFINE(acc_rows_sr, R_SR)
 
+/* ---- float32 lanes: nearest rounding onto a format of at most 11 significant bits ----------
+ * When every element of A and B has at most 12 significant bits (the low 12 bits of its float32
+ * pattern are zero: fp16 or bf16 values, say), a product is exact in float32; and the sum of two
+ * values of a format with p <= 11 significant bits, rounded to float32 (24 >= 2p + 2) and then to
+ * the format, is the correctly rounded sum: double rounding is innocuous (S. A. Figueroa, "When is
+ * double rounding innocuous?", SIGNUM 1995). So nearest rounding can run on 8 float32 lanes with
+ * the same bits as the float64 path. Lanes outside the format's normal range (zero excepted),
+ * overflowing, or not finite, send the step back to the float64 path, as the fast path does. */
+typedef struct {
+    uint32_t fshift, fmask, fhalf, bemin, lim;
+} lp_acc_inv32;
+
+static lp_acc_inv32 acc_inv32(const lp_acc_fmt *p) {
+    lp_acc_inv32 v;
+    v.fshift = (uint32_t)(23 - p->man);
+    v.fmask = (1u << v.fshift) - 1u;
+    v.fhalf = (1u << (v.fshift - 1)) - 1u;
+    v.bemin = (uint32_t)(p->emin + 127);
+    v.lim = f2u(p->maxpos);
+    return v;
+}
+
+/* the conditions of the float32 lanes that depend on the format and the mode only */
+static int acc_f32_format(const lp_acc_fmt *p, const lp_acc_gemm *g) {
+    return p->rounding == R_NE && g->order != 1 && p->emin < (1 << 19) && p->man <= 10 &&
+           p->signed_zero && p->emin >= -126 && p->maxpos == p->maxneg;
+}
+
+LP_INLINE float round_fast32(float x, const lp_acc_inv32 *p, uint32_t *bad) {
+    const uint32_t u = f2u(x);
+    const uint32_t sign = u & 0x80000000u, a = u & 0x7fffffffu;
+    const uint32_t rf = (a + p->fhalf + ((a >> p->fshift) & 1u)) & ~p->fmask;
+    *bad |= (uint32_t)(((a >> 23) < p->bemin) & (a != 0)) | (uint32_t)(rf > p->lim);
+    return u2f(rf | sign);
+}
+
+LP_INLINE void acc_tile_f32(const float *arow, int64_t sa_k, const float *bcol, int64_t sb_k,
+                            float *crow, int64_t nb, int64_t K, int64_t chunk,
+                            const lp_acc_inv *P, const lp_acc_inv32 *Q, const lp_acc_inv *W) {
+    float accb[LP_ACC_NB], prodb[LP_ACC_NB];
+    float *acc = accb, *prod = prodb;
+    double wide[LP_ACC_NB], raw[LP_ACC_NB];
+    uint32_t zero[LP_ACC_NB], flag[LP_ACC_NB];
+    for (int64_t j = 0; j < nb; ++j) zero[j] = 0;
+    for (int64_t c0 = 0; c0 < K; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < K ? c0 + chunk : K;
+        for (int64_t l = c0; l < c1; ++l) {
+            const float al = arow[l * sa_k];
+            const float *bl = bcol + l * sb_k;
+            uint32_t bad = 0;
+            if (l == c0) {
+                for (int64_t j = 0; j < nb; ++j) acc[j] = round_fast32(al * bl[j], Q, &bad);
+                if (bad)
+                    for (int64_t j = 0; j < nb; ++j)
+                        acc[j] = (float)round_f64((double)al * (double)bl[j], 0, P, R_NE);
+                continue;
+            }
+            for (int64_t j = 0; j < nb; ++j) {
+                uint32_t lane = 0;
+                const float pj = round_fast32(al * bl[j], Q, &lane);
+                prod[j] = round_fast32(acc[j] + pj, Q, &lane);
+                flag[j] = lane;
+                bad |= lane;
+            }
+            if (bad) /* only the lanes that left the fast path, on the float64 path */
+                for (int64_t j = 0; j < nb; ++j)
+                    if (flag[j]) {
+                        const double pj = round_f64((double)al * (double)bl[j], 0, P, R_NE);
+                        prod[j] = (float)round_f64((double)acc[j] + pj, 0, P, R_NE);
+                    }
+            float *t = acc;
+            acc = prod;
+            prod = t;
+        }
+        if (c0 == 0) {
+            for (int64_t j = 0; j < nb; ++j) wide[j] = (double)acc[j];
+        } else {
+            for (int64_t j = 0; j < nb; ++j) raw[j] = wide[j] + (double)acc[j];
+            round_tile(raw, wide, zero, nb, W, R_NE);
+        }
+    }
+    for (int64_t j = 0; j < nb; ++j) crow[j] = (float)wide[j];
+}
+
+LP_CLONES static void acc_rows_f32(const float *A, const float *B, float *C, const lp_acc_gemm *g,
+                                   const lp_acc_fmt *p, const lp_acc_fmt *w, int64_t r0,
+                                   int64_t r1, double *buf) {
+    (void)buf;
+    const lp_acc_inv pi = acc_inv(p), wi = acc_inv(w);
+    const lp_acc_inv32 qi = acc_inv32(p);
+    const int64_t chunk = g->order == 2 ? g->chunk : g->K;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / g->M, i = r % g->M;
+        const float *arow = A + b * g->sa_b + i * g->sa_m;
+        for (int64_t j0 = 0; j0 < g->N; j0 += LP_ACC_NB) {
+            const int64_t nb = g->N - j0 < LP_ACC_NB ? g->N - j0 : LP_ACC_NB;
+            acc_tile_f32(arow, g->sa_k, B + b * g->sb_b + j0, g->sb_k, C + r * g->N + j0, nb, g->K,
+                         chunk, &pi, &qi, &wi);
+        }
+    }
+}
+
+/* every element's float32 pattern has its low 12 bits clear (at most 12 significant bits) */
+static int acc_short_operands(const float *A, const float *B, const lp_acc_gemm *g) {
+    uint32_t any = 0;
+    for (int64_t b = 0; b < g->batch; ++b)
+        for (int64_t i = 0; i < g->M; ++i)
+            for (int64_t k = 0; k < g->K; ++k)
+                any |= f2u(A[b * g->sa_b + i * g->sa_m + k * g->sa_k]);
+    const float *end = B + g->batch * g->sb_b;
+    for (const float *x = B; x < end; ++x) any |= f2u(*x);
+    return (any & 0xfffu) == 0;
+}
+
 typedef void (*acc_fn)(const float *, const float *, float *, const lp_acc_gemm *,
                        const lp_acc_fmt *, const lp_acc_fmt *, int64_t, int64_t, double *);
 
@@ -316,6 +438,7 @@ int lp_gemm_acc(const float *A, const float *B, float *C, const lp_acc_gemm *g,
     case R_DOWN: f = acc_rows_down; break;
     default: f = acc_rows_sr; break;
     }
+    if (acc_f32_format(p, g) && acc_short_operands(A, B, g)) f = acc_rows_f32;
     const int64_t rows = g->batch * g->M;
     int nt = (int)(rows * g->N * g->K / LP_MIN_PER_THREAD);
     if (nt > nthreads) nt = nthreads;
