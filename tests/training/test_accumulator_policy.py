@@ -185,3 +185,18 @@ def test_compare_policy_list_takes_the_accumulator_spec():
     pols = split_policies("32-true,p=fp32,acc=fp16:chunk128:sr,16-true")
     assert pols == ["32-true", "p=fp32,acc=fp16:chunk128:sr", "16-true"]
     assert str(parse_policy(pols[1]).accumulator) == "fp16:chunk128:sr"
+
+
+def test_integer_and_float64_matmuls_keep_torch_kernels():
+    a = torch.arange(12).reshape(3, 4)
+    af, ad, big = a.float(), a.double(), torch.full((4, 2), 1000.0)
+    with emulated("p=fp32,acc=fp16"):
+        y = torch.mm(a, a.t())
+        z = torch.mm(ad, ad.t())
+        w = torch.mm(input=af, mat2=big)  # keywords as torch names them
+    assert y.dtype == torch.int64 and torch.equal(y, a @ a.t())
+    assert z.dtype == torch.float64 and torch.equal(z, ad @ ad.t())
+    # 8000 + 9000 + 10000 + 11000 = 38000 in fp32; in fp16 17000 -> 16992 (spacing 16, tie to
+    # even) and 37992 -> 37984 (spacing 32)
+    assert w[2].tolist() == [37984.0, 37984.0]
+    assert torch.equal(w, gemm_acc(af[None], big[None], "fp16")[0])

@@ -111,9 +111,10 @@ class Accumulator:
         object.__setattr__(self, "order", order)
         object.__setattr__(self, "rounding", RoundingSpec.parse(self.rounding))
         if order is Order.CHUNKED:
-            if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-                raise ValueError(f"accumulator chunk={self.chunk!r} must be an int >= 1 for the "
-                                 "chunked order")
+            if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) \
+                    or not 1 <= self.chunk < 2**31:
+                raise ValueError(f"accumulator chunk={self.chunk!r} must be an int in [1, 2**31) "
+                                 "for the chunked order")
         elif self.chunk is not None:
             raise ValueError(f"accumulator chunk={self.chunk!r} needs order='chunk', "
                              f"not {order.value!r}")

@@ -48,11 +48,11 @@ def linear(acc, generator, input, weight, bias=None):
 
 
 @_no_mode
-def matmul(acc, generator, input, other, *, out=None):
-    """``torch.matmul`` (mm, bmm, @) accumulated in ``acc``."""
+def matmul(acc, generator, input, other=None, *, mat2=None, out=None):
+    """``torch.matmul`` (mm, bmm: ``mat2=``; @) accumulated in ``acc``."""
     if out is not None:
         raise ValueError("matmul with an accumulator: out= is not supported")
-    return matmul_acc(input, other, acc, generator=generator)
+    return matmul_acc(input, other if other is not None else mat2, acc, generator=generator)
 
 
 @_no_mode
@@ -132,8 +132,15 @@ OPS = {
 }
 
 
-def bind(name: str, acc: "str | Accumulator", generator: torch.Generator | None = None):
+def bind(name: str, acc: "str | Accumulator", generator: torch.Generator | None = None,
+         args=(), kwargs=None):
     """The implementation of op ``name`` with ``acc`` and ``generator`` fixed, or None when the
-    op has none (it then keeps torch's fp32 accumulation)."""
+    op has none or the call has a tensor argument that is not real floating point (an integer
+    matmul): it then keeps torch's own kernel."""
     fn = OPS.get(name)
-    return None if fn is None else partial(fn, parse_accumulator(acc), generator)
+    if fn is None:
+        return None
+    for t in (*args, *(kwargs or {}).values()):
+        if torch.is_tensor(t) and (not t.is_floating_point() or t.dtype == torch.float64):
+            return None  # integers, and float64 (wider than the float32 the kernel takes)
+    return partial(fn, parse_accumulator(acc), generator)

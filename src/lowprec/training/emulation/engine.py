@@ -825,7 +825,7 @@ class Emulation:
             else:
                 args = _map(rin, args)
             kwargs = _map(rin, kwargs) if kwargs else kwargs
-        if (acc_op := self._accumulated(name, rule)) is not None:
+        if (acc_op := self._accumulated(name, rule, args, kwargs)) is not None:
             out = acc_op(*args, **kwargs)
         elif name == "batch_norm" and kernels.uses_batch_stats(args, kwargs):
             out = kernels.label_kernel_nodes(kernels.batch_norm(self, rule, key, *args, **kwargs),
@@ -910,7 +910,8 @@ class Emulation:
                          for i, a in enumerate(args))
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
-            out = (self._accumulated(name, rule) or self._conv(func, name))(*args, **kwargs)
+            out = (self._accumulated(name, rule, args, kwargs) or self._conv(func, name))(
+                *args, **kwargs)
             inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
@@ -944,12 +945,12 @@ class Emulation:
 
         return _map(rout, out)
 
-    def _accumulated(self, name: str, rule: Rule):
+    def _accumulated(self, name: str, rule: Rule, args, kwargs):
         # acc=: the GEMMs of linear, matmul, conv2d and attention accumulate in the policy's
         # accumulator, forward and backward; their output is then rounded as any op's
         if rule.accumulator is None:
             return None
-        return accumulation_ops.bind(name, rule.accumulator, self.generator)
+        return accumulation_ops.bind(name, rule.accumulator, self.generator, args, kwargs)
 
     def _conv(self, func, name: str):
         # match_cpu_kernels: convolutions summed as torch's reference CPU 16-bit kernel sums
