@@ -423,6 +423,51 @@ static int acc_short_operands(const float *A, const float *B, const lp_acc_gemm 
     return (any & 0xfffu) == 0;
 }
 
+/* ---- plain float32: an IEEE fp32 accumulator with nearest rounding -----------------------------
+ * A float32 multiplication is the product rounded once to float32, a float32 addition the sum
+ * rounded once (gradual underflow, overflow to Inf), which is what round_f64 gives for the fp32
+ * format (the float64 sum of two float32 values rounded again to float32 is correctly rounded:
+ * 53 >= 2 * 24 + 2). So fp32 accumulation is the plain loop, mul then add (no FMA: the build
+ * uses -ffp-contract=off). NaN payloads may differ from the float64 path; NaN stays NaN. */
+static int acc_plain32(const lp_acc_fmt *p, const lp_acc_fmt *w, const lp_acc_gemm *g) {
+    const int fp32 = p->man == 23 && p->emin == -126 && p->qsub == -149 && p->overflow == OV_INF &&
+                     p->signed_zero;
+    const int wide32 = w->man == 23 && w->emin == -126 && w->qsub == -149 &&
+                       w->overflow == OV_INF && w->signed_zero;
+    return fp32 && p->rounding == R_NE && g->order != 1 && (g->order == 0 || wide32);
+}
+
+LP_CLONES static void acc_rows_plain32(const float *A, const float *B, float *C,
+                                       const lp_acc_gemm *g, const lp_acc_fmt *p,
+                                       const lp_acc_fmt *w, int64_t r0, int64_t r1, double *buf) {
+    (void)buf, (void)p, (void)w;
+    const int64_t chunk = g->order == 2 ? g->chunk : g->K;
+    float acc[LP_ACC_NB], wide[LP_ACC_NB];
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / g->M, i = r % g->M;
+        const float *arow = A + b * g->sa_b + i * g->sa_m;
+        for (int64_t j0 = 0; j0 < g->N; j0 += LP_ACC_NB) {
+            const int64_t nb = g->N - j0 < LP_ACC_NB ? g->N - j0 : LP_ACC_NB;
+            const float *bcol = B + b * g->sb_b + j0;
+            for (int64_t c0 = 0; c0 < g->K; c0 += chunk) {
+                const int64_t c1 = c0 + chunk < g->K ? c0 + chunk : g->K;
+                const float a0 = arow[c0 * g->sa_k];
+                for (int64_t j = 0; j < nb; ++j) acc[j] = a0 * bcol[c0 * g->sb_k + j];
+                for (int64_t l = c0 + 1; l < c1; ++l) {
+                    const float al = arow[l * g->sa_k];
+                    const float *bl = bcol + l * g->sb_k;
+                    for (int64_t j = 0; j < nb; ++j) acc[j] = acc[j] + al * bl[j];
+                }
+                if (c0 == 0)
+                    for (int64_t j = 0; j < nb; ++j) wide[j] = acc[j];
+                else
+                    for (int64_t j = 0; j < nb; ++j) wide[j] = wide[j] + acc[j];
+            }
+            for (int64_t j = 0; j < nb; ++j) C[r * g->N + j0 + j] = wide[j];
+        }
+    }
+}
+
 typedef void (*acc_fn)(const float *, const float *, float *, const lp_acc_gemm *,
                        const lp_acc_fmt *, const lp_acc_fmt *, int64_t, int64_t, double *);
 
@@ -438,7 +483,8 @@ int lp_gemm_acc(const float *A, const float *B, float *C, const lp_acc_gemm *g,
     case R_DOWN: f = acc_rows_down; break;
     default: f = acc_rows_sr; break;
     }
-    if (acc_f32_format(p, g) && acc_short_operands(A, B, g)) f = acc_rows_f32;
+    if (acc_plain32(p, w, g)) f = acc_rows_plain32;
+    else if (acc_f32_format(p, g) && acc_short_operands(A, B, g)) f = acc_rows_f32;
     const int64_t rows = g->batch * g->M;
     int nt = (int)(rows * g->N * g->K / LP_MIN_PER_THREAD);
     if (nt > nthreads) nt = nthreads;
