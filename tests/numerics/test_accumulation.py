@@ -18,7 +18,8 @@ from lowprec.numerics.rounding import Rounding
 needs_kernel = pytest.mark.skipif(not kernel.gemm_acc_available(),
                                   reason="compiled accumulation kernel not built")
 
-FORMATS = ["fp32", "fp16", "bf16", "e8m13", "q6.6", "e5m2", "e4m3fn", "e4m3fn-sat", "e5m10-nosub"]
+FORMATS = ["fp32", "fp16", "bf16", "e8m13", "q6.6", "e5m2", "e4m3fn", "e4m3fn-sat", "e5m10-nosub",
+           "e5m0"]
 ORDERS = ["seq", "pairwise", "chunk3", "chunk4@bf16"]
 ROUNDINGS = ["rn", "sr", "sr6", "rz", "ru", "rd", "rna"]
 
@@ -96,8 +97,10 @@ def test_kernel_matches_reference_over_shapes(k, spec):
 
 @needs_kernel
 @pytest.mark.parametrize("spec", ["fp16:chunk16", "fp16:chunk16:sr", "bf16:sr5", "e8m13:pairwise",
-                                  "fp32:sr", "e4m3fn-sat:chunk8"])
+                                  "fp32:sr", "e4m3fn-sat:chunk8", "e6m0:chunk4"])
 def test_kernel_fast_path_matches_reference(spec):
+    # (e6m0: no mantissa bit, the kept significand is the implicit 1 and a tie rounds up; the
+    # fast path once took the exponent's lsb for it)
     # magnitudes in [0.5, 2): every product and sum stays in the normal range, so the kernel's
     # integer-trick fast path rounds whole tiles (elsewhere mixed with the general path)
     g = torch.Generator().manual_seed(8)
@@ -111,7 +114,7 @@ def test_kernel_fast_path_matches_reference(spec):
 @needs_kernel
 @pytest.mark.parametrize("inputs", ["fp16", "bf16"])
 @pytest.mark.parametrize("spec", ["fp16", "fp16:chunk16", "bf16:chunk7", "e5m2", "e4m3fn:chunk5",
-                                  "e3m4fn-sat", "e5m10-nosub:chunk4"])
+                                  "e3m4fn-sat", "e5m10-nosub:chunk4", "e5m0:chunk3"])
 def test_kernel_float32_lanes_match_reference(inputs, spec):
     # operands of at most 12 significant bits and an accumulator of at most 11: the kernel
     # runs nearest rounding on float32 lanes (exact products, innocuous double rounding of

@@ -16,6 +16,7 @@ SPECS = [
     "fp16:chunk16:sr",
     "bf16:pairwise:sr6",
     "e8m13:rz",            # general path only
+    "e5m0:chunk4",         # no mantissa bit: ties round up in magnitude
     "q6.10:chunk8",        # fixed point, saturating
     "fp32", "fp32:chunk32",  # the plain float32 loop
 ]

@@ -55,6 +55,7 @@ typedef struct {
      * pattern at bit fshift = 52 - man by an integer add and a mask, as quantize's fast path */
     int32_t fast;
     uint64_t fshift, fmask, fhalf, bemin;
+    uint64_t fodd; /* 1 when man == 0: the kept significand is the implicit 1, always odd */
 } lp_acc_inv;
 
 LP_INLINE uint64_t m64(int c) { return (uint64_t)0 - (uint64_t)(c != 0); }
@@ -76,6 +77,9 @@ static lp_acc_inv acc_inv(const lp_acc_fmt *p) {
     v.fmask = (1ull << v.fshift) - 1ull;
     v.fhalf = (1ull << (v.fshift - 1)) - 1ull;
     v.bemin = (uint64_t)(int64_t)(v.fast ? p->emin + 1023 : 0);
+    /* with no mantissa bit, bit fshift of the pattern is the exponent's lsb, not k's: a tie
+     * must round up in magnitude, as round_f64 does (the e3m0 lesson of make_inv) */
+    v.fodd = (uint64_t)(p->man == 0);
     return v;
 }
 
@@ -150,7 +154,7 @@ LP_INLINE double round_fast(double x, uint32_t r32, const lp_acc_inv *p, const i
     const uint64_t fs = p->fshift;
     uint64_t add;
     if (mode == R_NE) {
-        add = p->fhalf + ((a >> fs) & 1ull);
+        add = p->fhalf + (((a >> fs) | p->fodd) & 1ull);
     } else {
         const uint64_t r = (uint64_t)r32 & p->rmask;
         add = fs >= 32 ? r << (fs - 32) : r >> (32 - fs);
@@ -318,7 +322,8 @@ LP_ACC_DEFINE(acc_rows_sr, R_SR)
  * the same bits as the float64 path. Lanes outside the format's normal range (zero excepted),
  * overflowing, or not finite, send the step back to the float64 path, as the fast path does. */
 typedef struct {
-    uint32_t fshift, fmask, fhalf, bemin, lim;
+    uint32_t fshift, fmask, fhalf, fodd;
+    int32_t minb, hi; /* bits of the smallest normal; largest pattern that does not overflow */
 } lp_acc_inv32;
 
 static lp_acc_inv32 acc_inv32(const lp_acc_fmt *p) {
@@ -326,8 +331,14 @@ static lp_acc_inv32 acc_inv32(const lp_acc_fmt *p) {
     v.fshift = (uint32_t)(23 - p->man);
     v.fmask = (1u << v.fshift) - 1u;
     v.fhalf = (1u << (v.fshift - 1)) - 1u;
-    v.bemin = (uint32_t)(p->emin + 127);
-    v.lim = f2u(p->maxpos);
+    v.fodd = (uint32_t)(p->man == 0);
+    v.minb = (int32_t)((uint32_t)(p->emin + 127) << 23);
+    /* a rounds above lim iff a + fhalf + lsb(a) reaches lim + 2**fshift; in [lim, lim + 2**fshift)
+     * a has lim's lsb, so: a >= lim + 2**(fshift-1) when that lsb is 1 (the tie goes up), else
+     * a > lim + 2**(fshift-1) */
+    const uint32_t lim = f2u(p->maxpos);
+    const uint32_t lsb = ((lim >> v.fshift) | v.fodd) & 1u;
+    v.hi = (int32_t)(lim + (1u << (v.fshift - 1)) - lsb);
     return v;
 }
 
@@ -340,8 +351,10 @@ static int acc_f32_format(const lp_acc_fmt *p, const lp_acc_gemm *g) {
 LP_INLINE float round_fast32(float x, const lp_acc_inv32 *p, uint32_t *bad) {
     const uint32_t u = f2u(x);
     const uint32_t sign = u & 0x80000000u, a = u & 0x7fffffffu;
-    const uint32_t rf = (a + p->fhalf + ((a >> p->fshift) & 1u)) & ~p->fmask;
-    *bad |= (uint32_t)(((a >> 23) < p->bemin) & (a != 0)) | (uint32_t)(rf > p->lim);
+    const uint32_t rf = (a + p->fhalf + (((a >> p->fshift) | p->fodd) & 1u)) & ~p->fmask;
+    /* a < 2**31: signed compares; NaN and Inf patterns lie above hi */
+    const int32_t sa = (int32_t)a;
+    *bad |= (uint32_t)((sa < p->minb) & (sa != 0)) | (uint32_t)(sa > p->hi);
     return u2f(rf | sign);
 }
 
