@@ -29,6 +29,7 @@ setup(
         Extension(
             "lowprec.numerics._qkernel",
             sources=["src/lowprec/numerics/_qkernel.c"],
+            depends=["src/lowprec/numerics/_qkernel_acc.c"],  # #included by _qkernel.c
             # No -ffast-math: the kernel relies on exact IEEE multiplication and subnormals.
             extra_compile_args=["-O3", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-ffp-contract=off",
                                 "-fno-math-errno"],

@@ -699,6 +699,9 @@ void lp_dot4(const float *cols, const float *w, float *out, int64_t N, int64_t G
     }
 }
 
+/* the GEMM with a rounded accumulator (lowprec.numerics.accumulation) */
+#include "_qkernel_acc.c"
+
 int lp_abi_version(void) { return 5; }
 
 static struct PyModuleDef lp_module = {PyModuleDef_HEAD_INIT, "_qkernel",

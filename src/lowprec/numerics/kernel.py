@@ -15,7 +15,8 @@ import torch
 
 from .params import ElementParams
 
-__all__ = ["available", "open_kernel", "quantize_f32", "quantize_blocks_f32", "LPParams"]
+__all__ = ["available", "open_kernel", "quantize_f32", "quantize_blocks_f32", "LPParams",
+           "gemm_acc", "gemm_acc_available"]
 
 
 class LPParams(ctypes.Structure):
@@ -105,6 +106,10 @@ def open_kernel(path: str):
     lib.lp_count_abs_ge.restype = None
     lib.lp_dot4.argtypes = [p, p, p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
     lib.lp_dot4.restype = None
+    if hasattr(lib, "lp_gemm_acc"):
+        lib.lp_gemm_acc.argtypes = [p, p, p, ctypes.POINTER(LPAccGemm), ctypes.POINTER(LPAccFmt),
+                                    ctypes.POINTER(LPAccFmt), ctypes.c_int]
+        lib.lp_gemm_acc.restype = ctypes.c_int
     return lib
 
 
@@ -154,3 +159,47 @@ def dot4(cols: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int) ->
     k = gk // groups
     _lib().lp_dot4(cols.data_ptr(), w.data_ptr(), out.data_ptr(), n, groups, k, length,
                    w.shape[0] // groups, torch.get_num_threads())
+
+
+# -- the GEMM with a rounded accumulator (lp_gemm_acc in _qkernel_acc.c) -------------------------
+class LPAccFmt(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("man", "emin", "qsub", "overflow", "signed_zero",
+                                              "rounding")] + [
+        ("maxpos", ctypes.c_float), ("maxneg", ctypes.c_float), ("rmask", ctypes.c_uint32),
+        ("k0", ctypes.c_uint32), ("k1", ctypes.c_uint32)]
+
+
+class LPAccGemm(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "M", "N", "K", "sa_b", "sa_m", "sa_k",
+                                              "sb_b", "sb_k", "sb_n")] + [
+        ("order", ctypes.c_int32), ("chunk", ctypes.c_int32)]
+
+
+def gemm_acc_available() -> bool:
+    """True when the loaded kernel has the accumulation GEMM."""
+    return _lib() is not None and hasattr(_lib(), "lp_gemm_acc")
+
+
+def _acc_fmt(lim, rounding: int, rmask: int, seed) -> LPAccFmt:
+    return LPAccFmt(lim.man, lim.emin, lim.qsub, lim.overflow, int(lim.signed_zero), rounding,
+                    lim.maxpos, lim.maxneg, rmask, seed[0], seed[1])
+
+
+def gemm_acc(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, order: int, chunk: int,
+             lim, wide, rounding: int, rmask: int, seed: tuple[int, int]) -> None:
+    """``out`` (batch, M, N) contiguous = a (batch, M, K) any strides @ b (batch, K, N)
+    contiguous, float32 CPU tensors, accumulated as lp_gemm_acc does."""
+    bt, m, k = a.shape
+    n = b.shape[2]
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"gemm_acc: {name} must be a float32 CPU tensor, got {t.dtype} on "
+                             f"{t.device}")
+    if not (b.is_contiguous() and out.is_contiguous()):
+        raise ValueError("gemm_acc: b and out must be contiguous")
+    g = LPAccGemm(bt, m, n, k, a.stride(0), a.stride(1), a.stride(2), k * n, n, 1, order, chunk)
+    fp, fw = _acc_fmt(lim, rounding, rmask, seed), _acc_fmt(wide, 0, 0, (0, 0))
+    rc = _lib().lp_gemm_acc(a.data_ptr(), b.data_ptr(), out.data_ptr(), ctypes.byref(g),
+                            ctypes.byref(fp), ctypes.byref(fw), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"gemm_acc: no memory for the pairwise buffer (K={k})")

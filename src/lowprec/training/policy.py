@@ -16,7 +16,9 @@ rounds activations), ``g`` activation gradients (``:mode``), ``o`` optimizer sta
 weights (``none``), ``ls`` loss scale (below), ``b`` backend (``auto``, ``native``, ``emulated``), ``s`` scope of the compute
 format (``all`` layers, or ``matmul`` layers only as torch.autocast does), ``sc`` scaled GEMMs: a
 recipe casting each operand of the forward and both backward GEMMs with its own scaling
-(``fp8-rowwise``, ``mxfp8``...; see :mod:`lowprec.training.scaling`), emulated.
+(``fp8-rowwise``, ``mxfp8``...; see :mod:`lowprec.training.scaling`), emulated; ``acc`` the GEMM
+accumulator of linear, matmul, conv2d and attention, forward and backward
+(``acc=fp16:chunk128:sr``; see :mod:`lowprec.numerics.accumulation`), emulated.
 
 Loss scale ``ls=``: ``none``; ``static:S`` with S > 0 finite; ``dynamic``; or ``dynamic:`` with
 options separated by ``;`` (or by ``,``: an option key after ``ls=`` continues it), each checked
@@ -34,6 +36,7 @@ import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from ..numerics.accumulation import Accumulator, parse_accumulator
 from ..numerics.formats import FP32, FloatFormat, Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec, parse_rounding
 from .loss_scale import DYNAMIC_OPTIONS, loss_scale_spec, parse_loss_scale
@@ -133,6 +136,7 @@ class Policy:
     backend: Backend = Backend.AUTO
     scope: Scope = Scope.ALL
     scaled: GemmScaling | None = None
+    accumulator: Accumulator | None = None
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -148,12 +152,14 @@ class Policy:
         object.__setattr__(self, "scope", Scope.parse(self.scope))
         object.__setattr__(self, "loss_scale", _check_loss_scale(self.loss_scale))
         object.__setattr__(self, "scaled", parse_scaling(self.scaled))
+        if self.accumulator is not None:
+            object.__setattr__(self, "accumulator", parse_accumulator(self.accumulator))
 
     @property
     def is_fp32(self) -> bool:
         return all(f == FP32 for f in (self.params, self.compute, self.grads,
                                        self.optimizer_state)) and self.master is None \
-            and self.scaled is None
+            and self.scaled is None and self.accumulator is None
 
     @property
     def spec(self) -> str:
@@ -169,6 +175,8 @@ class Policy:
                  f"ls={self.loss_scale}", f"b={self.backend}", f"s={self.scope}"]
         if self.scaled is not None:
             parts.append(f"sc={self.scaled}")
+        if self.accumulator is not None:
+            parts.append(f"acc={self.accumulator}")
         return ",".join(parts)
 
     def __str__(self) -> str:
@@ -209,6 +217,7 @@ _KEYS = {
     "r": "rounding", "rounding": "rounding",
     "u": "update", "update": "update",
     "sc": "scaled", "scaled": "scaled",
+    "acc": "accumulator", "accumulator": "accumulator",
 }
 
 POLICIES: dict[str, Policy] = {}
@@ -226,7 +235,7 @@ def _bad_policy(spec, why: str = "") -> ValueError:
     names = ", ".join(POLICIES)
     reason = f" ({why})" if why else ""
     return ValueError(f"unknown policy {spec!r}{reason}; valid names: {names}; or a spec such as "
-                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc; or a "
+                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc acc; or a "
                       "format such as 'bf16' or 'e4m3fn' (every role in it)")
 
 
@@ -300,6 +309,8 @@ def _parse_spec(spec: str) -> Policy:
             kwargs[key] = kv[key].lower()
     if "scaled" in kv:
         kwargs["scaled"] = parse_scaling(kv["scaled"])
+    if "accumulator" in kv:
+        kwargs["accumulator"] = parse_accumulator(kv["accumulator"])
     if "rounding" in kv:
         kwargs["rounding"] = kv["rounding"]
         kwargs.setdefault("grad_rounding", kv["rounding"])
@@ -351,6 +362,11 @@ def policy_or_format(spec: str | Policy) -> Policy | Format:
         return POLICIES[key]
     if m := _FIXED_POLICY_RE.match(key.lower()):
         return _fixed_policy(key, m)
+    head, _, rest = key.partition(",")
+    if head.strip() in POLICIES and rest.strip().lower().startswith(("acc=", "accumulator=")):
+        # a named policy with a GEMM accumulator: "16-true,acc=fp16:chunk128"
+        return replace(POLICIES[head.strip()], name=None,
+                       accumulator=parse_accumulator(rest.partition("=")[2]))
     if "=" not in key:
         try:
             return parse_format(key)

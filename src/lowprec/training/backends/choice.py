@@ -55,6 +55,8 @@ def can_be_native(policy: Policy) -> bool:
         return True
     if getattr(policy, "scaled", None) is not None:  # scaled GEMMs are emulated (emulation/scaled.py)
         return False
+    if getattr(policy, "accumulator", None) is not None:  # accumulators are emulated
+        return False
     return all(f in NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
 
 

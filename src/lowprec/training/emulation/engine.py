@@ -41,7 +41,8 @@ from torch.overrides import TorchFunctionMode
 
 from ...numerics.formats import FP32, BlockFormat, Format
 from ...numerics.quantize import quantize, quantize_
-from ...numerics import summation
+from ...numerics import accumulation_ops, summation
+from ...numerics.accumulation import Accumulator
 from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy, policy_or_format
 from ..scaling import GemmScaling
@@ -77,15 +78,16 @@ class Rule:
     grad_rounding: Rounding = Rounding.NEAREST_EVEN
     scope: str = "all"
     scaled: GemmScaling | None = None  # the GEMMs it covers run as scaled GEMMs (.scaled)
+    accumulator: Accumulator | None = None  # GEMMs accumulate in it (numerics.accumulation)
 
     @classmethod
     def of(cls, policy: Policy) -> "Rule":
         return cls(policy.compute, policy.grads, policy.params, policy.rounding,
-                   policy.grad_rounding, policy.scope, policy.scaled)
+                   policy.grad_rounding, policy.scope, policy.scaled, policy.accumulator)
 
     @property
     def active(self) -> bool:
-        return self.compute != FP32 or self.grads != FP32
+        return self.compute != FP32 or self.grads != FP32 or self.accumulator is not None
 
     @property
     def block(self) -> bool:
@@ -822,7 +824,9 @@ class Emulation:
             else:
                 args = _map(rin, args)
             kwargs = _map(rin, kwargs) if kwargs else kwargs
-        if name == "batch_norm" and kernels.uses_batch_stats(args, kwargs):
+        if (acc_op := self._accumulated(name, rule, args, kwargs)) is not None:
+            out = acc_op(*args, **kwargs)
+        elif name == "batch_norm" and kernels.uses_batch_stats(args, kwargs):
             out = kernels.label_kernel_nodes(kernels.batch_norm(self, rule, key, *args, **kwargs),
                                              args, name)
         elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
@@ -905,7 +909,8 @@ class Emulation:
                          for i, a in enumerate(args))
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
-            out = self._conv(func, name, rule, args, kwargs, pure=False)(*args, **kwargs)
+            out = (self._accumulated(name, rule, args, kwargs)
+                   or self._conv(func, name, rule, args, kwargs, pure=False))(*args, **kwargs)
             inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
@@ -938,6 +943,13 @@ class Emulation:
             return self.round(o, rule, okey)
 
         return _map(rout, out)
+
+    def _accumulated(self, name: str, rule: Rule, args, kwargs):
+        # acc=: the GEMMs of linear, matmul, conv2d and attention accumulate in the policy's
+        # accumulator, forward and backward; their output is then rounded as any op's
+        if rule.accumulator is None:
+            return None
+        return accumulation_ops.bind(name, rule.accumulator, self.generator, args, kwargs)
 
     def _conv(self, func, name: str, rule: Rule | None = None, args=(), kwargs=None,
               pure: bool = True):
