@@ -87,12 +87,16 @@ def test_unscaled_fp8_is_a_bare_saturating_cast():
     assert str(parse_policy("fp8-unscaled").scaled) == "fp8-unscaled"
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp4"])
+@pytest.mark.parametrize("name", ["fp8", "fp4", "accumulation"])
 def test_presets_are_valid_and_compare_each_recipe(name):
     p = PRESETS[name]
     CompareConfig(**p).validate()
-    assert p["policies"][0] == "32-true" and (p["data"], p["model"]) == ("text",
-                                                                         "chartransformer")
+    assert p["policies"][0] == "32-true"
+    if name == "accumulation":  # the MLP's 784-term dot products, each policy an accumulator
+        assert (p["data"], p["model"]) == ("mnist", "mlp")
+        assert all(parse_policy(pol).accumulator is not None for pol in p["policies"][1:])
+        return
+    assert (p["data"], p["model"]) == ("text", "chartransformer")
     for pol in p["policies"][1:]:
         assert parse_policy(pol).scaled is not None, pol
 

@@ -54,6 +54,15 @@ PRESETS: dict[str, dict] = {
             "weight_decay": 0.0, "batch_size": 64, "epochs": 2, "train_subset": 8000,
             "seeds": (0, 1),
             "policies": ("32-true", "mxfp8", "p=fp32,sc=mxfp4", "nvfp4", "nvfp4-sr")},
+    # The GEMM accumulator (acc=, numerics/accumulation.py) on the MLP's 784-term dot products:
+    # fp16 accumulation sequential, in chunks of 64 promoted to fp32 (Wang et al. 2018) and
+    # pairwise; fixed-point accumulators with stochastic rounding, narrowing the fraction to find
+    # the narrowest that still trains (Gupta et al. 2015)
+    "accumulation": {"data": "mnist", "model": "mlp", "epochs": 2, "seeds": (0, 1),
+                     "batch_size": 64,
+                     "policies": ("32-true", "p=fp32,acc=fp16", "p=fp32,acc=fp16:chunk64",
+                                  "p=fp32,acc=fp16:pairwise", "p=fp32,acc=q8.16:sr",
+                                  "p=fp32,acc=q8.12:sr", "p=fp32,acc=q8.8:sr")},
     "yun2023": {"data": "fashion-mnist", "model": "resnet20,vgg,transformer,mobilenet",
                 "policies": ("32-true", "16-true", "16-mixed", "bf16-true"), "seeds": (0, 1),
                 "epochs": 2, "batch_size": 256, "lr": 0.01, "momentum": 0.9,
