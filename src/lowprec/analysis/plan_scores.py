@@ -180,7 +180,8 @@ def judge_level(p: ModuleProfile, level: Policy, *, lr: float, perturb: float | 
     m = {"input_overflow": act_in["overflow"], "output_overflow": act_out["overflow"],
          "weight_overflow": wts["overflow"], "grad_overflow": gr["overflow"],
          "grad_flush": gr["flush"], "loss_scale": 1.0, "grad_flush_scaled": gr["flush"],
-         "lost_updates": 0.0, "lost_updates_sr": 0.0, "perturbation": perturb}
+         "lost_updates": 0.0, "lost_updates_sr": 0.0, "perturbation": perturb,
+         "formats": {"params": str(w), "compute": str(c), "grads": str(g)}}
     if g != FP32 and gr["flush"] > UNDERFLOW_MAX and p.out_grads.numel():
         gmax = float(p.out_grads.abs().max())
         scale = power_of_two_scale(gmax, g, 2.0 ** 3, 2.0 ** 24)

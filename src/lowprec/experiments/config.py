@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from ..training.plan import is_plan_spec, load_plan
 from ..training.policy import parse_policy, split_top
 
 __all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "OPTIMIZERS", "SCHEDULES", "RunError",
@@ -103,7 +104,7 @@ class CompareConfig:
             raise RunError("no policies given")
         for p in self.policies:
             try:
-                parse_policy(p)
+                load_plan(p) if is_plan_spec(p) else parse_policy(p)  # plan:FILE, or a policy
             except (ValueError, TypeError) as err:
                 raise RunError(str(err)) from None
         if isinstance(self.seeds, int):

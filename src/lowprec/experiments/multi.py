@@ -64,13 +64,16 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
 def _certified(db: ResultsDB) -> dict[str, tuple[str, float]]:
     """Per policy: the certified fraction of its first certificate format (fp16 for a 32-bit
     run: may this model run in 16 bits?), mean over the seeds."""
+    from ..training.plan import is_plan_spec
     from ..training.policy import parse_policy
     from .runner import certificate_formats
 
     fracs: dict[str, list[float]] = {}
     fmt_of: dict[str, str] = {}
     for r in db.runs():
-        fmts = certificate_formats(parse_policy(r["policy"]))
+        # a plan:FILE run is certified in its base policy's formats (stored as policy_spec)
+        fmts = certificate_formats(parse_policy(r["policy_spec"] if is_plan_spec(r["policy"])
+                                                else r["policy"]))
         if not fmts:
             continue
         payload = db.analysis(r["run_id"], f"certificate:{fmts[0]}")

@@ -153,7 +153,7 @@ def _why(chosen: str, order: list[str], judged: dict, repaired: str | None = Non
                      f"(~{j['loss_scale']:g})")
     if j["needs_stochastic"]:
         parts.append(f"{100 * j['lost_updates']:.0f}% of updates lost to nearest rounding in "
-                     f"{chosen}: stochastic write-back")
+                     f"{j['formats']['params']}: stochastic write-back")
     if repaired:
         parts.append(f"raised by repair ({repaired})")
     return "; ".join(parts) or "fp32"
