@@ -227,9 +227,16 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     for name in prof:
         say(f"measure {name}: {chosen[name]} ({_why(chosen[name], order, judged[name])})")
 
-    # optimizer state: the narrowest parameter format of the menu that holds every weight
-    # gradient (momentum starts as the gradient): nothing overflows, at most 1% flushes
-    grads_all = torch.cat([p.weight_grads for p in prof.values()])
+    # optimizer state: the narrowest parameter format of the menu that holds the weight
+    # gradients (momentum starts as the gradient): none overflows, at most 1% flush, counted
+    # over the elements whose update fp32 itself applies (w + lr g != w in float32; where fp32
+    # loses the update too, a flushed momentum changes nothing)
+    live = []
+    for p in prof.values():
+        if p.weight_grads.numel() == p.weights.numel():
+            g = p.weight_grads
+            live.append(g[(p.weights - lr * g) != p.weights])
+    grads_all = torch.cat(live) if live else torch.zeros(0)
     state_fmt, state_why = FP32, "fp32"
     for fmt in sorted({levels[lv].params for lv in order},
                       key=lambda f: format_bytes(f, 1 << 20)):
