@@ -236,3 +236,38 @@ def test_cli_plan_end_to_end_and_compare_takes_the_plan(tmp_path, capsys, monkey
         "SELECT policy, policy_spec, status FROM runs ORDER BY policy").fetchall()
     assert rows[1][0] == f"plan:{out}" and rows[1][1] == parse_policy(p.policy).spec
     assert all(r[2] == "finished" for r in rows)
+
+
+def test_module_cost_counts_torchs_elements_and_profile_leaves_batchnorm_alone():
+    from lowprec.analysis.plan_scores import module_cost
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(5, 1, 16), torch.tensor([0, 1, 2, 3, 0])
+    prof = module_profile(model, (x, y), nn.functional.cross_entropy)
+    for k, v in model.state_dict().items():  # running statistics untouched
+        assert torch.equal(v, before[k]), k
+    p = prof["1"]
+    n_w = sum(t.numel() for t in model[1].parameters())
+    assert (p.n_params, p.n_in, p.n_out) == (n_w, 5 * 16, 5 * 8)
+    # params + grads at the parameter width, outputs at the compute width (fp16: 2 bytes,
+    # e4m3fn: 1 byte, as torch's element sizes)
+    fp16 = parse_policy("p=fp16,c=fp16,g=fp16")
+    fp8 = parse_policy("p=bf16,c=e4m3fn,g=e5m2")
+    e16 = torch.empty(0, dtype=torch.float16).element_size()
+    e8 = torch.empty(0, dtype=torch.float8_e4m3fn).element_size()
+    assert module_cost(p, fp16) == 2 * n_w * e16 + 5 * 8 * e16
+    assert module_cost(p, fp8) == 2 * n_w * e16 + 5 * 8 * e8
+    assert module_cost(p, fp8, "bits") < module_cost(p, fp16, "bits")
+    with pytest.raises(ValueError, match="cost='time'; accepted: memory, bits"):
+        module_cost(p, fp16, "time")
+
+
+def test_lightning_plugin_takes_a_plan(found):
+    pytest.importorskip("lightning")
+    from lowprec.integrations.lightning import LowprecPrecision
+
+    plugin = LowprecPrecision(found)
+    assert plugin.lowprec.overrides == found.overrides
+    assert plugin.lowprec.policy == parse_policy(found.policy)

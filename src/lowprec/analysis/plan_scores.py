@@ -81,7 +81,7 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
                    ) -> dict[str, ModuleProfile]:
     """One float32 forward and backward pass of ``model`` on ``batch`` (inputs, targets);
     per module of :func:`planned_modules`, its roles' values. The model is left as it was
-    (gradients restored)."""
+    (gradients and buffers restored)."""
     names = planned_modules(model)
     mods = dict(model.named_modules())
     ins: dict[str, list] = {n: [] for n in names}
@@ -97,6 +97,7 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
                     out.register_hook(lambda g, name=name: grads[name].append(g.detach()))
         handles.append(mods[name].register_forward_hook(hook))
     inputs, targets = batch
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
     try:
         with fresh_grads(model):
             loss = loss_fn(run_model(model, inputs, output_fn), targets)
@@ -112,6 +113,9 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():  # the pass must not move BatchNorm statistics
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
     return prof
 
 
