@@ -271,3 +271,16 @@ def test_lightning_plugin_takes_a_plan(found):
     plugin = LowprecPrecision(found)
     assert plugin.lowprec.overrides == found.overrides
     assert plugin.lowprec.policy == parse_policy(found.policy)
+
+
+def test_assign_takes_the_cheapest_passing_level_and_falls_back_to_the_last():
+    from lowprec.analysis.plan_scores import assign
+
+    order = ["fp8", "fp16", "fp32"]
+    costs = {"a": {"fp8": 1, "fp16": 2, "fp32": 4}, "b": {"fp8": 1, "fp16": 2, "fp32": 4},
+             "c": {"fp8": 1, "fp16": 2, "fp32": 4}}
+    passes = {"a": {"fp8": True, "fp16": True, "fp32": True},
+              "b": {"fp8": False, "fp16": True, "fp32": True},
+              "c": {"fp8": False, "fp16": False, "fp32": False}}
+    assert assign(costs, passes, order) == {"a": "fp8", "b": "fp16", "c": "fp32"}
+    assert lowprec.plan is plan and lowprec.Plan is Plan  # the facade's names
