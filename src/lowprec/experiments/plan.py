@@ -238,8 +238,11 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
             live.append(g[(p.weights - lr * g) != p.weights])
     grads_all = torch.cat(live) if live else torch.zeros(0)
     state_fmt, state_why = FP32, "fp32"
-    for fmt in sorted({levels[lv].params for lv in order},
-                      key=lambda f: format_bytes(f, 1 << 20)):
+    candidates = []  # the menu's parameter formats, narrowest first (ties: the levels' order)
+    for lv in order:
+        if levels[lv].params not in candidates:
+            candidates.append(levels[lv].params)
+    for fmt in sorted(candidates, key=lambda f: format_bytes(f, 1 << 20)):
         c = classify(grads_all, fmt)
         if c["overflow"] == 0 and c["flush"] <= UNDERFLOW_MAX:
             state_fmt = fmt
