@@ -22,6 +22,7 @@ from .training.loss_scale import DynamicLossScale, LossScale, NoLossScale, Stati
 from .training.memory import MemoryLedger
 from .training.policy import POLICIES, Policy, parse_policy, register_policy
 from .training.precision import Precision
+from .training.plan import Plan
 from .numerics.quantize import quantize, quantize_
 from .numerics.rounding import Rounding, RoundingSpec, parse_rounding
 from .training import optim
@@ -37,6 +38,8 @@ __all__ = [
     "POLICIES",
     "Policy",
     "Precision",
+    "Plan",
+    "plan",
     "StaticLossScale",
     "find_loss_scale",
     "optim",
@@ -61,3 +64,13 @@ __all__ = [
     "quantize_ste",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """``lowprec.plan``: :func:`lowprec.experiments.plan.plan`, imported on first use (the
+    experiments layer is not loaded by ``import lowprec``)."""
+    if name == "plan":
+        from .experiments.plan import plan
+
+        return plan
+    raise AttributeError(f"module 'lowprec' has no attribute {name!r}")

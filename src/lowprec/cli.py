@@ -435,6 +435,45 @@ def cmd_advise(args, console: Console) -> int:
     return 0
 
 
+def cmd_plan(args, console: Console) -> int:
+    from .experiments.plan import plan, plan_markdown, plan_table, summary_rows
+
+    model, data = _trained_model(args, console)
+    found = _user(plan, model, data, menu=args.menu, minimise=args.minimise,
+                  tolerance=args.tolerance, steps=args.steps, seeds=tuple(range(args.seeds)),
+                  lr=args.lr, batch_size=args.batch_size,
+                  log=None if args.quiet or args.json else console.print)
+    try:
+        found.save(args.out)
+        if args.report:
+            from pathlib import Path
+
+            Path(args.report).write_text(plan_markdown(found))
+    except OSError as err:
+        console.print(f"lowprec plan: cannot write {err.filename}: {err.strerror}")
+        return 1
+    if args.json:
+        _print_json(found.to_json())
+        return 0 if found.meta.get("accepted") else 1
+    for title, (head, rows) in (("per module", plan_table(found)),
+                                ("plan against fp32 and uniform policies",
+                                 summary_rows(found))):
+        table = Table(title=title, header_style="bold")
+        for c in head:
+            table.add_column(c, overflow="fold")
+        for r in rows:
+            table.add_row(*r)
+        console.print(table)
+    m = found.meta
+    console.print(f"base policy {found.policy}; overrides: "
+                  f"{', '.join(found.overrides) or 'none'}; kept above the cheapest level: "
+                  f"{', '.join(m.get('high') or []) or 'none'}")
+    console.print(f"plan written to {args.out} ({m['plan_seconds']:.1f} s, "
+                  f"{m['plan_over_fp32_run']:.1f}x one fp32 training run); use it with "
+                  f"Precision(Plan.load(...)) or compare --policies plan:{args.out}")
+    return 0 if m.get("accepted") else 1
+
+
 def parse_format_checked(spec: str):
     from .numerics.formats import parse_format
 
@@ -589,6 +628,36 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--batches", type=_int_arg(1, 100_000), default=4,
                     help="batches analysed (default: 4)")
     ad.set_defaults(func=cmd_advise)
+
+    pl = sub.add_parser("plan", help="the cheapest per-layer precision that still trains: "
+                        "measured per module, assigned under a budget, verified by training")
+    pl.add_argument("--data", default="digits", help="dataset (as for compare; default: digits)")
+    pl.add_argument("--model", default="mlp", help="model (as for compare; default: mlp)")
+    pl.add_argument("--menu", default="fp32,bf16,fp16,fp8",
+                    help="levels a module may take, widest first (fp32 bf16 fp16 fp8 mxfp8 "
+                         "fixed16-sr; default: fp32,bf16,fp16,fp8)")
+    _offer(pl.add_argument("--minimise", default="memory",
+                           help="what the plan minimises (default: memory bytes)"),
+           ("memory", "bits"))
+    pl.add_argument("--tolerance", type=_float_arg(nonnegative=True), default=0.01,
+                    help="accuracy the plan may lose against fp32, a fraction (default: 0.01)")
+    pl.add_argument("--steps", type=_int_arg(1, 10_000_000), default=200,
+                    help="training steps of each verification run (default: 200)")
+    pl.add_argument("--seeds", type=_int_arg(1, 100), default=1,
+                    help="verification seeds per policy (default: 1)")
+    pl.add_argument("--epochs", type=_int_arg(0, 100_000), default=0,
+                    help="fp32 epochs before planning (default: 0: plan from the initial "
+                         "weights)")
+    pl.add_argument("--lr", type=_float_arg(positive=True), default=0.02,
+                    help="learning rate (default: 0.02)")
+    pl.add_argument("--batch-size", type=_int_arg(1, 2**31), default=64, help="default: 64")
+    pl.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0,
+                    help="seed of the initial weights")
+    pl.add_argument("--out", default="plan.json", help="the plan file (default: plan.json)")
+    pl.add_argument("--report", default=None, help="also write the report section (Markdown)")
+    pl.add_argument("--quiet", action="store_true", help="no search log")
+    _add_json(pl)
+    pl.set_defaults(func=cmd_plan)
 
     ex = sub.add_parser("export", help="a run folder's results as csv, parquet, TensorBoard "
                         "event files or an MLflow file store (offline)")

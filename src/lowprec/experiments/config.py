@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from ..training.plan import is_plan_spec, load_plan
 from ..training.policy import Policy, parse_policy, split_top
 
 __all__ = ["CompareConfig", "DEFAULT_POLICIES", "PRESETS", "OPTIMIZERS", "SCHEDULES", "RunError",
@@ -161,7 +162,8 @@ class CompareConfig:
             raise RunError("no policies given")
         for p in self.policies:
             try:
-                parse_named_policy(p)
+                # plan:FILE stays its text (Precision reads the plan), or a policy
+                load_plan(p) if is_plan_spec(p) else parse_named_policy(p)
             except (ValueError, TypeError) as err:
                 raise RunError(str(err)) from None
         if isinstance(self.seeds, int):

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
+from ..training.plan import is_plan_spec
 from ..training.policy import parse_policy
 from .config import CompareConfig, RunError, split_models
 from .render import html_table, md_table
@@ -67,7 +68,9 @@ def _certified(db: ResultsDB) -> dict[str, tuple[str, float]]:
     fracs: dict[str, list[float]] = {}
     fmt_of: dict[str, str] = {}
     for r in db.runs():
-        fmts = certificate_formats(parse_policy(r["policy"]))
+        # a plan:FILE run is certified in its base policy's formats (stored as policy_spec)
+        fmts = certificate_formats(parse_policy(r["policy_spec"] if is_plan_spec(r["policy"])
+                                                else r["policy"]))
         if not fmts:
             continue
         payload = db.analysis(r["run_id"], f"certificate:{fmts[0]}")

@@ -47,6 +47,7 @@ from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
 from .optim import FormatOptimizer, PolicyOptimizer
 from .optim.torch_adam import TORCH_ADAMS, OptimizerPrecisionWarning, adam_risks, adam_warning
+from .plan import is_plan_spec, load_plan
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
 from .regimes import GroupKey, Regime, regimes_for, static_resolve
 
@@ -87,6 +88,16 @@ class Precision:
     def __init__(self, policy: str | Policy = "32-true", *, loss_scale: str | LossScale | None = None,
                  generator: torch.Generator | None = None, seed: int | None = None,
                  overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
+        # a per-layer plan (lowprec.training.plan: a Plan, or "plan:FILE"; anything with
+        # .policy and .overrides) is its base policy with its per-module overrides
+        if is_plan_spec(policy):
+            policy = load_plan(policy)
+        if not isinstance(policy, (str, Policy)) and hasattr(policy, "overrides") \
+                and hasattr(policy, "policy"):
+            if overrides is not None:
+                raise ValueError("a plan carries its own overrides: give the plan or "
+                                 "overrides=, not both")
+            policy, overrides = policy.policy, dict(policy.overrides)
         self.policy = parse_policy(policy)
         # emulated backend: conv2d summed in the order of torch's reference CPU 16-bit kernel
         # (lowprec.numerics.summation); its forward is bit-exact where that kernel runs

@@ -1,0 +1,443 @@
+"""``plan``: the cheapest per-layer precision that still trains, found, verified by training,
+explained.
+
+Data flow (docs/design.md, "Planning"):
+
+1. measure: one float32 step profiles every module owning parameters
+   (:func:`lowprec.analysis.plan_scores.module_profile`); each module is judged in each level of
+   the menu (:func:`~lowprec.analysis.plan_scores.judge_level`: range against the formats,
+   gradient underflow with and without a loss scale, lost updates, and the loss perturbation of
+   that module alone in the level on a few batches);
+2. assign: each module at the cheapest level it passes under the budget's cost (memory bytes
+   or bits moved); the optimizer state at the narrowest parameter format of the menu that holds
+   every weight gradient; the base policy is the level holding most parameters, every other
+   module an override; a loss scale where a level passes only with one; a joint probe of the
+   whole plan on the same batches (repaired before training when it fails);
+3. verify: the plan, float32 and every uniform level train for ``steps`` steps from the same
+   initial weights, seeds and batches; the plan is returned only when its mean test accuracy
+   is within ``tolerance`` of float32's; otherwise the module most sensitive in its current
+   level (perturbation score) is raised one level and the plan is trained again: each repair
+   is logged.
+
+``plan(model, data)`` returns a :class:`lowprec.training.plan.Plan`: ``Precision(plan)``,
+``lowprec compare --policies plan:FILE`` and the integrations (which build a Precision) accept
+it; :func:`plan_table` and :func:`plan_markdown` give the report ``lowprec plan`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from ..analysis.advise import UNDERFLOW_MAX
+from ..analysis.common import fp32_twin
+from ..analysis.plan_scores import (COSTS, PERTURB_MAX, assign, judge_level, loss_under,
+                                    module_cost, module_profile, perturbation)
+from ..analysis.ranges import classify
+from ..numerics.formats import FP32
+from ..numerics.storage import format_bytes
+from ..training.backends.choice import BackendChoiceWarning
+from ..training.optim import SGD
+from ..training.plan import Plan
+from ..training.policy import WriteBack, parse_policy
+from ..training.precision import Precision
+
+__all__ = ["plan", "LEVELS", "DEFAULT_MENU", "parse_menu", "plan_table", "plan_markdown",
+           "summary_rows", "train_and_evaluate"]
+
+#: the levels a module can be put in: parameter storage, compute and gradient formats
+#: (optimizer state and the loss scale are the base policy's, for every module)
+LEVELS = {
+    "fp32": "p=fp32,c=fp32,g=fp32",
+    "bf16": "p=bf16,c=bf16,g=bf16",
+    "fp16": "p=fp16,c=fp16,g=fp16",
+    # fp8 GEMM operands and outputs (e4m3 forward, e5m2 gradients rounded stochastically),
+    # weights stored in bf16 and cast at use
+    "fp8": "p=bf16,c=e4m3fn,g=e5m2:sr",
+    # OCP MX blocks of 32 along the reduction axis (the engine's block formats), bf16 storage
+    "mxfp8": "p=bf16,c=mxfp8_e4m3,g=bf16",
+    # Gupta et al. (2015): 16-bit fixed point, stochastic rounding of activations and gradients
+    "fixed16-sr": "p=q6.10,c=q6.10:sr,g=q6.10:sr",
+}
+DEFAULT_MENU = ("fp32", "bf16", "fp16", "fp8")
+_SLOTS = {"sgd": 1}  # optimizer state tensors per parameter (SGD with momentum)
+
+
+def parse_menu(menu) -> tuple[str, ...]:
+    """``"fp32,bf16,fp16"`` or a sequence of level names -> names (fp32 added: the fallback);
+    ValueError naming the accepted levels."""
+    names = [m.strip() for m in (menu.split(",") if isinstance(menu, str) else menu)]
+    names = [n for n in names if n]
+    for n in names:
+        if n not in LEVELS:
+            raise ValueError(f"menu level {n!r}; accepted: {', '.join(LEVELS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"menu {','.join(names)} names a level twice")
+    if "fp32" not in names:
+        names.append("fp32")
+    return tuple(names)
+
+
+def _batches(data, batch_size: int, n: int) -> list:
+    x, y = data.x_train, data.y_train
+    return [(x[i:i + batch_size], y[i:i + batch_size])
+            for i in range(0, min(len(x), n * batch_size), batch_size)]
+
+
+@torch.no_grad()
+def _accuracy(model, prec, x, y, output_fn=None) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, len(x), 1000):
+        with prec.autocast():
+            out = model(prec.convert_input(x[i:i + 1000]))
+        out = out if output_fn is None else output_fn(out)
+        correct += int((out.float().argmax(dim=1) == y[i:i + 1000]).sum())
+    return correct / max(1, len(x))
+
+
+def train_and_evaluate(model: nn.Module, data, loss_fn, policy, overrides=None, *, steps: int,
+                       seed: int, lr: float, momentum: float = 0.9, batch_size: int = 64,
+                       output_fn=None) -> dict:
+    """Train a copy of ``model`` (its initial weights as given) under ``policy`` and
+    ``overrides`` for ``steps`` SGD steps on batches drawn by ``seed``; the test accuracy
+    (nan when the weights are no longer finite), the last training losses and the seconds."""
+    torch.manual_seed(seed)
+    twin = fp32_twin(model).train()
+    prec = Precision(policy, overrides=overrides or None, seed=seed)
+    opt = SGD(twin.parameters(), lr=lr, momentum=momentum)
+    with warnings.catch_warnings():  # which backend runs is in the plan's evidence
+        warnings.simplefilter("ignore", BackendChoiceWarning)
+        twin, opt = prec.setup(twin, opt)
+    gen = torch.Generator().manual_seed(seed)
+    n = len(data.x_train)
+    perm, pos, losses = torch.randperm(n, generator=gen), 0, []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        if pos + batch_size > n:
+            perm, pos = torch.randperm(n, generator=gen), 0
+        idx = perm[pos:pos + batch_size]
+        pos += batch_size
+        opt.zero_grad()
+        with prec.autocast():
+            out = twin(prec.convert_input(data.x_train[idx]))
+            out = out if output_fn is None else output_fn(out)
+            loss = loss_fn(out.float(), data.y_train[idx])
+        prec.backward(loss)
+        prec.step(opt)
+        losses.append(loss.item())
+    seconds = time.perf_counter() - t0
+    finite = all(torch.isfinite(p).all() for p in twin.parameters())
+    acc = _accuracy(twin, prec, data.x_test, data.y_test, output_fn) if finite else math.nan
+    tail = [v for v in losses[-max(1, steps // 10):]]
+    return {"accuracy": acc, "final_loss": sum(tail) / len(tail) if tail else math.nan,
+            "skipped": prec.skipped, "seconds": seconds}
+
+
+def _why(chosen: str, order: list[str], judged: dict, repaired: str | None = None) -> str:
+    """The measurements that decided a module's level: why each cheaper level was refused,
+    what the chosen one needs, and the repair that raised it, if one did."""
+    parts = [f"{lv}: {judged[lv]['reasons'][0]}" for lv in order[:order.index(chosen)]
+             if judged[lv]["reasons"]]
+    j = judged[chosen]
+    if chosen != "fp32" and not parts:
+        parts.append(f"{chosen} passes: no overflow, {100 * j['grad_flush']:.2f}% of gradients "
+                     f"flushed, loss moves {100 * (j['perturbation'] or 0):.2f}%")
+    if j["needs_loss_scale"]:
+        parts.append(f"{100 * j['grad_flush']:.1f}% of gradients flush unscaled: loss scale "
+                     f"(~{j['loss_scale']:g})")
+    if j["needs_stochastic"]:
+        parts.append(f"{100 * j['lost_updates']:.0f}% of updates lost to nearest rounding in "
+                     f"{j['formats']['params']}: stochastic write-back")
+    if repaired:
+        parts.append(f"raised by repair ({repaired})")
+    return "; ".join(parts) or "fp32"
+
+
+def _stats(runs: list[dict]) -> dict:
+    accs = [r["accuracy"] for r in runs]
+    ok = [a for a in accs if math.isfinite(a)]
+    mean = statistics.fmean(ok) if len(ok) == len(accs) and ok else math.nan
+    std = statistics.stdev(ok) if len(ok) > 1 and len(ok) == len(accs) else 0.0
+    return {"accuracy": accs, "mean": mean, "std": std,
+            "seconds": sum(r["seconds"] for r in runs), "skipped": [r["skipped"] for r in runs]}
+
+
+def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: str = "memory",
+         tolerance: float = 0.01, steps: int = 200, seeds=(0,), lr: float = 0.02,
+         momentum: float = 0.9, batch_size: int = 64, probe_batches: int = 2,
+         max_repairs: int | None = None, compare_uniform: bool = True, output_fn=None,
+         log=None) -> Plan:
+    """The cheapest per-module assignment of ``menu``'s levels (see the module docstring) that
+    trains ``model`` on ``data`` (a Dataset: x_train, y_train, x_test, y_test) to within
+    ``tolerance`` (a fraction: 0.01 is one accuracy point) of float32's mean test accuracy after
+    ``steps`` SGD steps per seed. ``log``: called with each line of the search as it happens."""
+    t_start = time.perf_counter()
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    order_names = parse_menu(menu)
+    if minimise not in COSTS:
+        raise ValueError(f"minimise={minimise!r}; accepted: {', '.join(COSTS)}")
+    if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance={tolerance!r}; accepted: a finite number >= 0 (a fraction "
+                         "of accuracy: 0.01 is one point)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}; accepted: an integer >= 1")
+    seeds = (seeds,) if isinstance(seeds, int) else tuple(seeds)
+    if not seeds:
+        raise ValueError("seeds=(); accepted: one or more integer seeds")
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if log is not None:
+            log(line)
+
+    levels = {n: parse_policy(LEVELS[n]) for n in order_names}
+    probe = _batches(data, batch_size, probe_batches)
+    prof = module_profile(model, probe[0], loss_fn, output_fn=output_fn)
+    if not prof:
+        raise ValueError("the model has no module owning parameters to plan")
+    base_loss = loss_under(model, probe, loss_fn, "32-true", output_fn=output_fn)
+    gen = torch.Generator().manual_seed(0)
+    costs: dict = {}
+    judged: dict = {}
+    for name, p in prof.items():
+        costs[name] = {lv: module_cost(p, levels[lv], minimise) for lv in order_names}
+        judged[name] = {}
+        for lv in order_names:
+            if levels[lv].is_fp32:
+                judged[name][lv] = judge_level(p, levels[lv], lr=lr, perturb=0.0)
+                continue
+            pert = perturbation(model, probe, loss_fn, name, levels[lv], base_loss=base_loss,
+                                output_fn=output_fn)
+            judged[name][lv] = judge_level(p, levels[lv], lr=lr, perturb=pert, generator=gen)
+    # cheapest first by the model's total cost of each level (the tie-break and repair order)
+    # (ties: the later in the menu, which lists levels from widest to narrowest, first)
+    order = sorted(order_names, key=lambda lv: (sum(costs[n][lv] for n in prof),
+                                                -order_names.index(lv)))
+    order.remove("fp32")
+    order.append("fp32")
+    passes = {n: {lv: judged[n][lv]["ok"] for lv in order} for n in prof}
+    chosen = assign(costs, passes, order)
+    for name in prof:
+        say(f"measure {name}: {chosen[name]} ({_why(chosen[name], order, judged[name])})")
+
+    # optimizer state: the narrowest parameter format of the menu that holds the weight
+    # gradients (momentum starts as the gradient): none overflows, at most 1% flush, counted
+    # over the elements whose update fp32 itself applies (w + lr g != w in float32; where fp32
+    # loses the update too, a flushed momentum changes nothing)
+    live = []
+    for p in prof.values():
+        if p.weight_grads.numel() == p.weights.numel():
+            g = p.weight_grads
+            live.append(g[(p.weights - lr * g) != p.weights])
+    grads_all = torch.cat(live) if live else torch.zeros(0)
+    state_fmt, state_why = FP32, "fp32"
+    candidates = []  # the menu's parameter formats, narrowest first (ties: the levels' order)
+    for lv in order:
+        if levels[lv].params not in candidates:
+            candidates.append(levels[lv].params)
+    for fmt in sorted(candidates, key=lambda f: format_bytes(f, 1 << 20)):
+        c = classify(grads_all, fmt)
+        if c["overflow"] == 0 and c["flush"] <= UNDERFLOW_MAX:
+            state_fmt = fmt
+            state_why = (f"{fmt}: {100 * c['flush']:.2f}% of weight gradients flush, none "
+                         "overflow")
+            break
+    say(f"optimizer state in {state_why}")
+
+    def build(assignment: dict) -> tuple[str, dict]:
+        weight = {}
+        for n, lv in assignment.items():
+            weight[lv] = weight.get(lv, 0) + prof[n].n_params
+        base_lv = max(order, key=lambda lv: (weight.get(lv, 0), -order.index(lv)))
+        scale = any(judged[n][lv]["needs_loss_scale"] for n, lv in assignment.items())
+        sr = any(judged[n][lv]["needs_stochastic"] for n, lv in assignment.items())
+        pol = parse_policy(f"{LEVELS[base_lv]},o={state_fmt}")
+        base = pol.with_(loss_scale="dynamic" if scale else "none",
+                         update=WriteBack.STOCHASTIC if sr else WriteBack.NEAREST).spec
+        over = {}
+        for n, lv in assignment.items():
+            if lv != base_lv:
+                over[n] = LEVELS[lv]
+        # a module under an overridden parent keeps its own level explicitly
+        for n, lv in assignment.items():
+            if n not in over and any(n.startswith(o + ".") for o in over):
+                over[n] = LEVELS[lv]
+        return base, over
+
+    def raise_one(assignment: dict, why: str) -> str | None:
+        movable = [n for n, lv in assignment.items() if lv != "fp32"]
+        if not movable:
+            return None
+
+        def score(n):
+            pert = judged[n][assignment[n]]["perturbation"]
+            return (math.inf if pert is None else pert, judged[n][assignment[n]]["grad_flush"])
+
+        worst = max(movable, key=score)
+        old = assignment[worst]
+        up = [lv for lv in order[order.index(old) + 1:]
+              if passes[worst][lv] or lv == "fp32"]
+        assignment[worst] = up[0]
+        repaired[worst] = why
+        say(f"repair: {why}; raise {worst} from {old} to {up[0]} (loss moved "
+            f"{100 * score(worst)[0]:.2f}% with it alone in {old})")
+        return worst
+
+    repaired: dict[str, str] = {}
+    budget = max_repairs if max_repairs is not None else len(prof) * len(order)
+    repairs = 0
+    # joint probe: the whole plan on the probe batches before any training
+    while True:
+        base, over = build(chosen)
+        joint = loss_under(model, probe, loss_fn, base, over, output_fn=output_fn)
+        moved = abs(joint - base_loss) / max(abs(base_loss), 1e-12) if math.isfinite(joint) \
+            else math.inf
+        if moved <= PERTURB_MAX or repairs >= budget:
+            say(f"probe: the plan moves the loss {100 * moved:.2f}% on {len(probe)} batches")
+            break
+        if raise_one(chosen, f"the plan moves the probe loss {100 * moved:.2f}%") is None:
+            break
+        repairs += 1
+
+    # verification by training
+    kw = dict(steps=steps, lr=lr, momentum=momentum, batch_size=batch_size, output_fn=output_fn)
+    total_params = sum(p.n_params for p in prof.values())
+    state_bytes = format_bytes(state_fmt, total_params) * _SLOTS["sgd"]
+
+    def cost_of(assignment: dict, state=state_fmt) -> int:
+        c = sum(costs[n][lv] for n, lv in assignment.items())
+        if minimise == "memory":
+            c += format_bytes(state, total_params) * _SLOTS["sgd"]
+        return c
+
+    runs: dict = {}
+    ref = [train_and_evaluate(model, data, loss_fn, "32-true", seed=s, **kw) for s in seeds]
+    runs["fp32"] = {"policy": "32-true", "overrides": {}, **_stats(ref),
+                    "cost": cost_of({n: "fp32" for n in prof}, FP32)}
+    fp32_seconds = runs["fp32"]["seconds"] / len(seeds)
+    target = runs["fp32"]["mean"] - tolerance
+    say(f"verify: fp32 reaches {100 * runs['fp32']['mean']:.2f}% after {steps} steps "
+        f"(seeds {', '.join(map(str, seeds))}); target >= {100 * target:.2f}%")
+    if compare_uniform:
+        for lv in order:
+            if lv == "fp32":
+                continue
+            pol = f"{LEVELS[lv]},o={levels[lv].params}"
+            r = [train_and_evaluate(model, data, loss_fn, pol, seed=s, **kw) for s in seeds]
+            runs[f"uniform {lv}"] = {"policy": pol, "overrides": {}, **_stats(r),
+                                     "cost": cost_of({n: lv for n in prof}, levels[lv].params)}
+            say(f"verify: uniform {lv} reaches {100 * runs[f'uniform {lv}']['mean']:.2f}%")
+    attempts = []
+    while True:
+        base, over = build(chosen)
+        r = [train_and_evaluate(model, data, loss_fn, base, over, seed=s, **kw) for s in seeds]
+        st = {"policy": base, "overrides": dict(over), **_stats(r), "cost": cost_of(chosen)}
+        attempts.append(st)
+        held = math.isfinite(st["mean"]) and st["mean"] >= target
+        say(f"verify: plan reaches {100 * st['mean']:.2f}% "
+            f"({'within' if held else 'outside'} {100 * tolerance:.2f} points of fp32)")
+        if held or repairs >= budget:
+            break
+        if raise_one(chosen, f"the plan reached {100 * st['mean']:.2f}% < "
+                             f"{100 * target:.2f}%") is None:
+            break
+        repairs += 1
+    runs["plan"] = attempts[-1]
+    accepted = math.isfinite(runs["plan"]["mean"]) and runs["plan"]["mean"] >= target
+    if not accepted:
+        # nothing cheaper held: the float32 policy is the plan
+        say("no plan held the tolerance within the repair budget: fp32 everywhere")
+        chosen = {n: "fp32" for n in prof}
+        base, over = "32-true", {}
+        runs["plan"] = dict(runs["fp32"], policy=base, overrides={})
+    plan_seconds = time.perf_counter() - t_start
+    say(f"plan found in {plan_seconds:.1f} s = {plan_seconds / max(fp32_seconds, 1e-9):.1f}x "
+        f"one fp32 training run of {steps} steps ({fp32_seconds:.1f} s)")
+    evidence = {}
+    for n, p in prof.items():
+        evidence[n] = {
+            "kind": p.kind, "params": p.n_params, "level": chosen[n],
+            "formats": {"params": str(levels[chosen[n]].params),
+                        "compute": str(levels[chosen[n]].compute),
+                        "grads": str(levels[chosen[n]].grads)},
+            "cost": costs[n][chosen[n]],
+            "why": _why(chosen[n], order, judged[n], repaired.get(n)),
+            "levels": {lv: {k: v for k, v in judged[n][lv].items()} | {"cost": costs[n][lv]}
+                       for lv in order}}
+    uniform_ok = [k for k, v in runs.items() if k.startswith("uniform")
+                  and math.isfinite(v["mean"]) and v["mean"] >= target]
+    best_uniform = min(uniform_ok, key=lambda k: runs[k]["cost"], default=None)
+    meta = {"menu": list(order_names), "order": order, "minimise": minimise,
+            "tolerance": tolerance, "steps": steps, "seeds": list(seeds), "lr": lr,
+            "momentum": momentum, "batch_size": batch_size, "accepted": accepted,
+            "repairs": repairs, "optimizer_state": str(state_fmt),
+            "best_uniform": best_uniform, "high": sorted(
+                n for n in prof if chosen[n] != order[0]),
+            "plan_seconds": plan_seconds, "fp32_train_seconds": fp32_seconds,
+            "plan_over_fp32_run": plan_seconds / max(fp32_seconds, 1e-9),
+            "data": getattr(data, "name", None)}
+    return Plan(policy=base, overrides=over, evidence=evidence,
+                verification={"runs": runs, "attempts": attempts}, log=tuple(lines), meta=meta)
+
+
+def plan_table(p: Plan) -> tuple[list[str], list[list[str]]]:
+    """The per-module table: module, kind, parameters, level, formats, cost, why."""
+    unit = "bytes" if p.meta.get("minimise", "memory") == "memory" else "bits"
+    head = ["module", "kind", "params", "level", "p / c / g", unit, "why"]
+    rows = []
+    for n, e in p.evidence.items():
+        f = e["formats"]
+        rows.append([n, e["kind"], str(e["params"]), e["level"],
+                     f"{f['params']} / {f['compute']} / {f['grads']}", f"{e['cost']:,}",
+                     e["why"]])
+    return head, rows
+
+
+def summary_rows(p: Plan) -> tuple[list[str], list[list[str]]]:
+    """The plan against fp32 and each uniform level: accuracy (mean ± std over seeds), its
+    difference from fp32, cost and its ratio to fp32's."""
+    runs = p.verification.get("runs", {})
+    ref = runs.get("fp32", {})
+    unit = "bytes" if p.meta.get("minimise", "memory") == "memory" else "bits"
+    head = ["policy", "accuracy %", "Δ vs fp32", unit, "vs fp32", "within tolerance"]
+    rows = []
+    target = ref.get("mean", math.nan) - p.meta.get("tolerance", 0.0)
+    for key in ["fp32", *[k for k in runs if k.startswith("uniform")], "plan"]:
+        r = runs.get(key)
+        if r is None:
+            continue
+        mean, std = r["mean"], r["std"]
+        acc = "diverged" if not isinstance(mean, float) or not math.isfinite(mean) else \
+            f"{100 * mean:.2f} ± {100 * std:.2f}"
+        delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref['mean']):+.2f}"
+        ok = "yes" if math.isfinite(mean) and mean >= target else "no"
+        rows.append([key, acc, delta, f"{r['cost']:,}", f"{r['cost'] / ref['cost']:.2f}x", ok])
+    return head, rows
+
+
+def plan_markdown(p: Plan) -> str:
+    """The report section: the per-module table, the plan against fp32 and the uniform
+    policies, the modules that stayed high, the search log."""
+    def table(head, rows):
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(out)
+
+    m = p.meta
+    parts = [f"## Precision plan ({m.get('minimise', 'memory')}; tolerance "
+             f"{100 * m.get('tolerance', 0):.2f} points; {m.get('steps')} steps; seeds "
+             f"{', '.join(map(str, m.get('seeds', [])))})", "",
+             f"Base policy `{p.policy}`; {len(p.overrides)} override(s); optimizer state "
+             f"{m.get('optimizer_state')}; best uniform policy within tolerance: "
+             f"{m.get('best_uniform') or 'none'}.", "", table(*plan_table(p)), "",
+             table(*summary_rows(p)), "",
+             "Modules above the cheapest level: " + (", ".join(m.get("high") or []) or "none"),
+             "", "Search log:", ""] + [f"- {line}" for line in p.log]
+    return "\n".join(parts) + "\n"
