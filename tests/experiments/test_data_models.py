@@ -237,7 +237,8 @@ def test_sys_exit_in_user_code_is_a_one_line_error(garbage_module, call):
 
 
 SHAPES = {"mlp": (1, 28, 28), "lenet5": (1, 28, 28), "resnet20": (3, 32, 32), "vgg": (3, 32, 32),
-          "cnn1d": (1, 40), "transformer": (1, 28, 28), "mobilenet": (3, 32, 32)}
+          "cnn1d": (1, 40), "transformer": (1, 28, 28), "mobilenet": (3, 32, 32),
+          "chartransformer": (1, 16)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

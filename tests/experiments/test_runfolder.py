@@ -304,11 +304,16 @@ def test_a_signal_during_start_up_is_one_line(tmp_path, sig, code):
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc to see when torch is being loaded")
     env = dict(os.environ, PYTHONPATH=SRC)
-    proc = subprocess.Popen([sys.executable, "-m", "lowprec_cmd", *ARGS, "--out",
-                             str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    _wait_for_torch(proc.pid)
-    proc.send_signal(sig)
-    _, err = proc.communicate()
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "lowprec_cmd", *ARGS, "--out",
+                                 str(tmp_path / f"run{attempt}")], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _wait_for_torch(proc.pid)
+        proc.send_signal(sig)
+        _, err = proc.communicate()
+        # exit 0: the whole run finished before the signal landed (this test process starved
+        # of CPU on a loaded machine while it polled); try again, a signal ignored fails 3 times
+        if proc.returncode != 0:
+            break
     assert proc.returncode == code, err[-2000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]

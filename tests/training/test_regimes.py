@@ -71,6 +71,8 @@ def test_fixed_point_policy_names():
                 stochastic = m.group(3) == "sr"
                 assert pol.rounding.is_stochastic == pol.grad_rounding.is_stochastic == stochastic
                 assert pol.update == ("stochastic" if stochastic else "nearest")
+            elif "=" in name:  # a compact spec (p=fp32,sc=mxfp4; p=fp32,acc=fp16)
+                assert name not in POLICIES and pol.name is None
             else:
                 assert pol is POLICIES[name]
 
