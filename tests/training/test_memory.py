@@ -72,3 +72,19 @@ def test_ledger_counts_a_slice_of_a_large_input_as_the_slice():
     a = prec.memory(model, (big[:8], y), nn.functional.cross_entropy).activations
     b = prec.memory(model, (big[:8].clone(), y), nn.functional.cross_entropy).activations
     assert a == b
+
+
+def test_ledger_counts_overridden_modules_in_their_own_format():
+    """Per-module overrides (and plans, which are overrides): a layer kept in fp32 under a
+    16-true policy costs 4 bytes per parameter and gradient element, the rest 2, as the
+    tensors of model.half() with that layer left in fp32 would (torch's element sizes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 12), nn.ReLU(), nn.Linear(12, 3))
+    prec = Precision("16-true", overrides={"0": "32-true"})
+    model, _ = prec.setup(model)
+    ledger = prec.memory(batch=(torch.randn(4, 10), torch.tensor([0, 1, 2, 0])),
+                         loss_fn=nn.functional.cross_entropy)
+    ref = nn.Sequential(nn.Linear(10, 12), nn.ReLU(), nn.Linear(12, 3).half())
+    want = sum(p.numel() * p.element_size() for p in ref.parameters())
+    assert want == 132 * 4 + 39 * 2
+    assert ledger.params == want and ledger.grads == want

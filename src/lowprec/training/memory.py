@@ -105,13 +105,16 @@ def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format 
 
 def measure_memory(model: torch.nn.Module, batch, loss_fn, *, param_format: Format,
                    optimizer=None, compute: Format | None = None,
-                   autocast=contextlib.nullcontext) -> MemoryLedger:
-    """The ledger of one training step of ``model`` on ``batch`` (inputs, targets)."""
+                   autocast=contextlib.nullcontext,
+                   param_formats: dict | None = None) -> MemoryLedger:
+    """The ledger of one training step of ``model`` on ``batch`` (inputs, targets).
+    ``param_formats`` (id(parameter) -> format): parameters stored in a format of their own
+    (per-module overrides, a plan); the others, and their gradients, in ``param_format``."""
     params = [p for p in model.parameters()]
-    n_params = sum(p.numel() for p in params)
-    n_grad = sum(p.numel() for p in params if p.requires_grad)
-    pbytes = format_bytes(param_format, n_params)
-    gbytes = format_bytes(param_format, n_grad)
+    own = param_formats or {}
+    pbytes = sum(format_bytes(own.get(id(p), param_format), p.numel()) for p in params)
+    gbytes = sum(format_bytes(own.get(id(p), param_format), p.numel()) for p in params
+                 if p.requires_grad)
     state, master = (0, 0) if optimizer is None else optimizer_bytes(optimizer)
     inputs, targets = batch
     buffers = {name: b.clone() for name, b in model.named_buffers()}

@@ -528,9 +528,12 @@ class Precision:
             raise ValueError("memory() needs a model (or setup() first), a batch and a loss_fn")
         inputs, targets = batch
         compute = None if self._backend is None else self._backend.ledger_compute()
+        # parameters under a per-module override (or a plan) counted in their own format
+        own = None if self._backend is None or model is not self.model else \
+            self._backend.optimizer_storage().get("param_formats")
         return measure_memory(model, (self.convert_input(inputs), targets), loss_fn,
                               param_format=self.policy.params, optimizer=self.optimizer,
-                              compute=compute, autocast=self.autocast)
+                              compute=compute, autocast=self.autocast, param_formats=own)
 
     def __repr__(self) -> str:
         return f"Precision({self.policy}, backend={self.backend}, loss_scale={self.loss_scale})"
