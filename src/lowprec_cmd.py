@@ -4,9 +4,10 @@
 Importing ``lowprec`` imports torch (its custom op is registered then, before any trace can
 reach it), which takes a second or more on a loaded machine. A Ctrl-C or SIGTERM in that time
 must end the command like one later: one line, exit code 130 or 143, no traceback and no
-silent -15. This module imports only ``signal`` and ``sys`` before it routes SIGTERM to
-KeyboardInterrupt and catches both around the import of :mod:`lowprec.cli`, whose ``main``
-then takes over. Only the interpreter's own start-up, before this module runs, is out of reach.
+silent -15. This module imports only ``signal`` and ``sys`` before it routes SIGTERM and SIGINT to
+KeyboardInterrupt, records them, and catches both around the import of :mod:`lowprec.cli`
+(an interrupt that some import swallowed still ends the command), whose ``main`` then takes
+over. Only the interpreter's own start-up, before this module runs, is out of reach.
 """
 
 import signal
@@ -19,25 +20,42 @@ class _StartupTerminated(KeyboardInterrupt):
     """SIGTERM while the command starts up."""
 
 
-def _on_sigterm(signum, frame):
-    raise _StartupTerminated()
+_RECEIVED: list[int] = []  # the signals that arrived during the import
+
+
+def _on_signal(signum, frame):
+    _RECEIVED.append(signum)
+    raise _StartupTerminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _interrupted(terminated: bool) -> int:
+    print("lowprec: interrupted", file=sys.stderr)
+    return 143 if terminated else 130
 
 
 def main(argv=None) -> int:
+    # SIGINT too: a library whose import swallows the KeyboardInterrupt (a bare except around
+    # an optional import) would otherwise let the command run on; the record says it came
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {}
     try:
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        for sig in handled:
+            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # a background job ignores Ctrl-C, as it should
+            previous[sig] = signal.signal(sig, _on_signal)
     except ValueError:  # not the main thread: leave signals alone
-        previous = None
+        previous = {}
     try:
         try:
             from lowprec.cli import main as cli_main
         finally:  # cli.main installs its own handler (the same clean stop, with its exit code)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if _RECEIVED:  # raised during the import, and swallowed there
+            return _interrupted(signal.SIGTERM in _RECEIVED)
         return cli_main(argv)
     except KeyboardInterrupt as err:  # only during the import: cli.main handles its own
-        print("lowprec: interrupted", file=sys.stderr)
-        return 143 if isinstance(err, _StartupTerminated) else 130
+        return _interrupted(isinstance(err, _StartupTerminated))
 
 
 if __name__ == "__main__":

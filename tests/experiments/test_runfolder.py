@@ -317,3 +317,30 @@ def test_a_signal_during_start_up_is_one_line(tmp_path, sig, code):
             break
     assert proc.returncode == code, err[-2000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_swallowed_by_an_import_still_ends_the_command(tmp_path, sig, code):
+    """A library whose import catches everything (``try: ... except: pass`` around an optional
+    import) swallows the KeyboardInterrupt a Ctrl-C raises there; the command still ends,
+    130 / 143 and one line, instead of running on. Here a stand-in ``lowprec.cli`` signals
+    itself during its import and swallows what that raises."""
+    fake = tmp_path / "lowprec"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "cli.py").write_text(
+        "import os, time\n"
+        "try:\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    time.sleep(1)\n"
+        "except BaseException:\n"
+        "    pass\n"
+        "def main(argv=None):\n"
+        "    print('ran on')\n"
+        "    return 0\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), SRC]))
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys, lowprec_cmd; sys.exit(lowprec_cmd.main([]))"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert (proc.returncode, proc.stdout, proc.stderr.strip()) == (code, "",
+                                                                    "lowprec: interrupted")
