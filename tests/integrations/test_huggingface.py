@@ -112,6 +112,8 @@ def test_loss_scale_and_skipped_steps_reach_the_trainers_loggers(tmp_path, on):
         assert logs["lowprec/steps"] == step
     if on:
         assert entries[0][1]["lowprec/skipped_steps"] >= 1
+    # the Trainer's own log_metrics (example scripts call it) is still a method
+    trainer.log_metrics("train", {"loss": 1.0})
 
 
 def test_fp16_training_arguments_are_refused(tmp_path):

@@ -246,11 +246,64 @@ def test_loss_scale_and_skipped_steps_reach_lightnings_logger(tmp_path):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_logging_can_be_turned_off(on):
+def test_logging_can_be_turned_off(on, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
     model = Digits()
     plugin = LowprecPrecision("16-true", log_metrics=on)
+    kw = {k: v for k, v in QUIET.items() if k != "logger"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t = trainer(plugin, 1, enable_checkpointing=False)
+        t = Trainer(precision=plugin, max_epochs=1, logger=CSVLogger(tmp_path), **kw,
+                    enable_checkpointing=False)
         t.fit(model, loader())
     assert any(k.startswith("lowprec/") for k in t.logged_metrics) == on
+
+
+def test_nothing_is_logged_without_a_logger():
+    """logger=False: no metrics, and none of Lightning's "no logger configured" warnings."""
+    model = Digits()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer(LowprecPrecision("16-true"), 1, enable_checkpointing=False)
+        t.fit(model, loader())
+    assert not any(k.startswith("lowprec/") for k in t.logged_metrics)
+    assert not any("lowprec/" in str(w.message) for w in caught)
+
+
+class ManualEpochEnd(Digits):
+    """Manual optimization whose optimizer steps once more in on_train_epoch_end, a hook in
+    which Lightning forbids per-step logging."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, _):
+        opt = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x).float(), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def on_train_epoch_end(self):
+        opt = self.optimizers()
+        x, y = next(iter(loader()))
+        opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self.net(x).float(), y))
+        opt.step()
+
+
+def test_a_step_from_a_hook_that_may_not_log_trains_on(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = ManualEpochEnd()
+    plugin = LowprecPrecision("16-true")
+    kw = {k: v for k, v in QUIET.items() if k != "logger"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = Trainer(precision=plugin, max_epochs=1, logger=CSVLogger(tmp_path), **kw,
+                    enable_checkpointing=False)
+        t.fit(model, loader())
+    assert plugin.lowprec.steps == 17

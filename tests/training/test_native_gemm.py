@@ -58,6 +58,9 @@ def test_products_are_native_forward_and_backward(op):
         assert torch.equal(e, v)
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2",
+                    reason="CPUs with AVX512-FP16 or AMX run fp16 GEMMs through oneDNN, which may "
+                           "sum as fp32 does")
 def test_default_engine_differs_from_native_by_units_of_summation_order():
     """Without the option the engine's fp32 product rounded once is at most one unit from
     native on the outputs where the two summation orders straddle a rounding boundary (the
@@ -83,6 +86,28 @@ def test_not_used_where_native_would_not_be_exact(policy):
     assert not native_gemm.applies(rule, (x, x), {}, True, torch.float16)
     assert native_gemm.applies(engine.Rule.of(parse_policy("16-true")), (x, x), {}, True,
                                torch.float16)
+
+
+@pytest.mark.parametrize("policy", ["p=fp32,c=fp16,g=fp32", "p=fp32,c=fp16,g=bf16",
+                                    "p=fp16,c=fp16,g=fp32"])
+def test_policies_whose_gradients_are_not_the_compute_format_keep_the_engines_product(policy):
+    """The kernel's backward would hold the products' gradients in fp16 (overflowing to Inf
+    above 65504); where the policy's gradients are another format, mixed policies included,
+    match_cpu_kernels leaves the product to the engine: the same bits as without it."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(8, 32, generator=g).half().float()
+    w0 = torch.randn(16, 32, generator=g).half().float()
+    grads = []
+    for match in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with emulated(policy, match_cpu_kernels=match):
+            y = F.linear(x, w)
+            (y * 3e4).sum().backward()
+        grads.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    if "g=fp32" in policy:
+        assert bool(torch.isfinite(grads[1][1]).all()) and float(grads[1][1].abs().max()) > 65504
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2",

@@ -53,7 +53,8 @@ class LowprecTrainer(Trainer):
                  seed: int | None = None, log_metrics: bool = True, **kwargs) -> None:
         self.lowprec = policy if isinstance(policy, Precision) else Precision(
             policy, loss_scale=loss_scale, seed=seed)
-        self.log_metrics = bool(log_metrics)
+        # not self.log_metrics: that is the Trainer's own method (log_metrics(split, metrics))
+        self.lowprec_log_metrics = bool(log_metrics)
         model = kwargs.get("model", args[0] if args else None)
         if model is None:
             raise ValueError("LowprecTrainer needs a model (model_init is not supported: the "
@@ -114,7 +115,7 @@ class LowprecTrainer(Trainer):
     def log(self, logs: dict, *args, **kwargs) -> None:
         """The Trainer's log, with the loss scale and step counts added to each training entry
         (not to evaluation or prediction metrics), so every ``report_to`` logger gets them."""
-        if self.log_metrics and self.lowprec.steps and not any(
+        if self.lowprec_log_metrics and self.lowprec.steps and not any(
                 k.startswith(("eval_", "test_", "predict_")) for k in logs):
             logs = {**logs, **step_metrics(self.lowprec)}
         super().log(logs, *args, **kwargs)

@@ -21,7 +21,8 @@ the step, gradients are unscaled before ``on_before_optimizer_step`` and clippin
 ``MixedPrecision`` does), a step with Inf/NaN gradients is skipped and the scale backs off; the
 Precision's state (loss scale, step counts, generator; constant size, the per-step trace stays
 in ``plugin.lowprec.trace``) is saved in checkpoints. After each step the loss scale and the
-step counts (taken, skipped, with Inf/NaN) go to the Trainer's own loggers as
+step counts (optimizer steps taken or skipped, skipped, with Inf/NaN) go to the Trainer's own
+loggers, when it has any, as
 ``lowprec/loss_scale``, ``lowprec/skipped_steps``... (:mod:`lowprec.integrations.metrics`;
 ``LowprecPrecision(..., log_metrics=False)`` turns it off). Checkpoints hold the weights as a native
 run stores them: emulated 16-bit parameters as fp16/bf16 tensors, fp8 as float8
@@ -37,6 +38,7 @@ from contextlib import contextmanager
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer as LightningTrainer
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 
@@ -58,7 +60,7 @@ class _Common:
     def _init(self, policy, loss_scale, seed, log_metrics: bool = True) -> None:
         self.lowprec = policy if isinstance(policy, Precision) else Precision(
             policy, loss_scale=loss_scale, seed=seed)
-        self.log_metrics = bool(log_metrics)
+        self.lowprec_log_metrics = bool(log_metrics)
         name = str(self.lowprec.policy)
         self.precision = name if name in _LIGHTNING_NAMES else "32-true"
 
@@ -141,10 +143,16 @@ class LowprecPrecision(_Common, TrainerPrecision):
     def _log(self, model) -> None:
         """The loss scale and step counts to the Trainer's loggers (``log_metrics=False``: not)."""
         log = getattr(model, "log_dict", None)
-        if not self.log_metrics or log is None or getattr(model, "_trainer", None) is None:
+        trainer = getattr(model, "_trainer", None)
+        if not self.lowprec_log_metrics or log is None or trainer is None or not trainer.loggers:
             return
-        log(step_metrics(self.lowprec), on_step=True, on_epoch=False, prog_bar=False,
-            logger=True)
+        try:
+            # batch_size given: a training_step(self, dataloader_iter) leaves Lightning none
+            log(step_metrics(self.lowprec), on_step=True, on_epoch=False, prog_bar=False,
+                logger=True, batch_size=1)
+        except MisconfigurationException:
+            # a manual step from a hook that may not log per step (on_train_epoch_end...)
+            pass
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val,

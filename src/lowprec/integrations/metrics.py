@@ -15,9 +15,9 @@ PREFIX = "lowprec/"
 
 
 def step_metrics(precision) -> dict[str, float]:
-    """The loss scale now, and the optimizer steps so far: taken, skipped for Inf/NaN
-    gradients, and with Inf/NaN found (found but not skipped where the loss scale does not
-    skip, e.g. pure fp32). Plain floats, as loggers want them."""
+    """The loss scale now, and the optimizer steps so far: all of them (taken or skipped),
+    those skipped for Inf/NaN gradients, and those with Inf/NaN found (found but not skipped
+    where the loss scale does not skip, e.g. pure fp32). Plain floats, as loggers want them."""
     return {f"{PREFIX}loss_scale": float(precision.loss_scale.scale),
             f"{PREFIX}steps": float(precision.steps),
             f"{PREFIX}skipped_steps": float(precision.skipped),

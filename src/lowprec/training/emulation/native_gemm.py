@@ -23,7 +23,8 @@ It costs what native costs (fp16 ``linear`` is ~6x oneDNN's fp32 here), which is
 opt-in, as the convolution order is.
 
 Used only where it is exactly right: a format with a torch dtype (float16, bfloat16), operands
-on CPU, round-to-nearest-even, and (pure policies) gradients in the same format as compute.
+on CPU, round-to-nearest-even, and gradients in the same format as compute (pure or mixed
+policies alike); everywhere else the engine keeps its fp32 product.
 """
 
 from __future__ import annotations
@@ -62,10 +63,16 @@ def _nearest(spec) -> bool:
 
 
 def applies(rule, args, kwargs, pure: bool, fmt_dtype) -> bool:
-    """Whether ``native_gemm`` gives this op's emulated result exactly."""
+    """Whether ``native_gemm`` gives this op's emulated result exactly (``pure``: the op runs
+    under a pure policy; the conditions are the same for both, see the module docstring)."""
     if fmt_dtype is None or not _nearest(rule.rounding):
         return False
-    if pure and (rule.grads != rule.compute or not _nearest(rule.grad_rounding)):
+    # the kernel's backward holds gradients in the 16-bit dtype, rounded to nearest: right only
+    # where the policy's gradients are the compute format (mixed policies included: under
+    # p=fp32,c=fp16,g=fp32 the engine's product gradients stay fp32 and must not overflow)
+    if rule.grads != rule.compute or not _nearest(rule.grad_rounding):
+        return False
+    if "out" in kwargs:
         return False
     tensors = [t for t in list(args) + list(kwargs.values()) if _floating(t)]
     return bool(tensors) and all(t.device.type == "cpu" and t.dtype == torch.float32
