@@ -245,18 +245,22 @@ def test_loss_scale_and_skipped_steps_reach_lightnings_logger(tmp_path):
     assert [float(r["lowprec/steps"]) for r in rows] == list(range(1, 17))
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_logging_can_be_turned_off(on, tmp_path):
+def _fit_logged(model, plugin, tmp_path):
+    """One epoch under lowprec's Trainer with a CSVLogger; the Trainer."""
     from lightning.pytorch.loggers import CSVLogger
 
-    model = Digits()
-    plugin = LowprecPrecision("16-true", log_metrics=on)
     kw = {k: v for k, v in QUIET.items() if k != "logger"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         t = Trainer(precision=plugin, max_epochs=1, logger=CSVLogger(tmp_path), **kw,
                     enable_checkpointing=False)
         t.fit(model, loader())
+    return t
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_logging_can_be_turned_off(on, tmp_path):
+    t = _fit_logged(Digits(), LowprecPrecision("16-true", log_metrics=on), tmp_path)
     assert any(k.startswith("lowprec/") for k in t.logged_metrics) == on
 
 
@@ -296,14 +300,6 @@ class ManualEpochEnd(Digits):
 
 
 def test_a_step_from_a_hook_that_may_not_log_trains_on(tmp_path):
-    from lightning.pytorch.loggers import CSVLogger
-
-    model = ManualEpochEnd()
     plugin = LowprecPrecision("16-true")
-    kw = {k: v for k, v in QUIET.items() if k != "logger"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        t = Trainer(precision=plugin, max_epochs=1, logger=CSVLogger(tmp_path), **kw,
-                    enable_checkpointing=False)
-        t.fit(model, loader())
+    _fit_logged(ManualEpochEnd(), plugin, tmp_path)
     assert plugin.lowprec.steps == 17
