@@ -284,6 +284,13 @@ def test_the_schema_is_created_whole_or_not_at_all(tmp_path, monkeypatch, capsys
         db.close()
 
 
+def _ctrl_c_as_on_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default, as a command typed at a terminal has
+    it. A test run started in the background of a non-interactive shell (CI under ``&``)
+    inherits SIGINT ignored, and a command rightly ignores Ctrl-C then (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for_torch(pid: int) -> None:
     """Until the process has started loading torch's shared library (its imports under way)."""
     maps = Path(f"/proc/{pid}/maps")
@@ -307,7 +314,8 @@ def test_a_signal_during_start_up_is_one_line(tmp_path, sig, code):
     for attempt in range(3):
         proc = subprocess.Popen([sys.executable, "-m", "lowprec_cmd", *ARGS, "--out",
                                  str(tmp_path / f"run{attempt}")], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_ctrl_c_as_on_a_terminal)
         _wait_for_torch(proc.pid)
         proc.send_signal(sig)
         _, err = proc.communicate()
@@ -341,6 +349,7 @@ def test_a_signal_swallowed_by_an_import_still_ends_the_command(tmp_path, sig, c
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), SRC]))
     proc = subprocess.run([sys.executable, "-c",
                            "import sys, lowprec_cmd; sys.exit(lowprec_cmd.main([]))"],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=_ctrl_c_as_on_a_terminal)
     assert (proc.returncode, proc.stdout, proc.stderr.strip()) == (code, "",
                                                                     "lowprec: interrupted")
