@@ -83,8 +83,8 @@ def test_not_used_where_native_would_not_be_exact(policy):
 
     rule = engine.Rule.of(parse_policy(policy))
     x = torch.randn(3, 4)
-    assert not native_gemm.applies(rule, (x, x), {}, True, torch.float16)
-    assert native_gemm.applies(engine.Rule.of(parse_policy("16-true")), (x, x), {}, True,
+    assert not native_gemm.applies(rule, (x, x), {}, torch.float16)
+    assert native_gemm.applies(engine.Rule.of(parse_policy("16-true")), (x, x), {},
                                torch.float16)
 
 

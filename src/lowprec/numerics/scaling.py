@@ -207,19 +207,15 @@ def parse_cast(spec: str | ScaledCast) -> ScaledCast:
                          "(e4m3fn@tensor, e4m3fn@axis:pow2, e5m2@delayed16, e4m3fn@1x128, "
                          "e4m3fn@mx:rceil, e2m1fn@nvfp4)")
     el, _, el_rnd = el.partition(":")
-    if el_rnd:
-        if el_rnd not in ("sr", "stochastic"):
-            raise ValueError(f"scaled cast {spec!r}: element rounding {el_rnd!r}; accepted: sr "
-                             "(stochastic; nearest-even when absent)")
-        kwargs_sr = {"stochastic": True}
-    else:
-        kwargs_sr = {}
+    if el_rnd not in ("", "sr", "stochastic"):
+        raise ValueError(f"scaled cast {spec!r}: element rounding {el_rnd!r}; accepted: sr "
+                         "(stochastic; nearest-even when absent)")
     rule, _, rnd = rule.partition(":")
     m = _RULE_RE.match(rule)
     if not m:
         raise ValueError(f"scaled cast {spec!r}: rule {rule!r} is not none, tensor, delayedN, "
                          "axis, RxC, mx[N] or nvfp4")
-    kwargs: dict = dict(kwargs_sr)
+    kwargs: dict = {"stochastic": bool(el_rnd)}
     if m.group(1):
         kwargs["kind"] = ScaleKind(m.group(1))
     elif m.group(2):

@@ -910,7 +910,7 @@ class Emulation:
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
             out = (self._accumulated(name, rule, args, kwargs)
-                   or self._conv(func, name, rule, args, kwargs, pure=False))(*args, **kwargs)
+                   or self._conv(func, name, rule, args, kwargs))(*args, **kwargs)
             inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
@@ -951,8 +951,7 @@ class Emulation:
             return None
         return accumulation_ops.bind(name, rule.accumulator, self.generator, args, kwargs)
 
-    def _conv(self, func, name: str, rule: Rule | None = None, args=(), kwargs=None,
-              pure: bool = True):
+    def _conv(self, func, name: str, rule: Rule | None = None, args=(), kwargs=None):
         # match_cpu_kernels: convolutions summed as torch's reference CPU 16-bit kernel sums,
         # matrix products by this CPU's own 16-bit kernel (native_gemm explains why)
         if not self.match_cpu_kernels:
@@ -961,7 +960,7 @@ class Emulation:
             return summation.conv2d
         if name in native_gemm.GEMM_OPS and rule is not None:
             dt = format_dtype(rule.compute)
-            if native_gemm.applies(rule, args, kwargs or {}, pure, dt):
+            if native_gemm.applies(rule, args, kwargs or {}, dt):
                 return native_gemm.native_gemm(func, dt)
         return func
 

@@ -19,8 +19,8 @@ strides and vector widths (which changes with the CPU's ISA: 16 lanes on AVX-512
 is computed by that kernel itself on the operands, which are on the 16-bit grid already, so
 the cast is exact: the result is native's bit for bit, forward and backward (the backward is
 the kernel's own backward, gradients held in the 16-bit dtype as native autograd holds them).
-It costs what native costs (fp16 ``linear`` is ~6x oneDNN's fp32 here), which is why it is
-opt-in, as the convolution order is.
+It costs what native costs (fp16 ``linear`` is ~6x oneDNN's fp32 on an AMD EPYC with AVX2),
+which is why it is opt-in, as the convolution order is.
 
 Used only where it is exactly right: a format with a torch dtype (float16, bfloat16), operands
 on CPU, round-to-nearest-even, and gradients in the same format as compute (pure or mixed
@@ -62,9 +62,9 @@ def _nearest(spec) -> bool:
     return getattr(spec, "mode", spec) == Rounding.NEAREST_EVEN
 
 
-def applies(rule, args, kwargs, pure: bool, fmt_dtype) -> bool:
-    """Whether ``native_gemm`` gives this op's emulated result exactly (``pure``: the op runs
-    under a pure policy; the conditions are the same for both, see the module docstring)."""
+def applies(rule, args, kwargs, fmt_dtype) -> bool:
+    """Whether ``native_gemm`` gives this op's emulated result exactly, under a pure or a mixed
+    policy alike (see the module docstring)."""
     if fmt_dtype is None or not _nearest(rule.rounding):
         return False
     # the kernel's backward holds gradients in the 16-bit dtype, rounded to nearest: right only
