@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/summation.py
+	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[bench]" && $(PY) benchmarks/peers.py
 
 # On a machine lent a GPU, with that image's own python and torch (no venv, no network): the
 # GPU measurements (under 8 minutes), then the device-independent tests on CUDA. Results in
