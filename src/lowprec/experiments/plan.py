@@ -36,7 +36,7 @@ from torch import nn
 
 from ..analysis.advise import UNDERFLOW_MAX
 from ..analysis.common import fp32_twin
-from ..analysis.plan_costs import role_bits
+from ..analysis.plan_costs import block_refusal, covered, role_bits
 from ..analysis.plan_scores import (COSTS, PERTURB_MAX, assign, judge_level, loss_under,
                                     module_cost, module_profile, perturbation)
 from ..analysis.roofline import PROFILES, get_profile, runs_as
@@ -303,14 +303,18 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     chosen = assign({n: {lv: costs[n][lv] for lv in order} for n in prof}, passes, order)
 
     def hw_note(name: str, lv: str) -> str | None:
+        notes = []
+        if levels[lv].scaled is not None and not covered(prof[name], levels[lv]):
+            notes.append(f"a {prof[name].kind} has no GEMM the {levels[lv].scaled} recipe "
+                         f"covers: it runs in {levels[lv].compute}")
         # a format the device has no GEMM for is timed as the next wider one it runs
         if profile is None:
-            return None
+            return "; ".join(notes) or None
         fam = role_bits(prof[name], levels[lv])["family"]
         ran = runs_as(profile, fam)
-        if ran == fam:
-            return None
-        return f"{fam} has no GEMMs on {profile.name}: timed as {ran}"
+        if ran != fam:
+            notes.append(f"{fam} has no GEMMs on {profile.name}: timed as {ran}")
+        return "; ".join(notes) or None
 
     for name in prof:
         note = hw_note(name, chosen[name])
@@ -430,9 +434,13 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
         pol = uniform_policy(lv)
         state = parse_policy(pol).optimizer_state
         r = [train_and_evaluate(model, data, loss_fn, pol, seed=s, **kw) for s in seeds]
+        # a block-scaled level runs in emulation whatever the shapes; hardware needs whole
+        # blocks along each reduction axis
+        refused = [n for n in prof if block_refusal(prof[n], levels[lv])]
         runs[f"uniform {lv}"] = {"policy": pol, "overrides": {}, **_stats(r),
                                  "cost": cost_of({n: lv for n in prof}, state),
-                                 "time": time_of({n: lv for n in prof}, state)}
+                                 "time": time_of({n: lv for n in prof}, state),
+                                 "block_refused": refused}
         say(f"verify: uniform {lv} ({pol}) reaches "
             f"{100 * runs[f'uniform {lv}']['mean']:.2f}%")
     attempts = []
@@ -476,7 +484,8 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
         if profile is not None:
             evidence[n]["time"] = times[n][chosen[n]]
     uniform_ok = [k for k, v in runs.items() if k.startswith("uniform")
-                  and math.isfinite(v["mean"]) and v["mean"] >= target]
+                  and math.isfinite(v["mean"]) and v["mean"] >= target
+                  and not v.get("block_refused")]
     best_uniform = min(uniform_ok, key=lambda k: runs[k]["cost"], default=None)
     meta = {"menu": list(order_names), "order": order, "minimise": minimise,
             "hardware": profile.to_json() if profile is not None else None,
@@ -529,6 +538,8 @@ def summary_rows(p: Plan) -> tuple[list[str], list[list[str]]]:
             f"{100 * mean:.2f} ± {100 * std:.2f}"
         delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref['mean']):+.2f}"
         ok = "yes" if math.isfinite(mean) and mean >= target else "no"
+        if r.get("block_refused"):
+            ok += f" (emulated only: {', '.join(r['block_refused'])} not in whole blocks)"
         row = [key, acc, delta, _cost_text(r["cost"], minimise),
                f"{r['cost'] / ref['cost']:.2f}x", ok]
         if extra_time:
