@@ -234,9 +234,17 @@ def test_nvfp4_plan_puts_the_whole_block_gemms_in_fp4_and_trains():
     assert runs["uniform nvfp4"]["block_refused"] == ["5"]
     assert p.meta["best_uniform"] != "uniform nvfp4"
     # Precision(plan) runs the head outside the recipe, the rest under it
-    prec = lowprec.Precision(p)
+    prec = lowprec.Precision(p, seed=0)
     assert "5" in prec.overrides and parse_policy(prec.overrides["5"]).scaled is None
     assert str(prec.policy.scaled) == "nvfp4-sr"
+    from lowprec.training.emulation.scaled import record_casts
+
+    twin, _ = prec.setup(_mlp())
+    with record_casts() as casts:
+        with prec.autocast():
+            out = twin(prec.convert_input(data.x_train[:32]))
+        prec.backward(nn.functional.cross_entropy(out.float(), data.y_train[:32]))
+    assert {c["layer"] for c in casts} == {"0.linear", "3.linear"}
 
 
 # ---------------------------------------------------------------- the report and the CLI
