@@ -244,6 +244,10 @@ def test_cli_plan_end_to_end_and_compare_takes_the_plan(tmp_path, capsys, monkey
         "SELECT policy, policy_spec, status FROM runs ORDER BY policy").fetchall()
     assert rows[1][0] == f"plan:{out}" and rows[1][1] == parse_policy(p.policy).spec
     assert all(r[2] == "finished" for r in rows)
+    # the report's plan section, from the plan stored in the database (read back from JSON:
+    # uniform fp16's non-finite accuracy is a string there, shown as diverged)
+    page = (run / "report.html").read_text()
+    assert f"Precision plan: plan:{out}" in page and "<td>uniform fp16</td><td>diverged" in page
 
 
 def test_module_cost_counts_torchs_elements_and_profile_leaves_batchnorm_alone():

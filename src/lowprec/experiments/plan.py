@@ -220,6 +220,11 @@ def _cost_text(c: float, minimise: str) -> str:
     return f"{int(c):,}"
 
 
+def _real(v) -> float:
+    """A number of a plan read back from JSON, where non-finite floats are strings."""
+    return float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+
+
 def _unit(meta: dict) -> str:
     minimise = meta.get("minimise", "memory")
     if minimise == "time":
@@ -528,15 +533,16 @@ def summary_rows(p: Plan) -> tuple[list[str], list[list[str]]]:
     if extra_time:
         head.append(f"est. µs/step ({hw.get('name')})")
     rows = []
-    target = ref.get("mean", math.nan) - p.meta.get("tolerance", 0.0)
+    ref_mean = _real(ref.get("mean", math.nan))
+    target = ref_mean - p.meta.get("tolerance", 0.0)
     for key in ["fp32", *[k for k in runs if k.startswith("uniform")], "plan"]:
         r = runs.get(key)
         if r is None:
             continue
-        mean, std = r["mean"], r["std"]
+        mean, std = _real(r["mean"]), _real(r["std"])
         acc = "diverged" if not isinstance(mean, float) or not math.isfinite(mean) else \
             f"{100 * mean:.2f} ± {100 * std:.2f}"
-        delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref['mean']):+.2f}"
+        delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref_mean):+.2f}"
         ok = "yes" if math.isfinite(mean) and mean >= target else "no"
         if r.get("block_refused"):
             ok += f" (emulated only: {', '.join(r['block_refused'])} not in whole blocks)"
