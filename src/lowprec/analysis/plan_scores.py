@@ -33,10 +33,10 @@ from ..numerics.storage import format_bytes
 from ..training.policy import Policy
 from ..training.precision import Precision
 from .advise import LOST_MAX, UNDERFLOW_MAX
-from .plan_costs import MATMUL_KINDS, block_refusal, bytes_of, covered, module_time, role_bits
-from .roofline import PROFILES
 from .common import fp32_twin, fresh_grads, run_model
+from .plan_costs import MATMUL_KINDS, block_refusal, bytes_of, covered, module_time, role_bits
 from .ranges import classify
+from .roofline import PROFILES
 from .scaling import power_of_two_scale
 from .updates import lost_fractions
 

@@ -49,8 +49,9 @@ from ..training.plan import Plan
 from ..training.policy import WriteBack, parse_policy
 from ..training.precision import Precision
 
-__all__ = ["plan", "LEVELS", "DEFAULT_MENU", "UNIFORM", "parse_menu", "plan_table", "plan_markdown",
-           "summary_rows", "train_and_evaluate"]
+__all__ = ["plan", "LEVELS", "DEFAULT_MENU", "UNIFORM", "uniform_policy", "parse_menu",
+           "parse_compare_with", "plan_table", "plan_markdown", "summary_rows",
+           "train_and_evaluate"]
 
 #: the levels a module can be put in: parameter storage, compute and gradient formats
 #: (optimizer state and the loss scale are the base policy's, for every module)
