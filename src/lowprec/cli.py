@@ -440,6 +440,7 @@ def cmd_plan(args, console: Console) -> int:
 
     model, data = _trained_model(args, console)
     found = _user(plan, model, data, menu=args.menu, minimise=args.minimise,
+                  hardware=args.hardware, compare_with=args.compare_with,
                   tolerance=args.tolerance, steps=args.steps, seeds=tuple(range(args.seeds)),
                   lr=args.lr, batch_size=args.batch_size,
                   log=None if args.quiet or args.json else console.print)
@@ -634,11 +635,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--data", default="digits", help="dataset (as for compare; default: digits)")
     pl.add_argument("--model", default="mlp", help="model (as for compare; default: mlp)")
     pl.add_argument("--menu", default="fp32,bf16,fp16,fp8",
-                    help="levels a module may take, widest first (fp32 bf16 fp16 fp8 mxfp8 "
-                         "fixed16-sr; default: fp32,bf16,fp16,fp8)")
+                    help="levels a module may take, widest first (fp32 bf16 fp16 mixed16 fp8 "
+                         "mxfp8 nvfp4 mxfp4 fixed16-sr; default: fp32,bf16,fp16,fp8)")
     _offer(pl.add_argument("--minimise", default="memory",
-                           help="what the plan minimises (default: memory bytes)"),
-           ("memory", "bits"))
+                           help="what the plan minimises: memory bytes, bits moved, or time "
+                                "estimated on --hardware (default: memory)"),
+           ("memory", "bits", "time"))
+    _offer(pl.add_argument("--hardware", default=None,
+                           help="named hardware profile for --minimise time (h100-sxm, a100, "
+                                "b200, rtx4090, cpu-avx2, cpu-amx); with another budget the "
+                                "time estimate is shown beside it"),
+           ("h100-sxm", "a100", "b200", "rtx4090", "cpu-avx2", "cpu-amx"))
+    pl.add_argument("--compare-with", default=None,
+                    help="uniform levels also trained beside the plan, comma-separated "
+                         "(default: 16-mixed when fp16 is in the menu)")
     pl.add_argument("--tolerance", type=_float_arg(nonnegative=True), default=0.01,
                     help="accuracy the plan may lose against fp32, a fraction (default: 0.01)")
     pl.add_argument("--steps", type=_int_arg(1, 10_000_000), default=200,

@@ -118,8 +118,14 @@ def test_verification_trains_plan_fp32_and_uniform(found):
     c16, c32, cp = (runs[k]["cost"] for k in ("uniform fp16", "fp32", "plan"))
     assert c16 < cp < c32 and cp / c16 < 1.6
     head, rows = summary_rows(found)
-    assert [r[0] for r in rows] == ["fp32", "uniform fp16", "plan"]
-    assert rows[1][1] == "diverged" and rows[2][-1] == "yes"
+    assert [r[0] for r in rows] == ["fp32", "uniform fp16", "uniform mixed16", "plan"]
+    assert rows[1][1] == "diverged" and rows[3][-1] == "yes"
+    # 16-mixed (trained beside any menu holding fp16) cannot save it: inp's fp16 GEMM
+    # output overflows in the forward pass, which no loss scale reaches; it keeps fp32
+    # parameters, so it costs more than the plan
+    mixed = runs["uniform mixed16"]
+    assert mixed["policy"] == "16-mixed" and rows[2][-1] == "no"
+    assert cp < mixed["cost"] < c32
     md = plan_markdown(found)
     assert "| inp | Linear |" in md and "Search log" in md
 
@@ -176,7 +182,9 @@ def test_bad_arguments_name_the_accepted_values():
         parse_menu("fp32,fp12")
     assert parse_menu("fp16") == ("fp16", "fp32")
     m, d = _model(), _data()
-    with pytest.raises(ValueError, match="minimise='time'; accepted: memory, bits"):
+    with pytest.raises(ValueError, match="minimise='watts'; accepted: memory, bits, time"):
+        plan(m, d, minimise="watts")
+    with pytest.raises(ValueError, match="minimise='time' needs hardware=NAME; accepted: h100"):
         plan(m, d, minimise="time")
     with pytest.raises(ValueError, match="tolerance=-0.1"):
         plan(m, d, tolerance=-0.1)
@@ -236,6 +244,10 @@ def test_cli_plan_end_to_end_and_compare_takes_the_plan(tmp_path, capsys, monkey
         "SELECT policy, policy_spec, status FROM runs ORDER BY policy").fetchall()
     assert rows[1][0] == f"plan:{out}" and rows[1][1] == parse_policy(p.policy).spec
     assert all(r[2] == "finished" for r in rows)
+    # the report's plan section, from the plan stored in the database (read back from JSON:
+    # uniform fp16's non-finite accuracy is a string there, shown as diverged)
+    page = (run / "report.html").read_text()
+    assert f"Precision plan: plan:{out}" in page and "<td>uniform fp16</td><td>diverged" in page
 
 
 def test_module_cost_counts_torchs_elements_and_profile_leaves_batchnorm_alone():
@@ -260,7 +272,9 @@ def test_module_cost_counts_torchs_elements_and_profile_leaves_batchnorm_alone()
     assert module_cost(p, fp16) == 2 * n_w * e16 + 5 * 8 * e16
     assert module_cost(p, fp8) == 2 * n_w * e16 + 5 * 8 * e8
     assert module_cost(p, fp8, "bits") < module_cost(p, fp16, "bits")
-    with pytest.raises(ValueError, match="cost='time'; accepted: memory, bits"):
+    with pytest.raises(ValueError, match="cost='watts'; accepted: memory, bits, time"):
+        module_cost(p, fp16, "watts")
+    with pytest.raises(ValueError, match="cost='time' needs hardware=NAME"):
         module_cost(p, fp16, "time")
 
 

@@ -34,18 +34,23 @@ from ..training.policy import Policy
 from ..training.precision import Precision
 from .advise import LOST_MAX, UNDERFLOW_MAX
 from .common import fp32_twin, fresh_grads, run_model
+from .plan_costs import MATMUL_KINDS, block_refusal, bytes_of, covered, module_time, role_bits
 from .ranges import classify
+from .roofline import PROFILES
 from .scaling import power_of_two_scale
 from .updates import lost_fractions
 
 __all__ = ["ModuleProfile", "module_profile", "judge_level", "perturbation", "loss_under",
-           "module_cost", "assign", "PERTURB_MAX", "COSTS"]
+           "module_cost", "assign", "PERTURB_MAX", "GRAD_COS_MIN", "COSTS"]
 
 #: a module fails a level when running it alone there changes the loss by more than this
 #: fraction (relative to the float32 loss) on the probe batches
 PERTURB_MAX = 0.05
+#: a block-scaled level fails a linear layer whose weight gradient, computed by the level's
+#: grad_weight GEMM from this step's operands, has a cosine below this with float32's
+GRAD_COS_MIN = 0.9
 
-COSTS = ("memory", "bits")
+COSTS = ("memory", "bits", "time")
 
 
 @dataclass
@@ -75,6 +80,30 @@ def planned_modules(model: nn.Module) -> list[str]:
     parameters follow the base policy)."""
     return [n for n, m in model.named_modules()
             if n and any(True for _ in m.parameters(recurse=False))]
+
+
+def _gemm_extra(mod: nn.Module, ins: list, outs: list) -> dict:
+    """The GEMM shape of a linear or convolution layer: ``in_features`` (K, the forward's
+    reduction axis), ``out_features`` (N), ``rows`` (M: the input's rows, tokens of the batch),
+    ``fwd_flops`` (2 x the forward's multiply-adds) and, for a linear layer, its weight's
+    (N, K) and its first input's (M, K) shapes for the block-scaled judgement."""
+    w = getattr(mod, "weight", None)
+    if not torch.is_tensor(w) or w.dim() < 2 or not outs:
+        return {}
+    n_out = sum(t.numel() for t in outs)
+    if isinstance(mod, nn.Linear):
+        k, n = mod.in_features, mod.out_features
+        rows = sum(t.numel() for t in ins) // k if ins else 0
+        return {"in_features": k, "out_features": n, "rows": rows,
+                "fwd_flops": 2 * rows * k * n}
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        # each output element of a convolution takes in_channels / groups x kernel
+        # multiply-adds (weight (out, in / groups, *kernel)); each input element of a
+        # transposed one scatters out_channels / groups x kernel (weight (in, out / groups, *k))
+        per = w.numel() // w.shape[0]
+        n = sum(t.numel() for t in ins) if mod.transposed else n_out
+        return {"fwd_flops": 2 * n * per}
+    return {}
 
 
 def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
@@ -109,7 +138,8 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
                     name, type(mods[name]).__name__, _flat(ins[name]), _flat(outs[name]),
                     _flat(grads[name]), _flat(own), _flat([p.grad for p in own]),
                     sum(p.numel() for p in own), sum(t.numel() for t in ins[name]),
-                    sum(t.numel() for t in outs[name]))
+                    sum(t.numel() for t in outs[name]),
+                    _gemm_extra(mods[name], ins[name], outs[name]))
     finally:
         for h in handles:
             h.remove()
@@ -119,22 +149,36 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
     return prof
 
 
-def module_cost(p: ModuleProfile, level: Policy, cost: str = "memory") -> int:
-    """What ``level`` costs for module ``p`` per training step. ``memory``: bytes of its
-    parameters and their gradients (parameter format) and of its output activations (compute
-    format). ``bits``: bits its GEMM moves: forward reads input and weight (compute format) and
-    writes the output; backward reads the output gradient (gradient format) twice, the input and
-    weight again, and writes the input and weight gradients; the weight is read and written once
-    more in its storage format by the update."""
+def _moved_bytes(p: ModuleProfile, level: Policy) -> int:
+    r = role_bits(p, level)
+    return (2 * bytes_of(r["act"], p.n_in) + 2 * bytes_of(r["weight_op"], p.n_params)
+            + bytes_of(r["out"], p.n_out) + 2 * bytes_of(r["grad_op"], p.n_out)
+            + bytes_of(r["grad_out"], p.n_in) + bytes_of(r["grad_out"], p.n_params)
+            + 2 * bytes_of(r["params"], p.n_params))
+
+
+def module_cost(p: ModuleProfile, level: Policy, cost: str = "memory", *,
+                hardware=None) -> float:
+    """What ``level`` costs for module ``p`` per training step
+    (:func:`lowprec.analysis.plan_costs.role_bits` gives each role's width). ``memory``: bytes
+    of its parameters and their gradients (parameter format) and of its output activations
+    (the width the level keeps them at for the backward). ``bits``: bits its GEMM moves:
+    forward reads input and weight (compute format, or a scaled recipe's operands with their
+    scales) and writes the output; backward reads the output gradient (gradient format) twice,
+    the input and weight again, and writes the input and weight gradients; the weight is read
+    and written once more in its storage format by the update. ``time``: seconds on the named
+    ``hardware`` profile, the roofline max(GEMM flops / the format's peak, the ``bits`` bytes /
+    bandwidth) (:mod:`lowprec.analysis.roofline`)."""
     if cost == "memory":
-        return 2 * format_bytes(level.params, p.n_params) + format_bytes(level.compute, p.n_out)
+        r = role_bits(p, level)
+        return 2 * format_bytes(level.params, p.n_params) + bytes_of(r["saved"], p.n_out)
     if cost == "bits":
-        c, g, w = level.compute, level.grads, level.params
-        b = (2 * format_bytes(c, p.n_in) + 2 * format_bytes(c, p.n_params)
-             + format_bytes(c, p.n_out) + 2 * format_bytes(g, p.n_out)
-             + format_bytes(g, p.n_in) + format_bytes(g, p.n_params)
-             + 2 * format_bytes(w, p.n_params))
-        return 8 * b
+        return 8 * _moved_bytes(p, level)
+    if cost == "time":
+        if hardware is None:
+            raise ValueError("cost='time' needs hardware=NAME; accepted: "
+                             f"{', '.join(PROFILES)}")
+        return module_time(p, level, hardware, _moved_bytes(p, level))["seconds"]
     raise ValueError(f"cost={cost!r}; accepted: {', '.join(COSTS)}")
 
 
@@ -177,6 +221,8 @@ def judge_level(p: ModuleProfile, level: Policy, *, lr: float, perturb: float | 
     ``LOST_MAX`` of its updates are lost with a nearest write-back), ``reasons`` (a sentence per failed
     check, each quoting its number) and the numbers themselves."""
     c, g, w = level.compute, level.grads, level.params
+    if level.scope == "matmul" and p.kind not in MATMUL_KINDS:
+        c = g = FP32  # torch.autocast runs norms and embeddings in fp32
     act_in = classify(p.inputs, c) if c != FP32 else {"overflow": 0.0}
     act_out = classify(p.outputs, c) if c != FP32 else {"overflow": 0.0}
     wts = classify(p.weights, w) if w != FP32 else {"overflow": 0.0}
@@ -219,9 +265,51 @@ def judge_level(p: ModuleProfile, level: Policy, *, lr: float, perturb: float | 
         reasons.append("the loss is not finite with this module alone in it"
                        if math.isinf(perturb) else
                        f"the loss moves {_pct(perturb)} with this module alone in it")
+    if covered(p, level):
+        m["formats"]["compute"] = f"{c}, {level.scaled} GEMMs"
+        refusal = block_refusal(p, level)
+        if refusal:
+            reasons.insert(0, refusal)
+        m.update(_block_scaled(p, level, generator))
+        if m["grad_cosine"] is not None and not m["grad_cosine"] >= GRAD_COS_MIN:
+            reasons.append(f"the weight gradient through the {level.scaled} GEMMs keeps cosine "
+                           f"{m['grad_cosine']:.2f} with fp32's (< {GRAD_COS_MIN})")
     m.update(ok=not reasons, needs_loss_scale=needs_scale, needs_stochastic=needs_sr,
              reasons=reasons)
     return m
+
+
+def _block_scaled(p: ModuleProfile, level: Policy, generator) -> dict:
+    """A linear layer's operands under ``level``'s scaled recipe: per role (input, weight,
+    output gradient) the fraction of nonzero elements flushed to zero in their blocks and
+    saturated (:func:`lowprec.numerics.scaling.cast_stats`), and the cosine between the weight
+    gradient of the scaled grad_weight GEMM and float32's (go^T x, both from this step)."""
+    from ..numerics.scaling import scaled_cast
+
+    k, n, rows = (p.extra.get(key) for key in ("in_features", "out_features", "rows"))
+    out = {"block_casts": {}, "grad_cosine": None}
+    if not (k and n and rows) or p.inputs.numel() != rows * k \
+            or p.out_grads.numel() != rows * n:
+        return out
+    sc = level.scaled
+    x = p.inputs.reshape(rows, k)
+    w = p.weights[:n * k].reshape(n, k)
+    go = p.out_grads.reshape(rows, n)
+    for role, t, cast in (("input", x, sc.input), ("weight", w, sc.weight),
+                          ("grad_output", go, sc.grad_output)):
+        if cast.is_hp:
+            continue
+        st: dict = {}
+        scaled_cast(t, cast, -1, stats=st, generator=generator)
+        out["block_casts"][role] = {"flushed": st["flushed"], "saturated": st["saturated"]}
+    # grad_weight = go^T @ x, both cast along the rows (this GEMM's reduction axis)
+    gq = scaled_cast(go, sc.grad_output_gw, -2, generator=generator)
+    xq = scaled_cast(x, sc.input_gw, -2, generator=generator)
+    ref = (go.double().T @ x.double()).flatten()
+    got = (gq.double().T @ xq.double()).flatten()
+    den = float(ref.norm() * got.norm())
+    out["grad_cosine"] = float(ref @ got) / den if den > 0 else None
+    return out
 
 
 def assign(costs: dict[str, dict[str, int]], passes: dict[str, dict[str, bool]],

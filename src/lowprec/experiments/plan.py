@@ -36,8 +36,10 @@ from torch import nn
 
 from ..analysis.advise import UNDERFLOW_MAX
 from ..analysis.common import fp32_twin
+from ..analysis.plan_costs import block_refusal, covered, role_bits
 from ..analysis.plan_scores import (COSTS, PERTURB_MAX, assign, judge_level, loss_under,
                                     module_cost, module_profile, perturbation)
+from ..analysis.roofline import PROFILES, get_profile, runs_as
 from ..analysis.ranges import classify
 from ..numerics.formats import FP32
 from ..numerics.storage import format_bytes
@@ -47,8 +49,9 @@ from ..training.plan import Plan
 from ..training.policy import WriteBack, parse_policy
 from ..training.precision import Precision
 
-__all__ = ["plan", "LEVELS", "DEFAULT_MENU", "parse_menu", "plan_table", "plan_markdown",
-           "summary_rows", "train_and_evaluate"]
+__all__ = ["plan", "LEVELS", "DEFAULT_MENU", "UNIFORM", "uniform_policy", "parse_menu",
+           "parse_compare_with", "plan_table", "plan_markdown", "summary_rows",
+           "train_and_evaluate"]
 
 #: the levels a module can be put in: parameter storage, compute and gradient formats
 #: (optimizer state and the loss scale are the base policy's, for every module)
@@ -63,9 +66,31 @@ LEVELS = {
     "mxfp8": "p=bf16,c=mxfp8_e4m3,g=bf16",
     # Gupta et al. (2015): 16-bit fixed point, stochastic rounding of activations and gradients
     "fixed16-sr": "p=q6.10,c=q6.10:sr,g=q6.10:sr",
+    # 16-mixed (torch.autocast, Micikevicius et al. 2018): fp32 parameters, fp16 compute of
+    # the matmul-like layers only (norms and embeddings in fp32); the loss scale is the
+    # plan's (dynamic where a level needs one; the uniform comparator is "16-mixed" itself)
+    "mixed16": "p=fp32,c=fp16,g=fp16,s=matmul",
+    # NVFP4 (arXiv:2509.25149): every linear layer's three GEMMs on e2m1 in 16-element blocks
+    # along the reduction axis with e4m3 scales and an fp32 tensor scale, gradients rounded
+    # stochastically; everything else, and the weights' storage, in bf16
+    "nvfp4": "p=bf16,c=bf16,g=bf16,sc=nvfp4-sr",
+    # OCP MX v1.0 MXFP4: e2m1 in 32-element blocks along the reduction axis, E8M0 scales, for
+    # the three GEMMs of every linear layer; bf16 elsewhere
+    "mxfp4": "p=bf16,c=bf16,g=bf16,sc=mxfp4",
 }
 DEFAULT_MENU = ("fp32", "bf16", "fp16", "fp8")
+#: the uniform policy a level is compared as, where it is not the level with its own
+#: parameter format as optimizer state
+UNIFORM = {"mixed16": "16-mixed"}
 _SLOTS = {"sgd": 1}  # optimizer state tensors per parameter (SGD with momentum)
+
+
+def uniform_policy(level: str) -> str:
+    """The uniform policy of ``level``: ``16-mixed`` for mixed16, else the level with its
+    parameter format as optimizer state."""
+    if level in UNIFORM:
+        return UNIFORM[level]
+    return f"{LEVELS[level]},o={parse_policy(LEVELS[level]).params}"
 
 
 def parse_menu(menu) -> tuple[str, ...]:
@@ -168,20 +193,73 @@ def _stats(runs: list[dict]) -> dict:
             "seconds": sum(r["seconds"] for r in runs), "skipped": [r["skipped"] for r in runs]}
 
 
+def parse_compare_with(compare_with, menu: tuple[str, ...],
+                       compare_uniform: bool = True) -> tuple[str, ...]:
+    """The levels trained uniformly beside the plan besides the menu's: ``compare_with`` (level
+    names, ``16-mixed`` for mixed16; a comma-separated string or a sequence); by default
+    mixed16 (the ``16-mixed`` policy) when fp16 is in the menu. Levels of the menu are trained
+    anyway and dropped here."""
+    if compare_with is None:
+        names = ["mixed16"] if compare_uniform and "fp16" in menu else []
+    else:
+        raw = compare_with.split(",") if isinstance(compare_with, str) else list(compare_with)
+        names = [{"16-mixed": "mixed16"}.get(n.strip(), n.strip()) for n in raw if n.strip()]
+        for n in names:
+            if n not in LEVELS:
+                raise ValueError(f"compare_with level {n!r}; accepted: 16-mixed, "
+                                 f"{', '.join(LEVELS)}")
+    out: list[str] = []
+    for n in names:
+        if n not in menu and n not in out:
+            out.append(n)
+    return tuple(out)
+
+
+def _cost_text(c: float, minimise: str) -> str:
+    if minimise == "time":
+        return f"{c * 1e6:,.3g}"
+    return f"{int(c):,}"
+
+
+def _real(v) -> float:
+    """A number of a plan read back from JSON, where non-finite floats are strings."""
+    return float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v
+
+
+def _unit(meta: dict) -> str:
+    minimise = meta.get("minimise", "memory")
+    if minimise == "time":
+        return f"µs/step ({(meta.get('hardware') or {}).get('name', '?')})"
+    return "bytes" if minimise == "memory" else "bits"
+
+
 def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: str = "memory",
-         tolerance: float = 0.01, steps: int = 200, seeds=(0,), lr: float = 0.02,
-         momentum: float = 0.9, batch_size: int = 64, probe_batches: int = 2,
-         max_repairs: int | None = None, compare_uniform: bool = True, output_fn=None,
-         log=None) -> Plan:
+         hardware=None, tolerance: float = 0.01, steps: int = 200, seeds=(0,),
+         lr: float = 0.02, momentum: float = 0.9, batch_size: int = 64, probe_batches: int = 2,
+         max_repairs: int | None = None, compare_uniform: bool = True, compare_with=None,
+         output_fn=None, log=None) -> Plan:
     """The cheapest per-module assignment of ``menu``'s levels (see the module docstring) that
     trains ``model`` on ``data`` (a Dataset: x_train, y_train, x_test, y_test) to within
     ``tolerance`` (a fraction: 0.01 is one accuracy point) of float32's mean test accuracy after
-    ``steps`` SGD steps per seed. ``log``: called with each line of the search as it happens."""
+    ``steps`` SGD steps per seed. ``minimise``: ``memory`` (bytes), ``bits`` (moved) or ``time``
+    (the roofline estimate on the named ``hardware`` profile of
+    :data:`lowprec.analysis.roofline.PROFILES`; given with another budget, the estimate is
+    reported beside it). ``compare_with``: uniform levels trained beside the plan besides the
+    menu's (default: 16-mixed when fp16 is in the menu). ``log``: called with each line of the
+    search as it happens."""
     t_start = time.perf_counter()
     loss_fn = loss_fn or nn.functional.cross_entropy
     order_names = parse_menu(menu)
     if minimise not in COSTS:
         raise ValueError(f"minimise={minimise!r}; accepted: {', '.join(COSTS)}")
+    if hardware is not None:
+        profile = get_profile(hardware)
+    elif minimise == "time":
+        raise ValueError(f"minimise='time' needs hardware=NAME; accepted: "
+                         f"{', '.join(PROFILES)}")
+    else:
+        profile = None
+    comparators = parse_compare_with(compare_with, order_names, compare_uniform)
     if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"tolerance={tolerance!r}; accepted: a finite number >= 0 (a fraction "
                          "of accuracy: 0.01 is one point)")
@@ -197,7 +275,7 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
         if log is not None:
             log(line)
 
-    levels = {n: parse_policy(LEVELS[n]) for n in order_names}
+    levels = {n: parse_policy(LEVELS[n]) for n in order_names + comparators}
     probe = _batches(data, batch_size, probe_batches)
     prof = module_profile(model, probe[0], loss_fn, output_fn=output_fn)
     if not prof:
@@ -205,9 +283,14 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     base_loss = loss_under(model, probe, loss_fn, "32-true", output_fn=output_fn)
     gen = torch.Generator().manual_seed(0)
     costs: dict = {}
+    times: dict = {}  # the roofline estimate per module and level (seconds), with hardware
     judged: dict = {}
     for name, p in prof.items():
-        costs[name] = {lv: module_cost(p, levels[lv], minimise) for lv in order_names}
+        costs[name] = {lv: module_cost(p, levels[lv], minimise, hardware=profile)
+                       for lv in levels}
+        if profile is not None:
+            times[name] = {lv: module_cost(p, levels[lv], "time", hardware=profile)
+                           for lv in levels}
         judged[name] = {}
         for lv in order_names:
             if levels[lv].is_fp32:
@@ -223,9 +306,26 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     order.remove("fp32")
     order.append("fp32")
     passes = {n: {lv: judged[n][lv]["ok"] for lv in order} for n in prof}
-    chosen = assign(costs, passes, order)
+    chosen = assign({n: {lv: costs[n][lv] for lv in order} for n in prof}, passes, order)
+
+    def hw_note(name: str, lv: str) -> str | None:
+        notes = []
+        if levels[lv].scaled is not None and not covered(prof[name], levels[lv]):
+            notes.append(f"a {prof[name].kind} has no GEMM the {levels[lv].scaled} recipe "
+                         f"covers: it runs in {levels[lv].compute}")
+        # a format the device has no GEMM for is timed as the next wider one it runs
+        if profile is None:
+            return "; ".join(notes) or None
+        fam = role_bits(prof[name], levels[lv])["family"]
+        ran = runs_as(profile, fam)
+        if ran != fam:
+            notes.append(f"{fam} has no GEMMs on {profile.name}: timed as {ran}")
+        return "; ".join(notes) or None
+
     for name in prof:
-        say(f"measure {name}: {chosen[name]} ({_why(chosen[name], order, judged[name])})")
+        note = hw_note(name, chosen[name])
+        say(f"measure {name}: {chosen[name]} ({_why(chosen[name], order, judged[name])}"
+            f"{'; ' + note if note else ''})")
 
     # optimizer state: the narrowest parameter format of the menu that holds the weight
     # gradients (momentum starts as the gradient): none overflows, at most 1% flush, counted
@@ -311,7 +411,16 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     total_params = sum(p.n_params for p in prof.values())
     state_bytes = format_bytes(state_fmt, total_params) * _SLOTS["sgd"]
 
-    def cost_of(assignment: dict, state=state_fmt) -> int:
+    def time_of(assignment: dict, state=state_fmt) -> float | None:
+        # the optimizer step reads and writes its state once more
+        if profile is None:
+            return None
+        return (sum(times[n][lv] for n, lv in assignment.items())
+                + 2 * format_bytes(state, total_params) * _SLOTS["sgd"] / profile.bandwidth)
+
+    def cost_of(assignment: dict, state=state_fmt) -> float:
+        if minimise == "time":
+            return time_of(assignment, state)
         c = sum(costs[n][lv] for n, lv in assignment.items())
         if minimise == "memory":
             c += format_bytes(state, total_params) * _SLOTS["sgd"]
@@ -320,25 +429,32 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     runs: dict = {}
     ref = [train_and_evaluate(model, data, loss_fn, "32-true", seed=s, **kw) for s in seeds]
     runs["fp32"] = {"policy": "32-true", "overrides": {}, **_stats(ref),
-                    "cost": cost_of({n: "fp32" for n in prof}, FP32)}
+                    "cost": cost_of({n: "fp32" for n in prof}, FP32),
+                    "time": time_of({n: "fp32" for n in prof}, FP32)}
     fp32_seconds = runs["fp32"]["seconds"] / len(seeds)
     target = runs["fp32"]["mean"] - tolerance
     say(f"verify: fp32 reaches {100 * runs['fp32']['mean']:.2f}% after {steps} steps "
         f"(seeds {', '.join(map(str, seeds))}); target >= {100 * target:.2f}%")
-    if compare_uniform:
-        for lv in order:
-            if lv == "fp32":
-                continue
-            pol = f"{LEVELS[lv]},o={levels[lv].params}"
-            r = [train_and_evaluate(model, data, loss_fn, pol, seed=s, **kw) for s in seeds]
-            runs[f"uniform {lv}"] = {"policy": pol, "overrides": {}, **_stats(r),
-                                     "cost": cost_of({n: lv for n in prof}, levels[lv].params)}
-            say(f"verify: uniform {lv} reaches {100 * runs[f'uniform {lv}']['mean']:.2f}%")
+    uniform = [lv for lv in order if lv != "fp32"] if compare_uniform else []
+    for lv in uniform + list(comparators):
+        pol = uniform_policy(lv)
+        state = parse_policy(pol).optimizer_state
+        r = [train_and_evaluate(model, data, loss_fn, pol, seed=s, **kw) for s in seeds]
+        # a block-scaled level runs in emulation whatever the shapes; hardware needs whole
+        # blocks along each reduction axis
+        refused = [n for n in prof if block_refusal(prof[n], levels[lv])]
+        runs[f"uniform {lv}"] = {"policy": pol, "overrides": {}, **_stats(r),
+                                 "cost": cost_of({n: lv for n in prof}, state),
+                                 "time": time_of({n: lv for n in prof}, state),
+                                 "block_refused": refused}
+        say(f"verify: uniform {lv} ({pol}) reaches "
+            f"{100 * runs[f'uniform {lv}']['mean']:.2f}%")
     attempts = []
     while True:
         base, over = build(chosen)
         r = [train_and_evaluate(model, data, loss_fn, base, over, seed=s, **kw) for s in seeds]
-        st = {"policy": base, "overrides": dict(over), **_stats(r), "cost": cost_of(chosen)}
+        st = {"policy": base, "overrides": dict(over), **_stats(r), "cost": cost_of(chosen),
+              "time": time_of(chosen)}
         attempts.append(st)
         held = math.isfinite(st["mean"]) and st["mean"] >= target
         say(f"verify: plan reaches {100 * st['mean']:.2f}% "
@@ -362,19 +478,24 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
         f"one fp32 training run of {steps} steps ({fp32_seconds:.1f} s)")
     evidence = {}
     for n, p in prof.items():
+        why = _why(chosen[n], order, judged[n], repaired.get(n))
+        note = hw_note(n, chosen[n])
         evidence[n] = {
             "kind": p.kind, "params": p.n_params, "level": chosen[n],
-            "formats": {"params": str(levels[chosen[n]].params),
-                        "compute": str(levels[chosen[n]].compute),
-                        "grads": str(levels[chosen[n]].grads)},
+            "formats": dict(judged[n][chosen[n]]["formats"]),
             "cost": costs[n][chosen[n]],
-            "why": _why(chosen[n], order, judged[n], repaired.get(n)),
+            "why": why + (f"; {note}" if note else ""),
             "levels": {lv: {k: v for k, v in judged[n][lv].items()} | {"cost": costs[n][lv]}
                        for lv in order}}
+        if profile is not None:
+            evidence[n]["time"] = times[n][chosen[n]]
     uniform_ok = [k for k, v in runs.items() if k.startswith("uniform")
-                  and math.isfinite(v["mean"]) and v["mean"] >= target]
+                  and math.isfinite(v["mean"]) and v["mean"] >= target
+                  and not v.get("block_refused")]
     best_uniform = min(uniform_ok, key=lambda k: runs[k]["cost"], default=None)
     meta = {"menu": list(order_names), "order": order, "minimise": minimise,
+            "hardware": profile.to_json() if profile is not None else None,
+            "compare_with": list(comparators),
             "tolerance": tolerance, "steps": steps, "seeds": list(seeds), "lr": lr,
             "momentum": momentum, "batch_size": batch_size, "accepted": accepted,
             "repairs": repairs, "optimizer_state": str(state_fmt),
@@ -389,14 +510,15 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
 
 def plan_table(p: Plan) -> tuple[list[str], list[list[str]]]:
     """The per-module table: module, kind, parameters, level, formats, cost, why."""
-    unit = "bytes" if p.meta.get("minimise", "memory") == "memory" else "bits"
-    head = ["module", "kind", "params", "level", "p / c / g", unit, "why"]
+    m = p.meta
+    minimise = m.get("minimise", "memory")
+    head = ["module", "kind", "params", "level", "p / c / g", _unit(m), "why"]
     rows = []
     for n, e in p.evidence.items():
         f = e["formats"]
         rows.append([n, e["kind"], str(e["params"]), e["level"],
-                     f"{f['params']} / {f['compute']} / {f['grads']}", f"{e['cost']:,}",
-                     e["why"]])
+                     f"{f['params']} / {f['compute']} / {f['grads']}",
+                     _cost_text(e["cost"], minimise), e["why"]])
     return head, rows
 
 
@@ -405,20 +527,32 @@ def summary_rows(p: Plan) -> tuple[list[str], list[list[str]]]:
     difference from fp32, cost and its ratio to fp32's."""
     runs = p.verification.get("runs", {})
     ref = runs.get("fp32", {})
-    unit = "bytes" if p.meta.get("minimise", "memory") == "memory" else "bits"
-    head = ["policy", "accuracy %", "Δ vs fp32", unit, "vs fp32", "within tolerance"]
+    minimise = p.meta.get("minimise", "memory")
+    hw = p.meta.get("hardware") or {}
+    extra_time = bool(hw) and minimise != "time"
+    head = ["policy", "accuracy %", "Δ vs fp32", _unit(p.meta), "vs fp32", "within tolerance"]
+    if extra_time:
+        head.append(f"est. µs/step ({hw.get('name')})")
     rows = []
-    target = ref.get("mean", math.nan) - p.meta.get("tolerance", 0.0)
+    ref_mean = _real(ref.get("mean", math.nan))
+    target = ref_mean - p.meta.get("tolerance", 0.0)
     for key in ["fp32", *[k for k in runs if k.startswith("uniform")], "plan"]:
         r = runs.get(key)
         if r is None:
             continue
-        mean, std = r["mean"], r["std"]
+        mean, std = _real(r["mean"]), _real(r["std"])
         acc = "diverged" if not isinstance(mean, float) or not math.isfinite(mean) else \
             f"{100 * mean:.2f} ± {100 * std:.2f}"
-        delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref['mean']):+.2f}"
+        delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref_mean):+.2f}"
         ok = "yes" if math.isfinite(mean) and mean >= target else "no"
-        rows.append([key, acc, delta, f"{r['cost']:,}", f"{r['cost'] / ref['cost']:.2f}x", ok])
+        if r.get("block_refused"):
+            ok += f" (emulated only: {', '.join(r['block_refused'])} not in whole blocks)"
+        row = [key, acc, delta, _cost_text(r["cost"], minimise),
+               f"{r['cost'] / ref['cost']:.2f}x", ok]
+        if extra_time:
+            t = r.get("time")
+            row.append(f"{t * 1e6:,.3g}" if isinstance(t, (int, float)) else "")
+        rows.append(row)
     return head, rows
 
 
@@ -431,7 +565,9 @@ def plan_markdown(p: Plan) -> str:
         return "\n".join(out)
 
     m = p.meta
-    parts = [f"## Precision plan ({m.get('minimise', 'memory')}; tolerance "
+    hw = m.get("hardware") or {}
+    on = f" on {hw['name']} ({hw.get('description', '')}; roofline estimate)" if hw else ""
+    parts = [f"## Precision plan ({m.get('minimise', 'memory')}{on}; tolerance "
              f"{100 * m.get('tolerance', 0):.2f} points; {m.get('steps')} steps; seeds "
              f"{', '.join(map(str, m.get('seeds', [])))})", "",
              f"Base policy `{p.policy}`; {len(p.overrides)} override(s); optimizer state "

@@ -429,7 +429,11 @@ def verdict_html(v) -> str:
 
 
 def _extra_sections(db: ResultsDB):
-    """Sections from the analyses stored in the database (the 16-bit certificate)."""
+    """Sections from the analyses stored in the database (the 16-bit certificate; the
+    per-module table of each plan:FILE policy compared)."""
+    from .report_plan import plan_sections
     from .report_sections import sections
 
-    return sections(db)
+    md, build, figs = sections(db)
+    plan_md, plan_html = plan_sections(db)
+    return md + plan_md, (lambda img: build(img) + plan_html), figs

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..training.optim import SGD, Adam
+from ..training.plan import is_plan_spec, load_plan
 from ..training.policy import Policy
 from ..training.precision import Precision
 from .checkpoints import atomic_save, checkpoint_path, resumable, run_id_of
@@ -170,6 +171,8 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, 
                  hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg),
                            "backend_choice": prec.backend_choice.to_json()})
     db.set_backend(run_id, prec.backend)
+    if is_plan_spec(str(policy)):  # the plan as this run read it, for the report's section
+        db.record_analysis(run_id, "plan", load_plan(str(policy)).to_json())
     batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
     db.record_memory(run_id, _measure_memory(prec, model, batch))
 
