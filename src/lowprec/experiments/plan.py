@@ -49,7 +49,8 @@ from ..training.plan import Plan
 from ..training.policy import WriteBack, parse_policy
 from ..training.precision import Precision
 
-__all__ = ["plan", "LEVELS", "DEFAULT_MENU", "UNIFORM", "uniform_policy", "parse_menu",
+__all__ = ["plan", "cheaper_uniform", "LEVELS", "DEFAULT_MENU", "UNIFORM", "uniform_policy",
+           "parse_menu",
            "parse_compare_with", "plan_table", "plan_markdown", "summary_rows",
            "train_and_evaluate"]
 
@@ -231,6 +232,18 @@ def _unit(meta: dict) -> str:
     if minimise == "time":
         return f"µs/step ({(meta.get('hardware') or {}).get('name', '?')})"
     return "bytes" if minimise == "memory" else "bits"
+
+
+def cheaper_uniform(runs: dict, keys, target: float, st: dict, held: bool) -> str | None:
+    """The run among ``keys`` (uniform levels of the menu) that makes the plan ``st`` pointless:
+    it held the tolerance (accuracy >= ``target``, whole blocks where its level has blocks) and
+    costs less than ``st``, or as much while ``st`` did not hold or is less accurate. The
+    cheapest such run (then the most accurate), or None."""
+    ok = [k for k in keys if math.isfinite(runs[k]["mean"]) and runs[k]["mean"] >= target
+          and not runs[k].get("block_refused")]
+    better = [k for k in ok if runs[k]["cost"] < st["cost"] or (
+        runs[k]["cost"] <= st["cost"] and (not held or runs[k]["mean"] > st["mean"]))]
+    return min(better, key=lambda k: (runs[k]["cost"], -runs[k]["mean"]), default=None)
 
 
 def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: str = "memory",
@@ -449,6 +462,9 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
                                  "block_refused": refused}
         say(f"verify: uniform {lv} ({pol}) reaches "
             f"{100 * runs[f'uniform {lv}']['mean']:.2f}%")
+    def dominating_uniform(st: dict, held: bool) -> str | None:
+        return cheaper_uniform(runs, [f"uniform {lv}" for lv in uniform], target, st, held)
+
     attempts = []
     while True:
         base, over = build(chosen)
@@ -461,13 +477,34 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
             f"({'within' if held else 'outside'} {100 * tolerance:.2f} points of fp32)")
         if held or repairs >= budget:
             break
+        alt = dominating_uniform(st, held)
+        if alt is not None:
+            say(f"verify: {alt} holds the tolerance at no more cost than this plan: no "
+                "further repair")
+            break
         if raise_one(chosen, f"the plan reached {100 * st['mean']:.2f}% < "
                              f"{100 * target:.2f}%") is None:
             break
         repairs += 1
     runs["plan"] = attempts[-1]
     accepted = math.isfinite(runs["plan"]["mean"]) and runs["plan"]["mean"] >= target
-    if not accepted:
+    alt = dominating_uniform(runs["plan"], accepted)
+    if alt is not None:
+        # a uniform level of the menu held the tolerance at no more cost (and, at equal cost,
+        # higher accuracy): the per-module plan buys nothing, so the plan is that level
+        lv = alt.removeprefix("uniform ")
+        unit = _unit({"minimise": minimise, "hardware": profile and profile.to_json()})
+        say(f"verify: {alt} ({100 * runs[alt]['mean']:.2f}%) holds the tolerance at "
+            f"{_cost_text(runs[alt]['cost'], minimise)} {unit}, the per-module plan "
+            f"({100 * runs['plan']['mean']:.2f}%) at "
+            f"{_cost_text(runs['plan']['cost'], minimise)}: the plan is uniform {lv}")
+        chosen = {n: lv for n in prof}
+        base, over = runs[alt]["policy"], {}
+        runs["plan"] = dict(runs[alt], overrides={})
+        accepted = True
+        repaired = {n: f"uniform {lv} verified at no more cost than the per-module plan"
+                    for n in prof}
+    elif not accepted:
         # nothing cheaper held: the float32 policy is the plan
         say("no plan held the tolerance within the repair budget: fp32 everywhere")
         chosen = {n: "fp32" for n in prof}
