@@ -257,10 +257,12 @@ def test_cli_time_budget_and_compare_report_shows_the_stored_plan(tmp_path, caps
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", "mlp", "--data", "blobs32-test", "--menu", "fp32,bf16,fp8",
                "--minimise", "time", "--hardware", "h100-sxm", "--steps", "10", "--lr", "0.05",
-               "--batch-size", "32", "--tolerance", "1", "--out", str(out), "--quiet"])
+               "--batch-size", "32", "--tolerance", "1", "--compare-with", "16-mixed",
+               "--out", str(out), "--quiet"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "µs/step (h100-sxm)" in printed
+    assert "µs/step (h100-sxm)" in printed and "uniform mixed16" in printed
+    assert Plan.load(out).verification["runs"]["uniform mixed16"]["policy"] == "16-mixed"
     rc = main(["plan", "--data", "blobs32-test", "--minimise", "time", "--hardware", "tpu",
                "--out", str(out)])
     assert rc == 2 and "accepted: h100-sxm" in capsys.readouterr().err

@@ -8,16 +8,17 @@ Data flow (docs/design.md, "Planning"):
    the menu (:func:`~lowprec.analysis.plan_scores.judge_level`: range against the formats,
    gradient underflow with and without a loss scale, lost updates, and the loss perturbation of
    that module alone in the level on a few batches);
-2. assign: each module at the cheapest level it passes under the budget's cost (memory bytes
-   or bits moved); the optimizer state at the narrowest parameter format of the menu that holds
-   every weight gradient; the base policy is the level holding most parameters, every other
-   module an override; a loss scale where a level passes only with one; a joint probe of the
-   whole plan on the same batches (repaired before training when it fails);
-3. verify: the plan, float32 and every uniform level train for ``steps`` steps from the same
-   initial weights, seeds and batches; the plan is returned only when its mean test accuracy
-   is within ``tolerance`` of float32's; otherwise the module most sensitive in its current
-   level (perturbation score) is raised one level and the plan is trained again: each repair
-   is logged.
+2. assign: each module at the cheapest level it passes under the budget's cost (memory bytes,
+   bits moved, or time on a named hardware profile: :mod:`lowprec.analysis.roofline`); the
+   optimizer state at the narrowest parameter format of the menu that holds every weight
+   gradient; the base policy is the level holding most parameters, every other module an
+   override; a loss scale where a level passes only with one; a joint probe of the whole plan
+   on the same batches (repaired before training when it fails);
+3. verify: the plan, float32 and every uniform level (and 16-mixed beside fp16, or the levels
+   of ``compare_with``) train for ``steps`` steps from the same initial weights, seeds and
+   batches; the plan is returned only when its mean test accuracy is within ``tolerance`` of
+   float32's; otherwise the module most sensitive in its current level (perturbation score)
+   is raised one level and the plan is trained again: each repair is logged.
 
 ``plan(model, data)`` returns a :class:`lowprec.training.plan.Plan`: ``Precision(plan)``,
 ``lowprec compare --policies plan:FILE`` and the integrations (which build a Precision) accept
