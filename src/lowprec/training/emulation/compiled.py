@@ -1,0 +1,189 @@
+"""Compiled emulation: a model's forward and backward compiled by Inductor with every rounding
+of the eager engine in the graph.
+
+Two traces, one after the other:
+
+1. Dynamo traces the model's plain fp32 forward into one graph (``fullgraph=True``): the
+   engine's module hooks do nothing while Dynamo traces (``_eager_only`` in :mod:`.engine`),
+   so no lowprec code enters this graph and none breaks it.
+2. lowprec's Dynamo backend (:func:`backend`) hands that graph to AOTAutograd with a function
+   that runs the graph node by node (``torch.fx.Interpreter``) under the eager engine
+   (:meth:`Emulation.call_root`, as the root module's hooks run a forward). AOTAutograd traces
+   the forward and, through ``torch.autograd``, the backward at the ATen level; the engine's
+   Python -- the rule lookups, the tensor marks, its autograd Functions and their backwards,
+   the 16-bit sums of an activation's consumers -- runs once, at trace time, and every rounding
+   it makes is recorded as one ``lowprec::quantize`` node (:mod:`lowprec.numerics.ops`).
+   Inductor (``compile_fx_inner``) then compiles the forward and backward graphs.
+
+The compiled step makes the eager engine's roundings, in its order; what Inductor may change is
+the fp32 arithmetic between them (a fused reduction may sum in another order than ATen's
+kernel). The parameters' graph inputs stand in for the parameters (``PARAM``: their id), and
+carry their marks, so that the engine rounds, names and sums them as it does the parameters.
+
+What cannot be traced runs eagerly, with one warning line naming why (:func:`unsupported`):
+state the engine reads per call that a graph would freeze at its trace (stochastic rounding's
+seeds, dynamic fixed point's ranges, observers), per-module overrides (the flat graph has no
+module boundaries the engine's rules follow here), C kernels that take real data (accumulators,
+``match_cpu_kernels``) and scaled GEMMs; and any failure to compile (a graph break under
+``fullgraph``, a recompilation limit reached).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import torch
+from torch import nn
+
+from ...numerics.formats import BlockFormat
+from .dtypes import LOGICAL
+from .engine import MARK, PARAM, Emulation
+
+__all__ = ["CompiledForward", "backend", "unsupported", "compile_model"]
+
+
+def unsupported(engine: Emulation) -> str | None:
+    """Why ``engine``'s model cannot run compiled (None: it can)."""
+    rules = [engine.root_rule, *engine.rules.values(), *engine.overrides.values()]
+    if engine.overrides:
+        return "per-module overrides"
+    for r in rules:
+        if r.rounding.is_stochastic or r.grad_rounding.is_stochastic:
+            return "stochastic rounding draws its seeds per call"
+        fmts = (r.compute, r.grads, r.params)
+        if any(getattr(f, "dynamic", False) for f in fmts):
+            return "dynamic fixed point keeps its ranges per call"
+        if any(isinstance(f, BlockFormat) for f in fmts):
+            return "block formats are emulated eagerly"
+        if r.accumulator is not None:
+            return "accumulator emulation runs a C kernel on real data"
+        if r.scaled is not None:
+            return "scaled GEMMs are emulated eagerly"
+    if engine.match_cpu_kernels:
+        return "match_cpu_kernels runs kernels on real data"
+    return None
+
+
+def _inner(gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    # the engine rounds with lowprec::quantize, never with dtype casts; a cast the model makes
+    # itself (x.half().float()) is kept too rather than simplified away
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def backend(engine: Emulation):
+    """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    model = engine.model
+    owned: dict[int, bool] = {}  # id -> is a parameter, for the model's parameters and buffers
+    for _, b in model.named_buffers(remove_duplicate=False):
+        owned[id(b)] = False
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owned[id(p)] = True
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        keep, stand_in = [], []
+        for i, e in enumerate(example_inputs):
+            if torch.is_tensor(e) and id(e) in owned:
+                keep.append(i)
+                stand_in.append((i, id(e) if owned[id(e)] else None, getattr(e, MARK, None),
+                                 getattr(e, LOGICAL, None)))
+
+        def traced(*args):
+            for i, pid, mark, logical in stand_in:
+                if pid is not None:
+                    setattr(args[i], PARAM, pid)
+                if mark is not None:
+                    setattr(args[i], MARK, mark)
+                if logical is not None:
+                    setattr(args[i], LOGICAL, logical)
+            return engine.call_root(torch.fx.Interpreter(gm).run, args, keep=keep)
+
+        class Traced(nn.Module):
+            def forward(self, *args):
+                return traced(*args)
+
+        return aot_autograd(
+            fw_compiler=_inner, bw_compiler=functools.partial(_inner, is_backward=True),
+            inference_compiler=functools.partial(_inner, is_inference=True),
+            decompositions=select_decomp_table(),
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True)(Traced(), example_inputs)
+
+    return compile_graph
+
+
+def _fresh_function(fn):
+    """A function calling ``fn`` with a code object of its own: Dynamo keeps its cache (and
+    counts recompilations) per code object, so each model gets its own."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return types.FunctionType(call.__code__.replace(), call.__globals__, "lowprec_compiled_forward", None,
+                              call.__closure__)
+
+
+class CompiledForward:
+    """The forward of a model set up under ``engine``, compiled with its roundings
+    (module docstring); runs eagerly, after one warning line naming why, where it cannot."""
+
+    def __init__(self, engine: Emulation, **options) -> None:
+        self.engine = engine
+        self.options = dict(options)
+        self.reason = unsupported(engine)  # None while it runs compiled
+        self._compiled: dict = {}  # engine.active -> the compiled forward
+        self._warned = False
+        if self.reason is not None:
+            self._fall_back(self.reason)
+
+    def _fall_back(self, reason: str) -> None:
+        self.reason = reason
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"lowprec: compiled emulation runs this model eagerly: {reason}",
+                          stacklevel=4)
+
+    def eager(self, *args, **kwargs):
+        em = self.engine
+        return em.call_root(em.original_forward, args, kwargs)
+
+    def __call__(self, *args, **kwargs):
+        em = self.engine
+        if self.reason is not None:
+            return self.eager(*args, **kwargs)
+        if em.observers:  # an analysis watching each op: it has to see them run
+            return self.eager(*args, **kwargs)
+        fn = self._compiled.get(em.active)
+        if fn is None:
+            # the engine's Python state the backend reads (whether it rounds) is no guard of
+            # Dynamo's: one compiled function per state
+            fn = self._compiled[em.active] = torch.compile(
+                _fresh_function(em.original_forward), backend=backend(em), fullgraph=True,
+                dynamic=False, **self.options)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            self._fall_back(f"{type(err).__name__}: {first[:200]}")
+            return self.eager(*args, **kwargs)
+
+
+def compile_model(engine: Emulation, **options) -> CompiledForward:
+    """Run ``engine``'s model compiled from its next call on (``model(x)`` as before);
+    returns the :class:`CompiledForward` now its forward. ``options`` go to torch.compile
+    (``mode=``, ``options=``)."""
+    model = engine.model
+    if model is None:
+        raise ValueError("compile_model needs an engine attached to a model (Emulation(model, "
+                         "...)), got one of emulated()")
+    fwd = CompiledForward(engine, **options)
+    engine.compiled = True
+    model.forward = fwd
+    return fwd
