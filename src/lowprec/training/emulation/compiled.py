@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ...numerics.formats import BlockFormat
+from ...numerics.ops import quantize_op
 from .dtypes import LOGICAL
 from .engine import MARK, PARAM, Emulation
 
@@ -66,17 +67,32 @@ def unsupported(engine: Emulation) -> str | None:
     return None
 
 
+def _contiguous_quantize() -> None:
+    """lowprec::quantize as an Inductor fallback that gets contiguous inputs. Its kernel
+    returns a contiguous tensor while its fake implementation declares ``empty_like(x)``, a
+    permuted input's strides; Inductor's default for a custom op (its inputs as the fake saw
+    them) then asserts the fake's strides on the real output and fails (seen on attention's
+    transposed activations). With a contiguous input both agree. (The op's fake could declare a
+    contiguous result instead.)"""
+    from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
+
+    if quantize_op() not in lowerings:
+        make_fallback(quantize_op(), layout_constraint=require_contiguous)
+
+
 def _inner(gm, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
     # the engine rounds with lowprec::quantize, never with dtype casts; a cast the model makes
     # itself (x.half().float()) is kept too rather than simplified away
-    with torch._inductor.config.patch(emulate_precision_casts=True):
+    with torch._inductor.config.patch(emulate_precision_casts=True, layout_optimization=False):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def backend(engine: Emulation):
     """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them."""
+    import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
+    _contiguous_quantize()
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
