@@ -42,7 +42,7 @@ from ...numerics.ops import quantize_op
 from .dtypes import LOGICAL
 from .engine import MARK, PARAM, Emulation
 
-__all__ = ["CompiledForward", "backend", "unsupported", "compile_model"]
+__all__ = ["CompiledForward", "backend", "unsupported", "compile_model", "COMPILERS"]
 
 
 def unsupported(engine: Emulation) -> str | None:
@@ -80,17 +80,95 @@ def _contiguous_quantize() -> None:
         make_fallback(quantize_op(), layout_constraint=require_contiguous)
 
 
+_OPAQUE: dict = {}  # ATen reduction -> (its lowprec_compiled op, how to pass its arguments)
+
+
+def _opaque_reductions() -> dict:
+    """Opaque custom ops running ATen's reductions, registered on first use. Inductor generates
+    its own loops for a sum, a mean or a variance, which add in another order than ATen's CPU
+    kernels (a cascade of partial sums): the fp32 result then differs in its last bits, and now
+    and then a rounding to 16 bits differs too. As opaque ops they run ATen's kernels (Inductor
+    fuses around them, not through them)."""
+    if _OPAQUE:
+        return _OPAQUE
+    aten = torch.ops.aten
+
+    @torch.library.custom_op("lowprec_compiled::sum", mutates_args=())
+    def sum_(x: torch.Tensor, dim: list[int] | None, keepdim: bool) -> torch.Tensor:
+        return aten.sum.dim_IntList(x, dim, keepdim)
+
+    @torch.library.custom_op("lowprec_compiled::mean", mutates_args=())
+    def mean_(x: torch.Tensor, dim: list[int] | None, keepdim: bool) -> torch.Tensor:
+        return aten.mean.dim(x, dim, keepdim)
+
+    @torch.library.custom_op("lowprec_compiled::var_mean", mutates_args=())
+    def var_mean_(x: torch.Tensor, dim: list[int] | None, correction: float | None,
+                  keepdim: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return aten.var_mean.correction(x, dim, correction=correction, keepdim=keepdim)
+
+    sum_.register_fake(lambda x, dim, keepdim: aten.sum.dim_IntList(x, dim, keepdim))
+    mean_.register_fake(lambda x, dim, keepdim: aten.mean.dim(x, dim, keepdim))
+    var_mean_.register_fake(lambda x, dim, correction, keepdim: aten.var_mean.correction(
+        x, dim, correction=correction, keepdim=keepdim))
+
+    def dims(args):
+        return args[1] if len(args) > 1 else None
+
+    def keep(args, kw):
+        return args[2] if len(args) > 2 else kw.get("keepdim", False)
+
+    _OPAQUE.update({
+        aten.sum.dim_IntList: (torch.ops.lowprec_compiled.sum.default,
+                               lambda a, kw: (a[0], dims(a), keep(a, kw))),
+        aten.mean.dim: (torch.ops.lowprec_compiled.mean.default,
+                        lambda a, kw: (a[0], dims(a), keep(a, kw))),
+        aten.var_mean.correction: (torch.ops.lowprec_compiled.var_mean.default,
+                                   lambda a, kw: (a[0], dims(a), None if kw.get("correction")
+                                                  is None else float(kw["correction"]),
+                                                  kw.get("keepdim", False))),
+    })
+    return _OPAQUE
+
+
+def _aten_reductions(gm: torch.fx.GraphModule) -> None:
+    """Each sum, mean and variance of ``gm`` run by ATen's kernel (:func:`_opaque_reductions`)."""
+    table = _opaque_reductions()
+    for n in gm.graph.nodes:
+        hit = table.get(n.target) if n.op == "call_function" else None
+        if hit is None or n.kwargs.get("dtype") is not None:
+            continue
+        op, spell = hit
+        n.args, n.kwargs, n.target = spell(n.args, n.kwargs), {}, op
+    gm.recompile()
+
+
 def _inner(gm, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
+    _aten_reductions(gm)
     # the engine rounds with lowprec::quantize, never with dtype casts; a cast the model makes
-    # itself (x.half().float()) is kept too rather than simplified away
+    # itself (x.half().float()) is kept too rather than simplified away. No layout optimisation:
+    # a convolution's backward in channels-last sums in another order than eager's
     with torch._inductor.config.patch(emulate_precision_casts=True, layout_optimization=False):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
-def backend(engine: Emulation):
-    """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them."""
+def _aten(gm, example_inputs, **kwargs):
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+COMPILERS = ("inductor", "aten")
+
+
+def backend(engine: Emulation, compiler: str = "inductor"):
+    """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them:
+    ``compiler="inductor"`` generates fused code; ``"aten"`` runs the traced ATen graphs op by
+    op, undecomposed (every op on ATen's own kernel, as eager emulation runs it: a reference,
+    and the floor of what tracing alone costs)."""
+    if compiler not in COMPILERS:
+        raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
     import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
     _contiguous_quantize()
     from torch._dynamo.backends.common import aot_autograd
@@ -126,10 +204,11 @@ def backend(engine: Emulation):
             def forward(self, *args):
                 return traced(*args)
 
+        inner = _inner if compiler == "inductor" else _aten
         return aot_autograd(
-            fw_compiler=_inner, bw_compiler=functools.partial(_inner, is_backward=True),
-            inference_compiler=functools.partial(_inner, is_inference=True),
-            decompositions=select_decomp_table(),
+            fw_compiler=inner, bw_compiler=functools.partial(inner, is_backward=True),
+            inference_compiler=functools.partial(inner, is_inference=True),
+            decompositions=select_decomp_table() if compiler == "inductor" else {},
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True)(Traced(), example_inputs)
 
@@ -149,8 +228,11 @@ class CompiledForward:
     """The forward of a model set up under ``engine``, compiled with its roundings
     (module docstring); runs eagerly, after one warning line naming why, where it cannot."""
 
-    def __init__(self, engine: Emulation, **options) -> None:
+    def __init__(self, engine: Emulation, compiler: str = "inductor", **options) -> None:
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
         self.engine = engine
+        self.compiler = compiler
         self.options = dict(options)
         self.reason = unsupported(engine)  # None while it runs compiled
         self._compiled: dict = {}  # engine.active -> the compiled forward
@@ -180,7 +262,7 @@ class CompiledForward:
             # the engine's Python state the backend reads (whether it rounds) is no guard of
             # Dynamo's: one compiled function per state
             fn = self._compiled[em.active] = torch.compile(
-                _fresh_function(em.original_forward), backend=backend(em), fullgraph=True,
+                _fresh_function(em.original_forward), backend=backend(em, self.compiler), fullgraph=True,
                 dynamic=False, **self.options)
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -191,7 +273,7 @@ class CompiledForward:
             return self.eager(*args, **kwargs)
 
 
-def compile_model(engine: Emulation, **options) -> CompiledForward:
+def compile_model(engine: Emulation, compiler: str = "inductor", **options) -> CompiledForward:
     """Run ``engine``'s model compiled from its next call on (``model(x)`` as before);
     returns the :class:`CompiledForward` now its forward. ``options`` go to torch.compile
     (``mode=``, ``options=``)."""
@@ -199,7 +281,7 @@ def compile_model(engine: Emulation, **options) -> CompiledForward:
     if model is None:
         raise ValueError("compile_model needs an engine attached to a model (Emulation(model, "
                          "...)), got one of emulated()")
-    fwd = CompiledForward(engine, **options)
+    fwd = CompiledForward(engine, compiler, **options)
     engine.compiled = True
     model.forward = fwd
     return fwd
