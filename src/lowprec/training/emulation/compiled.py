@@ -162,11 +162,13 @@ def _aten(gm, example_inputs, **kwargs):
 COMPILERS = ("inductor", "aten")
 
 
-def backend(engine: Emulation, compiler: str = "inductor"):
+def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = None):
     """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them:
     ``compiler="inductor"`` generates fused code; ``"aten"`` runs the traced ATen graphs op by
     op, undecomposed (every op on ATen's own kernel, as eager emulation runs it: a reference,
-    and the floor of what tracing alone costs)."""
+    and the floor of what tracing alone costs). ``stats`` (a dict) gets the number of
+    ``lowprec::quantize`` nodes of each compiled graph kind added to it ("forward",
+    "backward", "inference")."""
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
     import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
@@ -204,10 +206,17 @@ def backend(engine: Emulation, compiler: str = "inductor"):
             def forward(self, *args):
                 return traced(*args)
 
-        inner = _inner if compiler == "inductor" else _aten
+        def counted(kind, **flags):
+            def run(g, ex, **kwargs):
+                if stats is not None:
+                    n = len(g.graph.find_nodes(op="call_function", target=quantize_op()))
+                    stats[kind] = stats.get(kind, 0) + n
+                return (_inner if compiler == "inductor" else _aten)(g, ex, **kwargs, **flags)
+            return run
+
         return aot_autograd(
-            fw_compiler=inner, bw_compiler=functools.partial(inner, is_backward=True),
-            inference_compiler=functools.partial(inner, is_inference=True),
+            fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
+            inference_compiler=counted("inference", is_inference=True),
             decompositions=select_decomp_table() if compiler == "inductor" else {},
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True)(Traced(), example_inputs)
@@ -235,6 +244,8 @@ class CompiledForward:
         self.compiler = compiler
         self.options = dict(options)
         self.reason = unsupported(engine)  # None while it runs compiled
+        #: lowprec::quantize nodes in the graphs compiled so far, by kind (see :func:`backend`)
+        self.quantize_nodes: dict[str, int] = {}
         self._compiled: dict = {}  # engine.active -> the compiled forward
         self._warned = False
         if self.reason is not None:
@@ -251,6 +262,7 @@ class CompiledForward:
         em = self.engine
         return em.call_root(em.original_forward, args, kwargs)
 
+    @torch.compiler.disable  # inside another torch.compile: run here, by this one's backend
     def __call__(self, *args, **kwargs):
         em = self.engine
         if self.reason is not None:
@@ -262,7 +274,7 @@ class CompiledForward:
             # the engine's Python state the backend reads (whether it rounds) is no guard of
             # Dynamo's: one compiled function per state
             fn = self._compiled[em.active] = torch.compile(
-                _fresh_function(em.original_forward), backend=backend(em, self.compiler), fullgraph=True,
+                _fresh_function(em.original_forward), backend=backend(em, self.compiler, self.quantize_nodes), fullgraph=True,
                 dynamic=False, **self.options)
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):

@@ -465,7 +465,8 @@ class Emulation:
         rules = {"": self._match("") or self.root_rule}
         # torch.compile cannot hold the mode's Python-level rounding: the model's forward and
         # the hooks run eagerly (a graph break), with a one-line warning, never without rounding
-        self.handles.append(model.register_forward_pre_hook(_warn_if_compiling))
+        self.handles.append(model.register_forward_pre_hook(
+            self._root_hook(_warn_if_compiling)))
         for name, m in model.named_modules():
             if name:
                 parent = name.rpartition(".")[0]
@@ -474,8 +475,8 @@ class Emulation:
                 # runs eagerly under a plain torch.compile, and these with it)
                 pre, post = _eager_only(self._pre(name, rules[name])), _eager_only(self._post)
             else:  # the root: nothing to do when compiled emulation runs the forward
-                pre = torch.compiler.disable(self._root_hook(self._pre(name, rules[name])))
-                post = torch.compiler.disable(self._root_hook(self._post))
+                pre = self._root_hook(torch.compiler.disable(self._pre(name, rules[name])))
+                post = self._root_hook(torch.compiler.disable(self._post))
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, always_call=True))
         self.rules = rules
