@@ -80,15 +80,20 @@ def _contiguous_quantize() -> None:
         make_fallback(quantize_op(), layout_constraint=require_contiguous)
 
 
-_OPAQUE: dict = {}  # ATen reduction -> (its lowprec_compiled op, how to pass its arguments)
+_OPAQUE: dict = {}  # ATen op -> (its lowprec_compiled op, how to pass its arguments)
+# Inductor's vector loops take ATen's vectorised exp (Sleef) on whole vectors but std::exp on
+# a row's tail, where ATen's kernel runs the vector code on a partial vector: the tail's values
+# differ by an ulp now and then (attention's exp over 8 keys)
+_TRANSCENDENTAL = ("exp", "expm1", "log", "log1p", "tanh", "erf", "sigmoid", "sin", "cos")
 
 
-def _opaque_reductions() -> dict:
-    """Opaque custom ops running ATen's reductions, registered on first use. Inductor generates
-    its own loops for a sum, a mean or a variance, which add in another order than ATen's CPU
-    kernels (a cascade of partial sums): the fp32 result then differs in its last bits, and now
-    and then a rounding to 16 bits differs too. As opaque ops they run ATen's kernels (Inductor
-    fuses around them, not through them)."""
+def _opaque_ops() -> dict:
+    """Opaque custom ops running ATen's kernels, registered on first use, for the ops whose
+    Inductor code differs from ATen's in its last bits (and then, now and then, in a rounding
+    to 16 bits): its own loops for a sum, a mean or a variance add in another order than ATen's
+    CPU kernels (a cascade of partial sums); a GEMM on an operand Inductor laid out otherwise
+    sums in another order (opaque ops get the traced strides); transcendental functions
+    (``_TRANSCENDENTAL``). Inductor fuses around them, not through them."""
     if _OPAQUE:
         return _OPAQUE
     aten = torch.ops.aten
@@ -106,6 +111,26 @@ def _opaque_reductions() -> dict:
                   keepdim: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return aten.var_mean.correction(x, dim, correction=correction, keepdim=keepdim)
 
+    @torch.library.custom_op("lowprec_compiled::mm", mutates_args=())
+    def mm_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.mm.default(a, b)
+
+    @torch.library.custom_op("lowprec_compiled::bmm", mutates_args=())
+    def bmm_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.bmm.default(a, b)
+
+    @torch.library.custom_op("lowprec_compiled::addmm", mutates_args=())
+    def addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.addmm.default(c, a, b)
+
+    @torch.library.custom_op("lowprec_compiled::unary", mutates_args=())
+    def unary_(x: torch.Tensor, name: str) -> torch.Tensor:
+        return getattr(aten, name).default(x)
+
+    unary_.register_fake(lambda x, name: getattr(aten, name).default(x))
+    mm_.register_fake(lambda a, b: aten.mm.default(a, b))
+    bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
+    addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
     sum_.register_fake(lambda x, dim, keepdim: aten.sum.dim_IntList(x, dim, keepdim))
     mean_.register_fake(lambda x, dim, keepdim: aten.mean.dim(x, dim, keepdim))
     var_mean_.register_fake(lambda x, dim, correction, keepdim: aten.var_mean.correction(
@@ -117,7 +142,14 @@ def _opaque_reductions() -> dict:
     def keep(args, kw):
         return args[2] if len(args) > 2 else kw.get("keepdim", False)
 
+    for name in _TRANSCENDENTAL:
+        _OPAQUE[getattr(aten, name).default] = (torch.ops.lowprec_compiled.unary.default,
+                                                lambda a, kw, name=name: (a[0], name))
     _OPAQUE.update({
+        aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
+        aten.bmm.default: (torch.ops.lowprec_compiled.bmm.default, lambda a, kw: tuple(a)),
+        aten.addmm.default: (torch.ops.lowprec_compiled.addmm.default,
+                             lambda a, kw: None if kw or len(a) > 3 else tuple(a)),
         aten.sum.dim_IntList: (torch.ops.lowprec_compiled.sum.default,
                                lambda a, kw: (a[0], dims(a), keep(a, kw))),
         aten.mean.dim: (torch.ops.lowprec_compiled.mean.default,
@@ -130,22 +162,29 @@ def _opaque_reductions() -> dict:
     return _OPAQUE
 
 
-def _aten_reductions(gm: torch.fx.GraphModule) -> None:
-    """Each sum, mean and variance of ``gm`` run by ATen's kernel (:func:`_opaque_reductions`)."""
-    table = _opaque_reductions()
+def _aten_kernels(gm: torch.fx.GraphModule) -> None:
+    """The ops of :func:`_opaque_ops` in ``gm`` run by ATen's kernels."""
+    table = _opaque_ops()
     for n in gm.graph.nodes:
         hit = table.get(n.target) if n.op == "call_function" else None
         if hit is None or n.kwargs.get("dtype") is not None:
             continue
         op, spell = hit
-        n.args, n.kwargs, n.target = spell(n.args, n.kwargs), {}, op
+        args = spell(n.args, n.kwargs)
+        if args is None:
+            continue
+        n.args, n.kwargs, n.target = args, {}, op
+        # Inductor hands a custom op its inputs with the strides they had when traced (those
+        # of the eager run): a GEMM on an operand laid out otherwise sums in another order
+        n.meta["eager_input_vals"] = (tuple(a.meta["val"] if isinstance(a, torch.fx.Node)
+                                            else a for a in args), {})
     gm.recompile()
 
 
 def _inner(gm, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
-    _aten_reductions(gm)
+    _aten_kernels(gm)
     # the engine rounds with lowprec::quantize, never with dtype casts; a cast the model makes
     # itself (x.half().float()) is kept too rather than simplified away. No layout optimisation:
     # a convolution's backward in channels-last sums in another order than eager's
