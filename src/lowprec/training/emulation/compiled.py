@@ -128,6 +128,36 @@ def _opaque_ops() -> dict:
         return getattr(aten, name).default(x)
 
     unary_.register_fake(lambda x, name: getattr(aten, name).default(x))
+
+    @torch.library.custom_op("lowprec_compiled::softmax", mutates_args=())
+    def softmax_(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+        return (aten._log_softmax if log else aten._softmax).default(x, dim, False)
+
+    @torch.library.custom_op("lowprec_compiled::softmax_backward", mutates_args=())
+    def softmax_bw_(g: torch.Tensor, out: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+        op = aten._log_softmax_backward_data if log else aten._softmax_backward_data
+        return op.default(g, out, dim, torch.float32)
+
+    @torch.library.custom_op("lowprec_compiled::layer_norm", mutates_args=())
+    def layer_norm_(x: torch.Tensor, shape: list[int], w: torch.Tensor | None,
+                    b: torch.Tensor | None, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.clone() if t is x else t
+                     for t in aten.native_layer_norm.default(x, shape, w, b, eps))
+
+    @torch.library.custom_op("lowprec_compiled::layer_norm_backward", mutates_args=())
+    def layer_norm_bw_(g: torch.Tensor, x: torch.Tensor, shape: list[int], mean: torch.Tensor,
+                       rstd: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return aten.native_layer_norm_backward.default(g, x, shape, mean, rstd, w, b,
+                                                       [True, True, True])
+
+    softmax_.register_fake(lambda x, dim, log: torch.empty_like(x))
+    softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
+    layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
+        x, shape, w, b, eps))
+    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b: (
+        torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)))
     mm_.register_fake(lambda a, b: aten.mm.default(a, b))
     bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
     addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
@@ -145,7 +175,28 @@ def _opaque_ops() -> dict:
     for name in _TRANSCENDENTAL:
         _OPAQUE[getattr(aten, name).default] = (torch.ops.lowprec_compiled.unary.default,
                                                 lambda a, kw, name=name: (a[0], name))
+    lc = torch.ops.lowprec_compiled
+
+    def fp32(a, kw, i):
+        return len(a) > i and a[i] in (False, torch.float32) and not kw
+
     _OPAQUE.update({
+        aten._softmax.default: (lc.softmax.default, lambda a, kw: (a[0], a[1], False)
+                                if fp32(a, kw, 2) else None),
+        aten._log_softmax.default: (lc.softmax.default, lambda a, kw: (a[0], a[1], True)
+                                    if fp32(a, kw, 2) else None),
+        aten._softmax_backward_data.default: (
+            lc.softmax_backward.default,
+            lambda a, kw: (a[0], a[1], a[2], False) if fp32(a, kw, 3) else None),
+        aten._log_softmax_backward_data.default: (
+            lc.softmax_backward.default,
+            lambda a, kw: (a[0], a[1], a[2], True) if fp32(a, kw, 3) else None),
+        aten.native_layer_norm.default: (lc.layer_norm.default,
+                                         lambda a, kw: None if kw else tuple(a)),
+        aten.native_layer_norm_backward.default: (
+            lc.layer_norm_backward.default,
+            lambda a, kw: tuple(a[:7]) if not kw and list(a[7]) == [True] * 3
+            and a[5] is not None and a[6] is not None else None),
         aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
         aten.bmm.default: (torch.ops.lowprec_compiled.bmm.default, lambda a, kw: tuple(a)),
         aten.addmm.default: (torch.ops.lowprec_compiled.addmm.default,
@@ -160,6 +211,21 @@ def _opaque_ops() -> dict:
                                                   kw.get("keepdim", False))),
     })
     return _OPAQUE
+
+
+def _decompositions() -> dict:
+    """Inductor's decompositions but for the ops run on ATen's kernels whole (softmax, layer
+    norm: their decompositions sum in another order than the fused kernels)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    keep = (aten._softmax, aten._log_softmax, aten._softmax_backward_data,
+            aten._log_softmax_backward_data, aten.native_layer_norm,
+            aten.native_layer_norm_backward)
+    table = dict(select_decomp_table())
+    for packet in keep:
+        table.pop(packet.default, None)
+    return table
 
 
 def _aten_kernels(gm: torch.fx.GraphModule) -> None:
@@ -214,7 +280,6 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
     _contiguous_quantize()
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
 
     model = engine.model
     owned: dict[int, bool] = {}  # id -> is a parameter, for the model's parameters and buffers
@@ -256,7 +321,7 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
         return aot_autograd(
             fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
             inference_compiler=counted("inference", is_inference=True),
-            decompositions=select_decomp_table() if compiler == "inductor" else {},
+            decompositions=_decompositions() if compiler == "inductor" else {},
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True)(Traced(), example_inputs)
 
