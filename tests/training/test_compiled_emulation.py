@@ -68,8 +68,8 @@ def _same_run(a, b, what):
 
 
 @pytest.mark.parametrize("name,policy", [
-    ("mlp", "16-true"), ("lenet", "bf16-true"), ("transformer", "bf16-true"),
-    ("mlp", "16-mixed"), ("lenet", "16-mixed")])
+    ("mlp", "16-true"), ("lenet", "bf16-true"), ("transformer", "16-true"),
+    ("mlp", "16-mixed"), ("lenet", "16-mixed"), ("transformer", "16-mixed")])
 def test_compiled_emulation_has_the_eager_bits(name, policy):
     eager = _train(name, policy)
     compiled = _train(name, policy, compile=True)
