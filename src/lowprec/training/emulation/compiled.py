@@ -39,7 +39,7 @@ from torch import nn
 
 from ...numerics.formats import BlockFormat
 from ...numerics.ops import quantize_op
-from .dtypes import LOGICAL
+from .dtypes import LOGICAL, format_dtype
 from .engine import MARK, PARAM, Emulation
 
 __all__ = ["CompiledForward", "backend", "unsupported", "compile_model", "COMPILERS"]
@@ -64,6 +64,12 @@ def unsupported(engine: Emulation) -> str | None:
             return "scaled GEMMs are emulated eagerly"
     if engine.match_cpu_kernels:
         return "match_cpu_kernels runs kernels on real data"
+    model = engine.model
+    pure16 = [r for r in rules if r.scope == "all" and format_dtype(r.grads) is not None]
+    if pure16 and model is not None and any(isinstance(m, nn.Embedding) for m in model.modules()):
+        # its 16-bit gradient adds each use of a row in turn: how many turns depends on the
+        # indices' values (kernels.embedding), which a graph cannot
+        return "an embedding's 16-bit gradient sums depend on the indices' values"
     return None
 
 
@@ -337,6 +343,13 @@ def _fresh_function(fn):
                               call.__closure__)
 
 
+def _why(err: BaseException) -> str:
+    """One line naming a compile failure (the backend's own error, not Dynamo's wrapper)."""
+    inner = getattr(err, "inner_exception", None) or err
+    text = " ".join(str(inner).split())
+    return f"{type(inner).__name__}: {text[:200]}"
+
+
 class CompiledForward:
     """The forward of a model set up under ``engine``, compiled with its roundings
     (module docstring); runs eagerly, after one warning line naming why, where it cannot."""
@@ -384,8 +397,7 @@ class CompiledForward:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 return fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            self._fall_back(f"{type(err).__name__}: {first[:200]}")
+            self._fall_back(_why(err))
             return self.eager(*args, **kwargs)
 
 
