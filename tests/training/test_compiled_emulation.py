@@ -4,7 +4,10 @@ with every rounding of the eager engine in the graph, and gives the eager engine
 outputs, gradients and parameters after 3 optimizer steps, compared with ``torch.equal`` on
 float32 bit patterns. One model compiled per test (an Inductor compile takes 10-60 s here)."""
 
+import importlib.util
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from lowprec import Precision, quantize
 from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier
 from lowprec.training.backends import BackendChoiceWarning
 from lowprec.training.emulation.compiled import CompiledForward, compile_model
+from lowprec.training.tree import call_model, output_tensor
 
 GRID = {"16-true": "fp16", "bf16-true": "bf16"}
 
@@ -157,3 +161,51 @@ def test_bad_arguments_are_refused():
         compile_model(prec.emulation, compiler="xla")
     with pytest.raises(TypeError, match="compile='yes'"):
         Precision("16-true", compile="yes")
+
+
+def _zoo():
+    """tests/zoo/zoo.py (the model zoo), imported as the zoo tests import it."""
+    if "zoo" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "zoo" / "zoo.py"
+        spec = importlib.util.spec_from_file_location("zoo", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["zoo"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["zoo"].ZOO
+
+
+def _train_entry(entry, policy, compile, steps=3):
+    model = entry.build()
+    inputs, targets = entry.batch()
+    prec = Precision(policy, compile=compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendChoiceWarning)
+        model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    outs, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        with prec.autocast():
+            out = output_tensor(call_model(model, inputs))
+            loss = entry.loss(out, targets)
+        prec.backward(loss)
+        outs.append(out.detach().clone())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        prec.step(opt)
+    return model, outs, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name,policy,compiled", [
+    ("kw-dict-output", "bf16-true", True),  # keyword inputs, a dict output, LayerNorm, SiLU
+    ("encoder", "16-true", False),  # an embedding: its 16-bit gradient sums are data-dependent
+])
+def test_zoo_models_compile_or_say_why_with_the_eager_bits(name, policy, compiled):
+    entry = _zoo()[name]
+    eager = _train_entry(entry, policy, False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        run = _train_entry(entry, policy, True)
+    said = [str(w.message) for w in rec if "compiled emulation" in str(w.message)]
+    assert (run[0].forward.reason is None) == compiled and len(said) == (0 if compiled else 1)
+    if not compiled:
+        assert "embedding" in said[0]
+    _same_run(eager, run, f"{name} {policy}")
