@@ -339,8 +339,8 @@ def _fresh_function(fn):
     counts recompilations) per code object, so each model gets its own."""
     def call(*args, **kwargs):
         return fn(*args, **kwargs)
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "lowprec_compiled_forward", None,
-                              call.__closure__)
+    return types.FunctionType(call.__code__.replace(), call.__globals__,
+                              "lowprec_compiled_forward", None, call.__closure__)
 
 
 def _why(err: BaseException) -> str:
@@ -391,8 +391,8 @@ class CompiledForward:
             # the engine's Python state the backend reads (whether it rounds) is no guard of
             # Dynamo's: one compiled function per state
             fn = self._compiled[em.active] = torch.compile(
-                _fresh_function(em.original_forward), backend=backend(em, self.compiler, self.quantize_nodes), fullgraph=True,
-                dynamic=False, **self.options)
+                _fresh_function(em.original_forward), fullgraph=True, dynamic=False,
+                backend=backend(em, self.compiler, self.quantize_nodes), **self.options)
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
                 return fn(*args, **kwargs)

@@ -54,7 +54,7 @@ from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, ca
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
                       NORM_OPS, PASS_OPS, is_inplace, reduction_axes)
 
-__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "LOGICAL", "PARAM"]
+__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM"]
 
 MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
 # attribute of a traced stand-in for a parameter (compiled emulation, :mod:`.compiled`): the
