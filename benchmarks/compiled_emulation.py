@@ -5,10 +5,11 @@ For each model and policy: the median training-step time (forward, backward, SGD
 fp32 eager, fp32 under ``torch.compile``, eager emulation and compiled emulation, relative to
 fp32 eager; and, over the first 3 steps, how many outputs, fp32 gradients and parameters
 (after the steps) of the compiled run differ from the eager emulated run's bits, with the
-largest difference in fp32 ulps. One thread; compile time is left out of the step times.
+largest difference in fp32 ulps. One thread; compile time is left out of the step times
+(interleaved rounds, the median per variant).
 
     python benchmarks/compiled_emulation.py [--models mlp,lenet,transformer]
-        [--policies 16-true,bf16-true,16-mixed] [--batch 64] [--steps 20]
+        [--policies 16-true,bf16-true,16-mixed] [--batch 64] [--steps 5] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -38,38 +39,39 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
                .abs().max().item())
 
 
-def run(name: str, policy: str | None, compiled: bool, batch: int, steps: int):
-    build, shape = MODELS[name]
-    torch.manual_seed(0)
-    model = build()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, *shape, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    if policy is None:  # fp32
-        prec = Precision("32-true")
-        model, opt = prec.setup(model, opt)
-        fwd = torch.compile(model) if compiled else model
-    else:
-        prec = Precision(policy, compile=compiled)
-        model, opt = prec.setup(model, opt)
-        fwd = model
-    times, record = [], []
-    for s in range(steps):
-        t = time.perf_counter()
-        opt.zero_grad()
-        with prec.autocast():
-            out = fwd(x)
-            loss = F.cross_entropy(out, y)
-        prec.backward(loss)
-        if s < 3:
-            record.append((out.detach().clone(), [p.grad.clone() for p in model.parameters()]))
-        prec.step(opt)
-        if s == 2:
-            record.append([p.detach().clone() for p in model.parameters()])
-        times.append(time.perf_counter() - t)
-    reason = getattr(model.forward, "reason", None)
-    return statistics.median(times[3:]), record, reason
+class Variant:
+    """One model under one set-up; ``step()`` runs one training step."""
+
+    def __init__(self, name: str, policy: str | None, compiled: bool, batch: int) -> None:
+        build, shape = MODELS[name]
+        torch.manual_seed(0)
+        model = build()
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(batch, *shape, generator=g)
+        self.y = torch.randint(0, 10, (batch,), generator=g)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        self.prec = Precision("32-true" if policy is None else policy,
+                              compile=compiled and policy is not None)
+        self.model, self.opt = self.prec.setup(model, opt)
+        # fp32: torch.compile of the model itself
+        self.fwd = torch.compile(self.model) if compiled and policy is None else self.model
+        # outputs and gradients of the first 3 steps, parameters after them
+        self.record = []
+        for s in range(3):
+            out = self.step()
+            self.record.append((out, [p.grad.clone() for p in self.model.parameters()]))
+        self.record.append([p.detach().clone() for p in self.model.parameters()])
+        self.reason = getattr(self.model.forward, "reason", None)
+
+    def step(self) -> torch.Tensor:
+        self.opt.zero_grad()
+        with self.prec.autocast():
+            out = self.fwd(self.x)
+            loss = F.cross_entropy(out, self.y)
+        self.prec.backward(loss)
+        keep = out.detach().clone()
+        self.prec.step(self.opt)
+        return keep
 
 
 def compare(a, b) -> str:
@@ -93,7 +95,8 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,lenet,transformer")
     ap.add_argument("--policies", default="16-true,bf16-true,16-mixed")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -104,14 +107,27 @@ def main() -> None:
           "compiled vs eager emulation (3 steps) |")
     print("|---|---|---|---|---|---|")
     for name in a.models.split(","):
-        base, _, _ = run(name, None, False, a.batch, a.steps)
-        fp32c, _, _ = run(name, None, True, a.batch, a.steps)
-        for pol in a.policies.split(","):
-            te, re, _ = run(name, pol, False, a.batch, a.steps)
-            tc, rc, why = run(name, pol, True, a.batch, a.steps)
-            note = compare(re, rc) if why is None else f"eager fallback: {why}"
-            print(f"| {name} | {pol} | {fp32c / base:.2f}x | {te / base:.2f}x | "
-                  f"{tc / base:.2f}x | {note} |")
+        pols = a.policies.split(",")
+        variants = {("fp32", False): Variant(name, None, False, a.batch),
+                    ("fp32", True): Variant(name, None, True, a.batch)}
+        for pol in pols:
+            for c in (False, True):
+                variants[(pol, c)] = Variant(name, pol, c, a.batch)
+        times: dict = {k: [] for k in variants}
+        for _ in range(a.rounds):  # interleaved: a slow moment of the machine hits all alike
+            for k, v in variants.items():
+                t = time.perf_counter()
+                for _ in range(a.steps):
+                    v.step()
+                times[k].append((time.perf_counter() - t) / a.steps)
+        med = {k: statistics.median(t) for k, t in times.items()}
+        base = med[("fp32", False)]
+        for pol in pols:
+            e, c = variants[(pol, False)], variants[(pol, True)]
+            note = compare(e.record, c.record) if c.reason is None else \
+                f"eager fallback: {c.reason}"
+            print(f"| {name} | {pol} | {med[('fp32', True)] / base:.2f}x | "
+                  f"{med[(pol, False)] / base:.2f}x | {med[(pol, True)] / base:.2f}x | {note} |")
         print(f"| {name} | fp32 eager ms/step | {1000 * base:.1f} | | | |")
 
 
