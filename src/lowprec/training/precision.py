@@ -20,6 +20,10 @@ otherwise, and says which once per process and policy (``prec.backend_choice`` h
 kernel (:mod:`lowprec.numerics.summation`) and matrix products run on this CPU's own 16-bit
 GEMM (:mod:`lowprec.training.emulation.native_gemm`): forwards are then bit-exact with
 ``model.half()`` on CPUs where those kernels run (benchmarks/summation.py gives the cost).
+``compile=True`` runs an emulated model's forward and backward compiled by Inductor, with
+every rounding of the engine in the graph and the eager engine's bits
+(:mod:`lowprec.training.emulation.compiled`; eager, with one warning line naming why, where it
+cannot).
 
 Regimes that need more than formats (BinaryNet, dynamic fixed point) plug in through
 :class:`lowprec.training.regimes.Regime`: Precision builds those the policy needs and calls their
@@ -87,7 +91,8 @@ class Precision:
 
     def __init__(self, policy: str | Policy = "32-true", *, loss_scale: str | LossScale | None = None,
                  generator: torch.Generator | None = None, seed: int | None = None,
-                 overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
+                 overrides: dict | None = None, match_cpu_kernels: bool = False,
+                 compile: bool = False) -> None:
         # a per-layer plan (lowprec.training.plan: a Plan, or "plan:FILE"; anything with
         # .policy and .overrides) is its base policy with its per-module overrides
         if is_plan_spec(policy):
@@ -102,6 +107,11 @@ class Precision:
         # emulated backend: conv2d summed in the order of torch's reference CPU 16-bit kernel
         # (lowprec.numerics.summation); its forward is bit-exact where that kernel runs
         self.match_cpu_kernels = bool(match_cpu_kernels)
+        # emulated backend: the model's forward and backward compiled by Inductor with every
+        # rounding of the engine in the graph (lowprec.training.emulation.compiled)
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile={compile!r:.40} ({type(compile).__name__}) must be a bool")
+        self.compile = compile
         # glob on module names -> policy or format; ops inside a matching module follow it
         # (emulated backend only)
         if overrides is not None and not isinstance(overrides, dict):
@@ -187,7 +197,7 @@ class Precision:
         self._backend = backend_class(choice.backend)(
             self.policy, self.device, generator=self.generator, resolve=self._resolve,
             engine_options=self._engine_options(), overrides=self.overrides,
-            match_cpu_kernels=self.match_cpu_kernels)
+            match_cpu_kernels=self.match_cpu_kernels, compile=self.compile)
         self.model = model
         names = {id(p): n for n, p in model.named_parameters()}
         added: list = []

@@ -17,6 +17,7 @@ from torch import nn
 from ...numerics.formats import FP32, Format
 from ...numerics.quantize import quantize_
 from ..emulation import Emulation
+from ..emulation.compiled import compile_model
 from ..policy import Backend, Scope
 from ..regimes import GroupKey, Role
 from .base import PrecisionBackend, register_backend
@@ -30,6 +31,8 @@ class EmulatedBackend(PrecisionBackend):
 
     kind = Backend.EMULATED
     carriers = True
+    #: the model's compiled forward (``compile=True``; None otherwise)
+    compiled = None
 
     def convert_module(self, model: nn.Module, names: dict[int, str], *,
                        compute_replaced: bool = False) -> None:
@@ -42,6 +45,8 @@ class EmulatedBackend(PrecisionBackend):
                                 match_cpu_kernels=self.match_cpu_kernels, resolve=self.resolve,
                                 **self.engine_options)
         self._store(model)
+        if self.compile:  # Inductor, every rounding in the graph (or eager, saying why)
+            self.compiled = compile_model(self.engine)
 
     @torch.no_grad()
     def _store(self, model: nn.Module) -> None:

@@ -54,9 +54,12 @@ from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, ca
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
                       NORM_OPS, PASS_OPS, is_inplace, reduction_axes)
 
-__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK"]
+__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM"]
 
 MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
+# attribute of a traced stand-in for a parameter (compiled emulation, :mod:`.compiled`): the
+# parameter's id, so that the stand-in is rounded, named and summed as the parameter would be
+PARAM = "_lowprec_param"
 _ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)
 _BUFFER_POS = (3, 4)  # torch.batch_norm(input, weight, bias, running_mean, running_var, ...)
 
@@ -116,8 +119,27 @@ _NAMES: dict = {}
 def _warn_if_compiling(module, args) -> None:
     if torch.compiler.is_compiling():
         warnings.warn("lowprec: an emulated policy runs the model eagerly under torch.compile "
-                      "(its op-level rounding is Python); Quantizer modules do compile",
-                      stacklevel=2)
+                      "(its op-level rounding is Python); Precision(..., compile=True) "
+                      "compiles it with every rounding in the graph", stacklevel=2)
+
+
+def _eager_only(hook):
+    """A module hook that does nothing while Dynamo traces: compiled emulation traces the
+    model's plain graph first and runs the engine over that graph (:mod:`.compiled`)."""
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        return hook(*args, **kwargs)
+    return run
+
+
+def _is_param(t) -> bool:
+    return isinstance(t, nn.Parameter) or getattr(t, PARAM, None) is not None
+
+
+def _pid(t) -> int:
+    """The id of the parameter ``t`` is or stands for."""
+    return getattr(t, PARAM, None) or id(t)
 
 
 def op_name(func) -> str:
@@ -418,6 +440,10 @@ class Emulation:
         self._tied: set = set()
         self._param_sums: dict = {}  # id(tied parameter) -> its _Sum in this forward
         self._cast_rules: dict = {}
+        #: set by compiled emulation (:mod:`.compiled`) while it runs the model's forward: the
+        #: root's hooks then leave the call to it
+        self.compiled = False
+        self.original_forward = None
         if model is not None:
             self._pnames = {id(p): n for n, p in model.named_parameters()}
             # parameters under more than one name (tied embeddings): each use's gradient is
@@ -439,18 +465,25 @@ class Emulation:
         rules = {"": self._match("") or self.root_rule}
         # torch.compile cannot hold the mode's Python-level rounding: the model's forward and
         # the hooks run eagerly (a graph break), with a one-line warning, never without rounding
-        self.handles.append(model.register_forward_pre_hook(_warn_if_compiling))
+        self.handles.append(model.register_forward_pre_hook(
+            self._root_hook(_warn_if_compiling)))
         for name, m in model.named_modules():
             if name:
                 parent = name.rpartition(".")[0]
                 rules[name] = self._match(name) or rules.get(parent, self.root_rule)
-            self.handles.append(m.register_forward_pre_hook(
-                torch.compiler.disable(self._pre(name, rules[name])), with_kwargs=True))
-            self.handles.append(m.register_forward_hook(torch.compiler.disable(self._post),
-                                                        always_call=True))
+                # submodules: traced as no-ops under compiled emulation (the root's forward
+                # runs eagerly under a plain torch.compile, and these with it)
+                pre, post = _eager_only(self._pre(name, rules[name])), _eager_only(self._post)
+            else:  # the root: nothing to do when compiled emulation runs the forward
+                pre = self._root_hook(torch.compiler.disable(self._pre(name, rules[name])))
+                post = self._root_hook(torch.compiler.disable(self._post))
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(post, always_call=True))
         self.rules = rules
         self._model = model
         self._had_forward = "forward" in model.__dict__
+        #: the model's own forward (compiled emulation traces it)
+        self.original_forward = model.forward
         if self._had_forward:
             model.forward = torch.compiler.disable(model.forward)
         else:  # a method bound to the model, so that copy.deepcopy rebinds it to the copy
@@ -512,6 +545,29 @@ class Emulation:
             self._depth -= 1
             self._mode.__exit__(None, None, None)
         return None
+
+    def _root_hook(self, hook):
+        def run(*args, **kwargs):
+            return None if self.compiled else hook(*args, **kwargs)
+        return run
+
+    def call_root(self, fn, args: tuple, kwargs: dict | None = None, *, keep=()):
+        """``fn(*args, **kwargs)`` run as the root module's hooks run its forward: its rule on
+        the stack, the mode entered (when active), the floating arguments rounded as model
+        inputs but for the positions in ``keep`` (parameters and buffers: compiled emulation's
+        graph inputs). Compiled emulation traces its graphs through this, and falls back to it."""
+        kwargs = kwargs or {}
+        keep = set(keep)
+        given = tuple(a for i, a in enumerate(args) if i not in keep)
+        new = self._pre("", self.rules.get("", self.root_rule))(self._model, given, kwargs)
+        if new is not None:
+            rounded = iter(new[0])
+            args = tuple(a if i in keep else next(rounded) for i, a in enumerate(args))
+            kwargs = new[1]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._post(self._model, args, None)
 
     def detach(self) -> None:
         for h in self.handles:
@@ -585,14 +641,14 @@ class Emulation:
         if not _floating(t):
             return t
         if _marked(t, rule.compute):
-            if self._tied and id(t) in self._tied and isinstance(t, nn.Parameter):
+            if self._tied and _pid(t) in self._tied and _is_param(t):
                 return self._tied_use(t, rule)
             return t
-        if isinstance(t, nn.Parameter):
+        if _is_param(t):
             # the op sees the rounded weight; its gradient reaches the parameter unrounded: the
             # gradient format is the activations' (Precision rounds parameter gradients to
             # their storage format at the step)
-            return self.round(t, rule, self._pnames.get(id(t), key), grads=False)
+            return self.round(t, rule, self._pnames.get(_pid(t), key), grads=False)
         return self.round(t, rule, key)
 
     def _tied_use(self, p: nn.Parameter, rule: Rule) -> torch.Tensor:
@@ -603,9 +659,9 @@ class Emulation:
         if not (p.requires_grad and torch.is_grad_enabled()) or \
                 format_dtype(rule.params) is None:
             return p
-        acc = self._param_sums.get(id(p))
+        acc = self._param_sums.get(_pid(p))
         if acc is None:
-            acc = self._param_sums[id(p)] = _Sum()
+            acc = self._param_sums[_pid(p)] = _Sum()
         acc.n += 1
         with torch._C.DisableTorchFunction():
             out = _Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self.generator, acc)
@@ -623,8 +679,8 @@ class Emulation:
             d = format_dtype(m)
             if d is not None:
                 return d
-        if isinstance(t, nn.Parameter):  # rounded when used: the 16-bit copy native runs hold
-            name = self._pnames.get(id(t))
+        if _is_param(t):  # rounded when used: the 16-bit copy native runs hold
+            name = self._pnames.get(_pid(t))
             if name is not None:
                 r = self.rule_of(name)
                 if r.active and r.scope == "all":
@@ -801,7 +857,7 @@ class Emulation:
                     return t
                 t = self._in(t, rule, okey + ".in")
                 if consumed and _floating(t) and t.requires_grad and t.grad_fn is not None \
-                        and not isinstance(t, nn.Parameter):
+                        and not _is_param(t):
                     with torch._C.DisableTorchFunction():
                         _, bwd = self._fmts(rule, okey, t, None, True)
                         t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator,
@@ -831,7 +887,7 @@ class Emulation:
                                              args, name)
         elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
                 kernels.plain_embedding(args, kwargs):
-            if self._tied and id(args[0]) in self._tied and _marked(args[0], fmt):
+            if self._tied and _pid(args[0]) in self._tied and _marked(args[0], fmt):
                 args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
             out = kernels.embedding(self, rule, *args, **kwargs)
         elif name in recurrent_kernels.RNN_OPS and \

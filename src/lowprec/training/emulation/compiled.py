@@ -1,0 +1,415 @@
+"""Compiled emulation: a model's forward and backward compiled by Inductor with every rounding
+of the eager engine in the graph.
+
+Two traces, one after the other:
+
+1. Dynamo traces the model's plain fp32 forward into one graph (``fullgraph=True``): the
+   engine's module hooks do nothing while Dynamo traces (``_eager_only`` in :mod:`.engine`),
+   so no lowprec code enters this graph and none breaks it.
+2. lowprec's Dynamo backend (:func:`backend`) hands that graph to AOTAutograd with a function
+   that runs the graph node by node (``torch.fx.Interpreter``) under the eager engine
+   (:meth:`Emulation.call_root`, as the root module's hooks run a forward). AOTAutograd traces
+   the forward and, through ``torch.autograd``, the backward at the ATen level; the engine's
+   Python -- the rule lookups, the tensor marks, its autograd Functions and their backwards,
+   the 16-bit sums of an activation's consumers -- runs once, at trace time, and every rounding
+   it makes is recorded as one ``lowprec::quantize`` node (:mod:`lowprec.numerics.ops`).
+   Inductor (``compile_fx_inner``) then compiles the forward and backward graphs.
+
+The compiled step makes the eager engine's roundings, in its order; what Inductor may change is
+the fp32 arithmetic between them (a fused reduction may sum in another order than ATen's
+kernel). The parameters' graph inputs stand in for the parameters (``PARAM``: their id), and
+carry their marks, so that the engine rounds, names and sums them as it does the parameters.
+
+What cannot be traced runs eagerly, with one warning line naming why (:func:`unsupported`):
+state the engine reads per call that a graph would freeze at its trace (stochastic rounding's
+seeds, dynamic fixed point's ranges, observers), per-module overrides (the flat graph has no
+module boundaries the engine's rules follow here), C kernels that take real data (accumulators,
+``match_cpu_kernels``) and scaled GEMMs; and any failure to compile (a graph break under
+``fullgraph``, a recompilation limit reached).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import torch
+from torch import nn
+
+from ...numerics.formats import BlockFormat
+from ...numerics.ops import quantize_op
+from .dtypes import LOGICAL, format_dtype
+from .engine import MARK, PARAM, Emulation
+
+__all__ = ["CompiledForward", "backend", "unsupported", "compile_model", "COMPILERS"]
+
+
+def unsupported(engine: Emulation) -> str | None:
+    """Why ``engine``'s model cannot run compiled (None: it can)."""
+    rules = [engine.root_rule, *engine.rules.values(), *engine.overrides.values()]
+    if engine.overrides:
+        return "per-module overrides"
+    for r in rules:
+        if r.rounding.is_stochastic or r.grad_rounding.is_stochastic:
+            return "stochastic rounding draws its seeds per call"
+        fmts = (r.compute, r.grads, r.params)
+        if any(getattr(f, "dynamic", False) for f in fmts):
+            return "dynamic fixed point keeps its ranges per call"
+        if any(isinstance(f, BlockFormat) for f in fmts):
+            return "block formats are emulated eagerly"
+        if r.accumulator is not None:
+            return "accumulator emulation runs a C kernel on real data"
+        if r.scaled is not None:
+            return "scaled GEMMs are emulated eagerly"
+    if engine.match_cpu_kernels:
+        return "match_cpu_kernels runs kernels on real data"
+    model = engine.model
+    pure16 = [r for r in rules if r.scope == "all" and format_dtype(r.grads) is not None]
+    if pure16 and model is not None and any(isinstance(m, nn.Embedding) for m in model.modules()):
+        # its 16-bit gradient adds each use of a row in turn: how many turns depends on the
+        # indices' values (kernels.embedding), which a graph cannot
+        return "an embedding's 16-bit gradient sums depend on the indices' values"
+    return None
+
+
+def _contiguous_quantize() -> None:
+    """lowprec::quantize as an Inductor fallback that gets contiguous inputs. Its kernel
+    returns a contiguous tensor while its fake implementation declares ``empty_like(x)``, a
+    permuted input's strides; Inductor's default for a custom op (its inputs as the fake saw
+    them) then asserts the fake's strides on the real output and fails (seen on attention's
+    transposed activations). With a contiguous input both agree. (The op's fake could declare a
+    contiguous result instead.)"""
+    from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
+
+    if quantize_op() not in lowerings:
+        make_fallback(quantize_op(), layout_constraint=require_contiguous)
+
+
+_OPAQUE: dict = {}  # ATen op -> (its lowprec_compiled op, how to pass its arguments)
+# Inductor's vector loops take ATen's vectorised exp (Sleef) on whole vectors but std::exp on
+# a row's tail, where ATen's kernel runs the vector code on a partial vector: the tail's values
+# differ by an ulp now and then (attention's exp over 8 keys)
+_TRANSCENDENTAL = ("exp", "expm1", "log", "log1p", "tanh", "erf", "sigmoid", "sin", "cos")
+
+
+def _opaque_ops() -> dict:
+    """Opaque custom ops running ATen's kernels, registered on first use, for the ops whose
+    Inductor code differs from ATen's in its last bits (and then, now and then, in a rounding
+    to 16 bits): its own loops for a sum, a mean or a variance add in another order than ATen's
+    CPU kernels (a cascade of partial sums); a GEMM on an operand Inductor laid out otherwise
+    sums in another order (opaque ops get the traced strides); transcendental functions
+    (``_TRANSCENDENTAL``). Inductor fuses around them, not through them."""
+    if _OPAQUE:
+        return _OPAQUE
+    aten = torch.ops.aten
+
+    @torch.library.custom_op("lowprec_compiled::sum", mutates_args=())
+    def sum_(x: torch.Tensor, dim: list[int] | None, keepdim: bool) -> torch.Tensor:
+        return aten.sum.dim_IntList(x, dim, keepdim)
+
+    @torch.library.custom_op("lowprec_compiled::mean", mutates_args=())
+    def mean_(x: torch.Tensor, dim: list[int] | None, keepdim: bool) -> torch.Tensor:
+        return aten.mean.dim(x, dim, keepdim)
+
+    @torch.library.custom_op("lowprec_compiled::var_mean", mutates_args=())
+    def var_mean_(x: torch.Tensor, dim: list[int] | None, correction: float | None,
+                  keepdim: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return aten.var_mean.correction(x, dim, correction=correction, keepdim=keepdim)
+
+    @torch.library.custom_op("lowprec_compiled::mm", mutates_args=())
+    def mm_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.mm.default(a, b)
+
+    @torch.library.custom_op("lowprec_compiled::bmm", mutates_args=())
+    def bmm_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.bmm.default(a, b)
+
+    @torch.library.custom_op("lowprec_compiled::addmm", mutates_args=())
+    def addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.addmm.default(c, a, b)
+
+    @torch.library.custom_op("lowprec_compiled::unary", mutates_args=())
+    def unary_(x: torch.Tensor, name: str) -> torch.Tensor:
+        return getattr(aten, name).default(x)
+
+    unary_.register_fake(lambda x, name: getattr(aten, name).default(x))
+
+    @torch.library.custom_op("lowprec_compiled::softmax", mutates_args=())
+    def softmax_(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+        return (aten._log_softmax if log else aten._softmax).default(x, dim, False)
+
+    @torch.library.custom_op("lowprec_compiled::softmax_backward", mutates_args=())
+    def softmax_bw_(g: torch.Tensor, out: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+        op = aten._log_softmax_backward_data if log else aten._softmax_backward_data
+        return op.default(g, out, dim, torch.float32)
+
+    @torch.library.custom_op("lowprec_compiled::layer_norm", mutates_args=())
+    def layer_norm_(x: torch.Tensor, shape: list[int], w: torch.Tensor | None,
+                    b: torch.Tensor | None, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.clone() if t is x else t
+                     for t in aten.native_layer_norm.default(x, shape, w, b, eps))
+
+    @torch.library.custom_op("lowprec_compiled::layer_norm_backward", mutates_args=())
+    def layer_norm_bw_(g: torch.Tensor, x: torch.Tensor, shape: list[int], mean: torch.Tensor,
+                       rstd: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return aten.native_layer_norm_backward.default(g, x, shape, mean, rstd, w, b,
+                                                       [True, True, True])
+
+    softmax_.register_fake(lambda x, dim, log: torch.empty_like(x))
+    softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
+    layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
+        x, shape, w, b, eps))
+    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b: (
+        torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)))
+    mm_.register_fake(lambda a, b: aten.mm.default(a, b))
+    bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
+    addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
+    sum_.register_fake(lambda x, dim, keepdim: aten.sum.dim_IntList(x, dim, keepdim))
+    mean_.register_fake(lambda x, dim, keepdim: aten.mean.dim(x, dim, keepdim))
+    var_mean_.register_fake(lambda x, dim, correction, keepdim: aten.var_mean.correction(
+        x, dim, correction=correction, keepdim=keepdim))
+
+    def dims(args):
+        return args[1] if len(args) > 1 else None
+
+    def keep(args, kw):
+        return args[2] if len(args) > 2 else kw.get("keepdim", False)
+
+    for name in _TRANSCENDENTAL:
+        _OPAQUE[getattr(aten, name).default] = (torch.ops.lowprec_compiled.unary.default,
+                                                lambda a, kw, name=name: (a[0], name))
+    lc = torch.ops.lowprec_compiled
+
+    def fp32(a, kw, i):
+        return len(a) > i and a[i] in (False, torch.float32) and not kw
+
+    _OPAQUE.update({
+        aten._softmax.default: (lc.softmax.default, lambda a, kw: (a[0], a[1], False)
+                                if fp32(a, kw, 2) else None),
+        aten._log_softmax.default: (lc.softmax.default, lambda a, kw: (a[0], a[1], True)
+                                    if fp32(a, kw, 2) else None),
+        aten._softmax_backward_data.default: (
+            lc.softmax_backward.default,
+            lambda a, kw: (a[0], a[1], a[2], False) if fp32(a, kw, 3) else None),
+        aten._log_softmax_backward_data.default: (
+            lc.softmax_backward.default,
+            lambda a, kw: (a[0], a[1], a[2], True) if fp32(a, kw, 3) else None),
+        aten.native_layer_norm.default: (lc.layer_norm.default,
+                                         lambda a, kw: None if kw else tuple(a)),
+        aten.native_layer_norm_backward.default: (
+            lc.layer_norm_backward.default,
+            lambda a, kw: tuple(a[:7]) if not kw and list(a[7]) == [True] * 3
+            and a[5] is not None and a[6] is not None else None),
+        aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
+        aten.bmm.default: (torch.ops.lowprec_compiled.bmm.default, lambda a, kw: tuple(a)),
+        aten.addmm.default: (torch.ops.lowprec_compiled.addmm.default,
+                             lambda a, kw: None if kw or len(a) > 3 else tuple(a)),
+        aten.sum.dim_IntList: (torch.ops.lowprec_compiled.sum.default,
+                               lambda a, kw: (a[0], dims(a), keep(a, kw))),
+        aten.mean.dim: (torch.ops.lowprec_compiled.mean.default,
+                        lambda a, kw: (a[0], dims(a), keep(a, kw))),
+        aten.var_mean.correction: (torch.ops.lowprec_compiled.var_mean.default,
+                                   lambda a, kw: (a[0], dims(a), None if kw.get("correction")
+                                                  is None else float(kw["correction"]),
+                                                  kw.get("keepdim", False))),
+    })
+    return _OPAQUE
+
+
+def _decompositions() -> dict:
+    """Inductor's decompositions but for the ops run on ATen's kernels whole (softmax, layer
+    norm: their decompositions sum in another order than the fused kernels)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    keep = (aten._softmax, aten._log_softmax, aten._softmax_backward_data,
+            aten._log_softmax_backward_data, aten.native_layer_norm,
+            aten.native_layer_norm_backward)
+    table = dict(select_decomp_table())
+    for packet in keep:
+        table.pop(packet.default, None)
+    return table
+
+
+def _aten_kernels(gm: torch.fx.GraphModule) -> None:
+    """The ops of :func:`_opaque_ops` in ``gm`` run by ATen's kernels."""
+    table = _opaque_ops()
+    for n in gm.graph.nodes:
+        hit = table.get(n.target) if n.op == "call_function" else None
+        if hit is None or n.kwargs.get("dtype") is not None:
+            continue
+        op, spell = hit
+        args = spell(n.args, n.kwargs)
+        if args is None:
+            continue
+        n.args, n.kwargs, n.target = args, {}, op
+        # Inductor hands a custom op its inputs with the strides they had when traced (those
+        # of the eager run): a GEMM on an operand laid out otherwise sums in another order
+        n.meta["eager_input_vals"] = (tuple(a.meta["val"] if isinstance(a, torch.fx.Node)
+                                            else a for a in args), {})
+    gm.recompile()
+
+
+def _inner(gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    _aten_kernels(gm)
+    # the engine rounds with lowprec::quantize, never with dtype casts; a cast the model makes
+    # itself (x.half().float()) is kept too rather than simplified away. No layout optimisation:
+    # a convolution's backward in channels-last sums in another order than eager's
+    with torch._inductor.config.patch(emulate_precision_casts=True, layout_optimization=False):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _aten(gm, example_inputs, **kwargs):
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+COMPILERS = ("inductor", "aten")
+
+
+def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = None):
+    """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them:
+    ``compiler="inductor"`` generates fused code; ``"aten"`` runs the traced ATen graphs op by
+    op, undecomposed (every op on ATen's own kernel, as eager emulation runs it: a reference,
+    and the floor of what tracing alone costs). ``stats`` (a dict) gets the number of
+    ``lowprec::quantize`` nodes of each compiled graph kind added to it ("forward",
+    "backward", "inference")."""
+    if compiler not in COMPILERS:
+        raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
+    import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
+    _contiguous_quantize()
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    model = engine.model
+    owned: dict[int, bool] = {}  # id -> is a parameter, for the model's parameters and buffers
+    for _, b in model.named_buffers(remove_duplicate=False):
+        owned[id(b)] = False
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owned[id(p)] = True
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        keep, stand_in = [], []
+        for i, e in enumerate(example_inputs):
+            if torch.is_tensor(e) and id(e) in owned:
+                keep.append(i)
+                stand_in.append((i, id(e) if owned[id(e)] else None, getattr(e, MARK, None),
+                                 getattr(e, LOGICAL, None)))
+
+        def traced(*args):
+            for i, pid, mark, logical in stand_in:
+                if pid is not None:
+                    setattr(args[i], PARAM, pid)
+                if mark is not None:
+                    setattr(args[i], MARK, mark)
+                if logical is not None:
+                    setattr(args[i], LOGICAL, logical)
+            return engine.call_root(torch.fx.Interpreter(gm).run, args, keep=keep)
+
+        class Traced(nn.Module):
+            def forward(self, *args):
+                return traced(*args)
+
+        def counted(kind, **flags):
+            def run(g, ex, **kwargs):
+                if stats is not None:
+                    n = len(g.graph.find_nodes(op="call_function", target=quantize_op()))
+                    stats[kind] = stats.get(kind, 0) + n
+                return (_inner if compiler == "inductor" else _aten)(g, ex, **kwargs, **flags)
+            return run
+
+        return aot_autograd(
+            fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
+            inference_compiler=counted("inference", is_inference=True),
+            decompositions=_decompositions() if compiler == "inductor" else {},
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True)(Traced(), example_inputs)
+
+    return compile_graph
+
+
+def _fresh_function(fn):
+    """A function calling ``fn`` with a code object of its own: Dynamo keeps its cache (and
+    counts recompilations) per code object, so each model gets its own."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return types.FunctionType(call.__code__.replace(), call.__globals__,
+                              "lowprec_compiled_forward", None, call.__closure__)
+
+
+def _why(err: BaseException) -> str:
+    """One line naming a compile failure (the backend's own error, not Dynamo's wrapper)."""
+    inner = getattr(err, "inner_exception", None) or err
+    text = " ".join(str(inner).split())
+    return f"{type(inner).__name__}: {text[:200]}"
+
+
+class CompiledForward:
+    """The forward of a model set up under ``engine``, compiled with its roundings
+    (module docstring); runs eagerly, after one warning line naming why, where it cannot."""
+
+    def __init__(self, engine: Emulation, compiler: str = "inductor", **options) -> None:
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
+        self.engine = engine
+        self.compiler = compiler
+        self.options = dict(options)
+        self.reason = unsupported(engine)  # None while it runs compiled
+        #: lowprec::quantize nodes in the graphs compiled so far, by kind (see :func:`backend`)
+        self.quantize_nodes: dict[str, int] = {}
+        self._compiled: dict = {}  # engine.active -> the compiled forward
+        self._warned = False
+        if self.reason is not None:
+            self._fall_back(self.reason)
+
+    def _fall_back(self, reason: str) -> None:
+        self.reason = reason
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"lowprec: compiled emulation runs this model eagerly: {reason}",
+                          stacklevel=4)
+
+    def eager(self, *args, **kwargs):
+        em = self.engine
+        return em.call_root(em.original_forward, args, kwargs)
+
+    @torch.compiler.disable  # inside another torch.compile: run here, by this one's backend
+    def __call__(self, *args, **kwargs):
+        em = self.engine
+        if self.reason is not None:
+            return self.eager(*args, **kwargs)
+        if em.observers:  # an analysis watching each op: it has to see them run
+            return self.eager(*args, **kwargs)
+        fn = self._compiled.get(em.active)
+        if fn is None:
+            # the engine's Python state the backend reads (whether it rounds) is no guard of
+            # Dynamo's: one compiled function per state
+            fn = self._compiled[em.active] = torch.compile(
+                _fresh_function(em.original_forward), fullgraph=True, dynamic=False,
+                backend=backend(em, self.compiler, self.quantize_nodes), **self.options)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
+            self._fall_back(_why(err))
+            return self.eager(*args, **kwargs)
+
+
+def compile_model(engine: Emulation, compiler: str = "inductor", **options) -> CompiledForward:
+    """Run ``engine``'s model compiled from its next call on (``model(x)`` as before);
+    returns the :class:`CompiledForward` now its forward. ``options`` go to torch.compile
+    (``mode=``, ``options=``)."""
+    model = engine.model
+    if model is None:
+        raise ValueError("compile_model needs an engine attached to a model (Emulation(model, "
+                         "...)), got one of emulated()")
+    fwd = CompiledForward(engine, compiler, **options)
+    engine.compiled = True
+    model.forward = fwd
+    return fwd

@@ -1,0 +1,211 @@
+"""Compiled emulation (lowprec.training.emulation.compiled): a model set up under an emulated
+policy with ``Precision(..., compile=True)`` runs its forward and backward compiled by Inductor
+with every rounding of the eager engine in the graph, and gives the eager engine's bits:
+outputs, gradients and parameters after 3 optimizer steps, compared with ``torch.equal`` on
+float32 bit patterns. One model compiled per test (an Inductor compile takes 10-60 s here)."""
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from helpers import assert_same_bits
+from lowprec import Precision, quantize
+from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier
+from lowprec.training.backends import BackendChoiceWarning
+from lowprec.training.emulation.compiled import CompiledForward, compile_model
+from lowprec.training.tree import call_model, output_tensor
+
+GRID = {"16-true": "fp16", "bf16-true": "bf16"}
+
+MODELS = {
+    "mlp": (lambda: MLP((1, 8, 8), 10, hidden=(32, 16)), (8, 1, 8, 8)),
+    "lenet": (lambda: LeNet5((1, 16, 16), 10), (8, 1, 16, 16)),
+    "transformer": (lambda: TransformerClassifier((6, 8), 10, d_model=16, layers=1, heads=2),
+                    (8, 6, 8)),
+}
+
+
+def _batch(shape):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(*shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g)
+
+
+def _train(name, policy, steps=3, **precision):
+    """``steps`` SGD steps of the README loop; the model's output and gradients at each step
+    and its parameters after the last."""
+    build, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    x, y = _batch(shape)
+    prec = Precision(policy, **precision)
+    with warnings.catch_warnings():
+        # the backend auto chose (emulated on this CPU)
+        warnings.simplefilter("ignore", BackendChoiceWarning)
+        model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    outs, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        with prec.autocast():
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+        prec.backward(loss)
+        outs.append(out.detach().clone())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        prec.step(opt)
+    return model, outs, grads, [p.detach().clone() for p in model.parameters()]
+
+
+def _same_run(a, b, what):
+    (_, oa, ga, pa), (_, ob, gb, pb) = a, b
+    for s in range(len(oa)):
+        assert_same_bits(oa[s], ob[s], f"{what}: output, step {s}")
+        for i, (u, v) in enumerate(zip(ga[s], gb[s])):
+            assert_same_bits(u, v, f"{what}: gradient {i}, step {s}")
+    for i, (u, v) in enumerate(zip(pa, pb)):
+        assert_same_bits(u, v, f"{what}: parameter {i} after {len(oa)} steps")
+
+
+@pytest.mark.parametrize("name,policy", [
+    ("mlp", "16-true"), ("lenet", "bf16-true"), ("transformer", "16-true"),
+    ("mlp", "16-mixed"), ("lenet", "16-mixed"), ("transformer", "16-mixed")])
+def test_compiled_emulation_has_the_eager_bits(name, policy):
+    eager = _train(name, policy)
+    compiled = _train(name, policy, compile=True)
+    fwd = compiled[0].forward
+    assert isinstance(fwd, CompiledForward) and fwd.reason is None  # it did not fall back
+    # every rounding is a lowprec::quantize node of the compiled graphs, forward and backward
+    assert fwd.quantize_nodes.get("forward", 0) > 0 and fwd.quantize_nodes.get("backward", 0) > 0
+    _same_run(eager, compiled, f"{name} {policy}")
+    if policy in GRID:  # the output is on the compute format's grid: rounded
+        out = compiled[1][-1]
+        assert torch.equal(quantize(out, GRID[policy]), out)
+
+
+def test_dynamo_takes_the_model_as_one_graph_and_an_outer_compile_keeps_the_bits():
+    torch.manual_seed(0)
+    build, shape = MODELS["lenet"]
+    model, (x, _) = build(), _batch(shape)
+    prec = Precision("16-true", compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = prec.setup(model)
+    # what the compiled path hands Dynamo: the model's own forward, its hooks traced as no-ops
+    ex = torch._dynamo.explain(prec.emulation.original_forward)(x)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), ex.break_reasons
+    # a torch.compile around the set-up model runs the compiled emulation inside it
+    out = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs eagerly" warning either
+        again = torch.compile(model)(x)
+    assert_same_bits(again, out, "outer torch.compile")
+    with torch.no_grad():  # an inference graph: the same roundings, no backward
+        assert_same_bits(model(x), out, "no_grad")
+    assert model.forward.quantize_nodes["inference"] == model.forward.quantize_nodes["forward"]
+
+
+def test_overrides_run_eagerly_with_one_warning_and_the_eager_bits():
+    over = {"2": "32-true"}  # the second Linear in fp32
+    eager = _train("mlp", "16-true", steps=2, overrides=over)
+    with pytest.warns(UserWarning, match="compiled emulation runs this model eagerly: "
+                                         "per-module overrides") as rec:
+        compiled = _train("mlp", "16-true", steps=2, overrides=over, compile=True)
+    assert sum("compiled emulation" in str(w.message) for w in rec) == 1
+    _same_run(eager, compiled, "overrides")
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # a Python branch on a value: Dynamo cannot keep one graph
+            x = x * 2
+        return self.fc(x)
+
+
+def test_a_model_that_breaks_the_graph_falls_back_once_with_the_reason():
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = _DataDependent()
+        prec = Precision("bf16-true", compile=compile)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = prec.setup(model)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            outs = [model(x), model(x)]
+        said = [str(w.message) for w in rec if "compiled emulation" in str(w.message)]
+        runs.append(outs)
+    assert len(said) == 1 and "runs this model eagerly: " in said[0], said
+    assert model.forward.reason is not None
+    for a, b in zip(*runs):
+        assert_same_bits(a, b, "fallback")
+
+
+def test_bad_arguments_are_refused():
+    torch.manual_seed(0)
+    prec = Precision("16-true")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prec.setup(MLP((4,), 2, hidden=(3,)))
+    with pytest.raises(ValueError, match="compiler='xla'; accepted: inductor, aten"):
+        compile_model(prec.emulation, compiler="xla")
+    with pytest.raises(TypeError, match="compile='yes'"):
+        Precision("16-true", compile="yes")
+
+
+def _zoo():
+    """tests/zoo/zoo.py (the model zoo), imported as the zoo tests import it."""
+    if "zoo" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "zoo" / "zoo.py"
+        spec = importlib.util.spec_from_file_location("zoo", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["zoo"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["zoo"].ZOO
+
+
+def _train_entry(entry, policy, compile, steps=3):
+    model = entry.build()
+    inputs, targets = entry.batch()
+    prec = Precision(policy, compile=compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendChoiceWarning)
+        model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    outs, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        with prec.autocast():
+            out = output_tensor(call_model(model, inputs))
+            loss = entry.loss(out, targets)
+        prec.backward(loss)
+        outs.append(out.detach().clone())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        prec.step(opt)
+    return model, outs, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name,policy,compiled", [
+    ("kw-dict-output", "bf16-true", True),  # keyword inputs, a dict output, LayerNorm, SiLU
+    ("encoder", "16-true", False),  # an embedding: its 16-bit gradient sums are data-dependent
+])
+def test_zoo_models_compile_or_say_why_with_the_eager_bits(name, policy, compiled):
+    entry = _zoo()[name]
+    eager = _train_entry(entry, policy, False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        run = _train_entry(entry, policy, True)
+    said = [str(w.message) for w in rec if "compiled emulation" in str(w.message)]
+    assert (run[0].forward.reason is None) == compiled and len(said) == (0 if compiled else 1)
+    if not compiled:
+        assert "embedding" in said[0]
+    _same_run(eager, run, f"{name} {policy}")
