@@ -40,14 +40,21 @@ point (its range lives outside the tensor) and tensors of 2**31 elements or more
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+from . import params
 
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat
 from .params import NAN_SHIFT, ROUNDING_CODES, ElementParams, element_params, random_mask
 from .rounding import Rounding
 
-__all__ = ["max_numel", "quantize_fused", "random_words_i32", "quantize_bits_i32"]
+__all__ = ["max_numel", "source_token", "quantize_fused", "random_words_i32", "quantize_bits_i32"]
 
 _I32_MIN = -(2**31)
 _MAX_NUMEL = 2**31 - 1  # element indices are int32
@@ -182,6 +189,19 @@ def max_numel(fmt) -> int:
     return 0
 
 
+@lru_cache(maxsize=1)
+def source_token() -> str:
+    """A digest of the code that defines the decomposition (this module and the format
+    parameters), passed to ``lowprec::quantize_fused`` as an argument. torch's compile caches
+    (FX graph and AOTAutograd, on disk) key a graph by its nodes and their arguments, not by the
+    Python implementation an op expands into: without the digest, a changed decomposition would
+    be served the kernels compiled for the old one (seen while writing this module)."""
+    h = hashlib.sha256()
+    for mod in (__name__, params.__name__):
+        h.update(Path(sys.modules[mod].__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _index(shape, device) -> torch.Tensor:
     n = 1
     for d in shape:
@@ -206,20 +226,26 @@ def _floor_log2_bits(a: torch.Tensor) -> torch.Tensor:
 
 def _block_shifts(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Scale exponent of each block: ``rows`` is float32 (..., blocks, block), zero-padded; the
-    result has shape (..., blocks, 1), int32, as quantize.block_shifts computes it."""
-    amax = rows.abs().amax(dim=-1, keepdim=True)
+    result has shape (..., blocks, 1), int32, as quantize.block_shifts computes it.
+
+    The amax is taken over the magnitudes' bit patterns, an int32 max (the patterns of
+    non-negative floats are ordered as the floats, and every NaN and Inf lies at or above
+    0x7F800000), not over floats: a float NaN out of a compiled max reduction can carry its sign
+    bit (at::vec::maximum gives the all-ones pattern), and with torch 2.13 Inductor rewrites
+    ``isfinite`` of such an amax as a test on its bits that assumes it is >= 0, so NaN blocks
+    lost their NaN scale when compiled."""
+    amax = (rows.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1, keepdim=True)
+    finite = amax < 0x7F800000
     el = fmt.element
     if (fmt.block_size is None and isinstance(el, FixedFormat) and el.signed
             and not el.symmetric):  # dynamic fixed point's two's-complement range (block_shifts)
         neg = (-rows).amax(dim=-1, keepdim=True)
         pos = rows.amax(dim=-1, keepdim=True)
         tight = torch.maximum(pos, torch.nextafter(neg, torch.zeros_like(neg)))
-        amax = torch.where(torch.isfinite(amax), torch.maximum(tight, torch.zeros_like(tight)),
-                           amax)
-    a = amax.view(torch.int32)  # amax >= 0 or NaN
-    finite = a < 0x7F800000
-    s = (_floor_log2_bits(a) - el.emax).clamp(fmt.scale_min_exp, fmt.scale_max_exp)
-    s = torch.where(a == 0, fmt.scale_min_exp, s)
+        tight = torch.where(tight > 0, tight, 0.0)  # +0, never -0, for the bits below
+        amax = torch.where(finite, tight.view(torch.int32), amax)
+    s = (_floor_log2_bits(amax) - el.emax).clamp(fmt.scale_min_exp, fmt.scale_max_exp)
+    s = torch.where(amax == 0, fmt.scale_min_exp, s)
     return torch.where(finite, s, NAN_SHIFT)
 
 
@@ -231,26 +257,23 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed) -> 
         raise ValueError(f"block axis {fmt.axis} is out of range for a {xf.dim()}-d tensor")
     moved = xf.movedim(axis, -1)
     if fmt.block_size is None:  # one exponent for the whole tensor
-        flat = moved.reshape(1, 1, -1)
-        row_len = block = flat.shape[-1]
+        rows = moved.reshape(1, -1)
     else:
-        row_len, block = moved.shape[-1], fmt.block_size
-        nblocks = -(-row_len // block)
-        flat = moved.reshape(-1, row_len)
-        if nblocks * block != row_len:  # zeros change no block's amax
-            flat = F.pad(flat, (0, nblocks * block - row_len))
-        flat = flat.reshape(flat.shape[0], nblocks, block)
-    sh = _block_shifts(flat, fmt)
-    u = flat.contiguous().view(torch.int32)
+        rows = moved.reshape(-1, moved.shape[-1])
+    nrows, row_len = rows.shape
+    block = row_len if fmt.block_size is None else fmt.block_size
+    nblocks = -(-row_len // block)
+    padded = rows if nblocks * block == row_len else F.pad(rows, (0, nblocks * block - row_len))
+    blocks = padded.reshape(nrows, nblocks, block)
+    sh = _block_shifts(blocks, fmt)  # (rows, blocks, 1); zeros change no amax
     r = None
     if code == 5:  # the counter of an element: its index in the moved, row-major layout
-        nrows = flat.shape[0]
-        pos = torch.arange(flat.shape[1] * flat.shape[2], dtype=torch.int32, device=xf.device)
-        idx = (torch.arange(nrows, dtype=torch.int32, device=xf.device)[:, None] * row_len
-               + pos[None, :]).reshape(flat.shape)
-        r = random_words_i32(idx, seed)
-    out = quantize_bits_i32(u, element_params(fmt.element), code, rmask, r, sh)
-    out = out.view(torch.float32).reshape(flat.shape[0], -1)[:, :row_len]
+        pos = torch.arange(nblocks * block, dtype=torch.int32, device=xf.device)
+        start = torch.arange(nrows, dtype=torch.int32, device=xf.device) * row_len
+        r = random_words_i32((start[:, None] + pos[None, :]).reshape(blocks.shape), seed)
+    out = quantize_bits_i32(blocks.view(torch.int32), element_params(fmt.element), code, rmask,
+                            r, sh)
+    out = out.view(torch.float32).reshape(nrows, nblocks * block)[:, :row_len]
     return out.reshape(moved.shape).movedim(-1, axis)
 
 

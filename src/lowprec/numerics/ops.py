@@ -55,10 +55,11 @@ def quantize_op():
 # strings are parsed while tracing, so the format and mode are constants of the generated code.
 _LIB = torch.library.Library("lowprec", "FRAGMENT")
 _LIB.define("quantize_fused(Tensor x, str fmt, str rounding, int random_bits, "
-            "Tensor? seed=None) -> Tensor")
+            "Tensor? seed=None, str source=\"\") -> Tensor")
 
 
-def _quantize_fused(x, fmt, rounding, random_bits, seed=None):
+def _quantize_fused(x, fmt, rounding, random_bits, seed=None, source=""):
+    # source: fused.source_token(), only there to key torch's compile caches (see there)
     from .formats import parse_format
     from .fused import quantize_fused
     from .rounding import parse_rounding

@@ -301,10 +301,11 @@ _SPELLED: dict = {}
 
 
 @torch.compiler.assume_constant_result  # evaluated while tracing; a constant of the graph
-def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool, int] | None:
-    """(format, rounding mode, random bits, stochastic?, fused limit) as the op's constant
-    arguments: the format's canonical string, which parses back to it, and the most elements
-    the fused decomposition takes (0: it does not cover the format); None where there is no
+def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool, int, str] | None:
+    """(format, rounding mode, random bits, stochastic?, fused limit, source digest) as the
+    ops' constant arguments: the format's canonical string, which parses back to it, the most
+    elements the fused decomposition takes (0: it does not cover the format) and the digest of
+    its code (lowprec.numerics.fused.source_token); None where there is no
     string (dynamic fixed point, a bad argument): the eager code is traced then, and says what
     is wrong."""
     key = (fmt, rounding, random_bits)
@@ -319,8 +320,8 @@ def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool, int] | No
         spell = str(f)
         ok = (isinstance(f, (FloatFormat, FixedFormat, BlockFormat, BinaryFormat))
               and parse_format(spell) == f)
-        hit = ((spell, mode.value, int(bits or 0), mode.is_stochastic, _fused.max_numel(f))
-               if ok else None)
+        hit = ((spell, mode.value, int(bits or 0), mode.is_stochastic, _fused.max_numel(f),
+                _fused.source_token()) if ok else None)
     except (TypeError, ValueError):
         hit = None
     _SPELLED[key] = hit
@@ -334,7 +335,7 @@ def _seed_between_graphs(generator) -> torch.Tensor:
 
 def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool = False
            ) -> torch.Tensor:
-    fmt, mode, bits, stochastic, limit = spelled
+    fmt, mode, bits, stochastic, limit, source = spelled
     _check_input(x)
     check_generator(generator)
     if generator is not None and seed is not None:
@@ -347,5 +348,5 @@ def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool = Fals
     # history. The fused one expands into int32 torch ops that Inductor fuses (lowprec.numerics
     # .fused); the opaque one runs this module's eager code.
     if not opaque and x.numel() <= limit:
-        return torch.ops.lowprec.quantize_fused.default(x.detach(), fmt, mode, bits, seed)
+        return torch.ops.lowprec.quantize_fused.default(x.detach(), fmt, mode, bits, seed, source)
     return torch.ops.lowprec.quantize.default(x.detach(), fmt, mode, bits, seed)
