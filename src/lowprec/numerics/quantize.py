@@ -11,10 +11,11 @@ algorithm as int32 torch ops (:mod:`.fused`), which AOTAutograd expands and Indu
 the neighbouring kernels, for every format but dynamic fixed point (and tensors of 2**31
 elements or more); otherwise the opaque ``lowprec::quantize`` custom op (:mod:`.ops`), whose
 implementation is this eager function. Either way compiled code gets the eager bits.
-``impl="op"`` or ``impl="fused"`` picks one of them explicitly, eagerly too. The format and rounding become constants of the graph; stochastic rounding's two keys
-travel as a tensor, ``seed=`` (:func:`seed_tensor` draws them from a generator, as the eager
-path does), because a graph cannot hold a ``torch.Generator``: given a generator instead, the
-keys are drawn outside the graph (one graph break; ``fullgraph=True`` refuses it).
+``impl="op"`` or ``impl="fused"`` picks one of them explicitly, eagerly too. The format and
+rounding become constants of the graph; stochastic rounding's two keys travel as a tensor,
+``seed=`` (:func:`seed_tensor` draws them from a generator, as the eager path does), because
+a graph cannot hold a ``torch.Generator``: given a generator instead, the keys are drawn
+outside the graph (one graph break; ``fullgraph=True`` refuses it).
 """
 
 from __future__ import annotations
@@ -348,5 +349,6 @@ def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool = Fals
     # history. The fused one expands into int32 torch ops that Inductor fuses (lowprec.numerics
     # .fused); the opaque one runs this module's eager code.
     if not opaque and x.numel() <= limit:
-        return torch.ops.lowprec.quantize_fused.default(x.detach(), fmt, mode, bits, seed, source)
+        return torch.ops.lowprec.quantize_fused.default(x.detach(), fmt, mode, bits, seed,
+                                                        source)
     return torch.ops.lowprec.quantize.default(x.detach(), fmt, mode, bits, seed)
