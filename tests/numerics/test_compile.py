@@ -1,7 +1,9 @@
-"""``quantize`` inside ``torch.compile``: one ``lowprec::quantize`` node, the eager bits.
+"""``quantize`` inside ``torch.compile``: one rounding node, the eager bits.
 
-The op is opaque to Inductor, so no rounding can be simplified away (Inductor drops fp16 cast
-round trips by default, ../shared/FACTS.md), but bit identity with eager is checked anyway, with
+The node is ``lowprec::quantize_fused`` (the integer decomposition Inductor fuses, checked in
+test_fused_rounding.py) where it covers the format, else the opaque ``lowprec::quantize`` op.
+Integer bit patterns cannot be simplified away as Inductor drops fp16 cast round trips by
+default (../shared/FACTS.md), and bit identity with eager is checked anyway, with
 Inductor (the default backend) wherever the code around the rounding is torch's own arithmetic
 that Inductor does not reorder; where Inductor's generated code sums or fuses fp32 arithmetic in
 another order (parameter gradients of a linear layer, an optimizer's update), the rounding is
@@ -24,6 +26,7 @@ from lowprec.training.optim import SGD, Adam
 from helpers import assert_same_bits
 
 OP = torch.ops.lowprec.quantize.default
+FUSED = torch.ops.lowprec.quantize_fused.default
 
 
 def explain(fn, *args):
@@ -31,10 +34,11 @@ def explain(fn, *args):
     return torch._dynamo.explain(fn)(*args)
 
 
-def ops_in(explained) -> int:
-    """lowprec::quantize nodes in the graphs, their subgraphs included (an autograd.Function
-    is a higher-order op whose forward and backward are subgraphs)."""
-    return sum(n.target is OP for g in explained.graphs for m in g.modules()
+def ops_in(explained, ops=(OP, FUSED)) -> int:
+    """Rounding nodes (lowprec::quantize or lowprec::quantize_fused) in the graphs, their
+    subgraphs included (an autograd.Function is a higher-order op whose forward and backward
+    are subgraphs)."""
+    return sum(n.target in ops for g in explained.graphs for m in g.modules()
                if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
 
 
@@ -48,9 +52,24 @@ def test_quantize_is_one_node_of_one_graph_with_the_eager_bits(fmt, rounding):
         return quantize(x * 2, fmt, rounding, seed=seed) + 1
 
     e = explain(f, x, seed)
-    assert (e.graph_count, e.graph_break_count, ops_in(e)) == (1, 0, 1)
+    assert (e.graph_count, e.graph_break_count, ops_in(e, (FUSED,))) == (1, 0, 1)
     torch._dynamo.reset()
     assert_same_bits(torch.compile(f, fullgraph=True)(x, seed), f(x, seed), f"{fmt} {rounding}")
+
+
+@pytest.mark.parametrize("impl", ["op", "fused"])
+def test_impl_picks_the_opaque_op_or_the_decomposition_with_the_eager_bits(impl):
+    x = torch.randn(16, 64) * 4
+    seed = seed_tensor(torch.Generator().manual_seed(4))
+
+    def f(x, seed):
+        return quantize(x * 2, "e5m2", "sr4", seed=seed, impl=impl) + 1
+
+    e = explain(f, x, seed)
+    assert ops_in(e, (OP if impl == "op" else FUSED,)) == 1 and ops_in(e) == 1
+    torch._dynamo.reset()
+    assert_same_bits(torch.compile(f, fullgraph=True)(x, seed), f(x, seed), impl)
+    assert_same_bits(f(x, seed), quantize(x * 2, "e5m2", "sr4", seed=seed) + 1, "eager")
 
 
 def test_a_seed_tensor_gives_the_bits_of_the_generator_it_was_drawn_from():

@@ -25,7 +25,7 @@ import torch
 
 from .quantize import quantize
 
-__all__ = ["quantize_op"]
+__all__ = ["quantize_op", "quantize_fused_op"]
 
 
 @torch.library.custom_op("lowprec::quantize", mutates_args=(), device_types=None)
@@ -46,3 +46,32 @@ _OP = torch.ops.lowprec.quantize.default
 def quantize_op():
     """The registered ``torch.ops.lowprec.quantize`` (its default overload)."""
     return _OP
+
+
+# -- the fusible decomposition (lowprec.numerics.fused) -------------------------------------------
+# A CompositeImplicitAutograd op: Dynamo records one node per rounding (the graph stays readable
+# and countable), and AOTAutograd replaces it by its implementation, plain int32 torch ops that
+# Inductor fuses into the neighbouring kernels. Its arguments are those of lowprec::quantize; the
+# strings are parsed while tracing, so the format and mode are constants of the generated code.
+_LIB = torch.library.Library("lowprec", "FRAGMENT")
+_LIB.define("quantize_fused(Tensor x, str fmt, str rounding, int random_bits, "
+            "Tensor? seed=None, str source=\"\") -> Tensor")
+
+
+def _quantize_fused(x, fmt, rounding, random_bits, seed=None, source=""):
+    # source: fused.source_token(), only there to key torch's compile caches (see there)
+    from .formats import parse_format
+    from .fused import quantize_fused
+    from .rounding import parse_rounding
+
+    mode, bits = parse_rounding(rounding, random_bits or None)
+    return quantize_fused(x, parse_format(fmt), mode, bits, seed)
+
+
+_LIB.impl("quantize_fused", _quantize_fused, "CompositeImplicitAutograd")
+_FUSED_OP = torch.ops.lowprec.quantize_fused.default
+
+
+def quantize_fused_op():
+    """The registered ``torch.ops.lowprec.quantize_fused`` (its default overload)."""
+    return _FUSED_OP

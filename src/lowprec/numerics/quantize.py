@@ -6,12 +6,16 @@ pass, several threads) and a plain-torch path (any device). ``impl=`` chooses on
 which the tests and the benchmark use to compare them.
 
 Inside ``torch.compile`` (``torch.compiler.is_compiling()``), :func:`quantize` and
-:func:`quantize_` are one node of the graph: the ``lowprec::quantize`` custom op
-(:mod:`.ops`), whose implementation is this eager function, so compiled code gets the eager
-bits. The format and rounding become constants of the graph; stochastic rounding's two keys
-travel as a tensor, ``seed=`` (:func:`seed_tensor` draws them from a generator, as the eager
-path does), because a graph cannot hold a ``torch.Generator``: given a generator instead, the
-keys are drawn outside the graph (one graph break; ``fullgraph=True`` refuses it).
+:func:`quantize_` are one node of the graph: ``lowprec::quantize_fused``, the kernel's integer
+algorithm as int32 torch ops (:mod:`.fused`), which AOTAutograd expands and Inductor fuses into
+the neighbouring kernels, for every format but dynamic fixed point (and tensors of 2**31
+elements or more); otherwise the opaque ``lowprec::quantize`` custom op (:mod:`.ops`), whose
+implementation is this eager function. Either way compiled code gets the eager bits.
+``impl="op"`` or ``impl="fused"`` picks one of them explicitly, eagerly too. The format and
+rounding become constants of the graph; stochastic rounding's two keys travel as a tensor,
+``seed=`` (:func:`seed_tensor` draws them from a generator, as the eager path does), because
+a graph cannot hold a ``torch.Generator``: given a generator instead, the keys are drawn
+outside the graph (one graph break; ``fullgraph=True`` refuses it).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from . import kernel as _kernel, reference as _reference
+from . import fused as _fused, kernel as _kernel, reference as _reference
 from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
 from .rounding import Rounding, check_generator, parse_rounding
@@ -35,7 +39,8 @@ _NATIVE_CASTS = {
     FloatFormat(5, 2): torch.float8_e5m2,
     FloatFormat(4, 3, "fn", overflow="saturate"): torch.float8_e4m3fn,
 }
-Impl = Literal["auto", "kernel", "torch"]
+Impl = Literal["auto", "kernel", "torch", "fused", "op"]
+_IMPLS = ("auto", "kernel", "torch", "fused", "op")
 
 
 def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
@@ -202,7 +207,9 @@ def quantize(
         random_bits: random bits per element for ``stochastic_limited`` (default 8).
         seed: stochastic rounding's two keys as an integer tensor (:func:`seed_tensor`), in
             place of a draw from ``generator``; what compiled code passes to stay one graph.
-        impl: ``"kernel"``, ``"torch"`` or ``"auto"`` (kernel for CPU float32 when built).
+        impl: ``"kernel"``, ``"torch"`` or ``"auto"`` (kernel for CPU float32 when built;
+            inside ``torch.compile`` the fused decomposition); ``"fused"``: the int32 torch ops
+            of :mod:`.fused`; ``"op"``: the opaque ``lowprec::quantize`` custom op.
 
     NaN stays NaN. Inf and values beyond ``fmt.max`` follow the format's overflow rule
     (IEEE 754 section 7.4 for the directed modes: rounding toward zero gives ±max). -0 is kept
@@ -210,18 +217,20 @@ def quantize(
     :func:`lowprec.quantize_ste` or :class:`lowprec.Quantizer` to quantize inside a model.
     Inside ``torch.compile`` it is one node, the ``lowprec::quantize`` op (module docstring).
     """
-    if torch.compiler.is_compiling() and impl == "auto":
+    if (torch.compiler.is_compiling() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
-            return _as_op(x, spelled, generator, seed)
+            return _as_op(x, spelled, generator, seed, opaque=impl == "op")
+        if impl in ("fused", "op"):  # the checks below name what is wrong with the arguments
+            impl = "auto"
     _check_input(x)
     check_generator(generator)
     if generator is not None and seed is not None:
         raise ValueError("give a generator or a seed, not both")
     fmt = parse_format(fmt)
     mode, rbits = parse_rounding(rounding, random_bits)
-    if impl not in ("auto", "kernel", "torch"):
-        raise ValueError(f"impl={impl!r}; accepted: auto, kernel, torch")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r}; accepted: {', '.join(_IMPLS)}")
     if x.numel() == 0:
         return torch.empty_like(x)
     with torch.no_grad():
@@ -293,10 +302,13 @@ _SPELLED: dict = {}
 
 
 @torch.compiler.assume_constant_result  # evaluated while tracing; a constant of the graph
-def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool] | None:
-    """(format, rounding mode, random bits, stochastic?) as the op's constant arguments: the
-    format's canonical string, which parses back to it; None where there is none (dynamic
-    fixed point, a bad argument): the eager code is traced then, and says what is wrong."""
+def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool, int, str] | None:
+    """(format, rounding mode, random bits, stochastic?, fused limit, source digest) as the
+    ops' constant arguments: the format's canonical string, which parses back to it, the most
+    elements the fused decomposition takes (0: it does not cover the format) and the digest of
+    its code (lowprec.numerics.fused.source_token); None where there is no
+    string (dynamic fixed point, a bad argument): the eager code is traced then, and says what
+    is wrong."""
     key = (fmt, rounding, random_bits)
     try:
         if key in _SPELLED:
@@ -309,7 +321,8 @@ def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool] | None:
         spell = str(f)
         ok = (isinstance(f, (FloatFormat, FixedFormat, BlockFormat, BinaryFormat))
               and parse_format(spell) == f)
-        hit = (spell, mode.value, int(bits or 0), mode.is_stochastic) if ok else None
+        hit = ((spell, mode.value, int(bits or 0), mode.is_stochastic, _fused.max_numel(f),
+                _fused.source_token()) if ok else None)
     except (TypeError, ValueError):
         hit = None
     _SPELLED[key] = hit
@@ -321,11 +334,21 @@ def _seed_between_graphs(generator) -> torch.Tensor:
     return seed_tensor(generator)
 
 
-def _as_op(x: torch.Tensor, spelled: tuple, generator, seed) -> torch.Tensor:
-    fmt, mode, bits, stochastic = spelled
+def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool = False
+           ) -> torch.Tensor:
+    fmt, mode, bits, stochastic, limit, source = spelled
+    _check_input(x)
+    check_generator(generator)
+    if generator is not None and seed is not None:
+        raise ValueError("give a generator or a seed, not both")
     if not stochastic:
         seed = None
     elif seed is None:
         seed = _seed_between_graphs(generator)
-    # the op has no autograd formula: like the eager function, the result carries no history
+    # neither op has an autograd formula: like the eager function, the result carries no
+    # history. The fused one expands into int32 torch ops that Inductor fuses (lowprec.numerics
+    # .fused); the opaque one runs this module's eager code.
+    if not opaque and x.numel() <= limit:
+        return torch.ops.lowprec.quantize_fused.default(x.detach(), fmt, mode, bits, seed,
+                                                        source)
     return torch.ops.lowprec.quantize.default(x.detach(), fmt, mode, bits, seed)
