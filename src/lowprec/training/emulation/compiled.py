@@ -42,7 +42,7 @@ from ...numerics.ops import quantize_op
 from .dtypes import LOGICAL, format_dtype
 from .engine import MARK, PARAM, Emulation
 
-__all__ = ["CompiledForward", "backend", "unsupported", "compile_model", "COMPILERS"]
+__all__ = ["CompiledForward", "backend", "roundings_in", "unsupported", "compile_model", "COMPILERS"]
 
 
 def unsupported(engine: Emulation) -> str | None:
@@ -273,12 +273,25 @@ def _aten(gm, example_inputs, **kwargs):
 COMPILERS = ("inductor", "aten")
 
 
+def roundings_in(graph: torch.fx.Graph) -> int:
+    """The roundings of a traced ATen graph: its opaque ``lowprec::quantize`` nodes plus the
+    fused ones, which AOTAutograd has expanded into the int32 ops of
+    :mod:`lowprec.numerics.fused` (``lowprec::quantize_fused`` is CompositeImplicitAutograd) and
+    which each end in one bitcast of int32 bits back to float32 (no model op bitcasts)."""
+    opaque = len(graph.find_nodes(op="call_function", target=quantize_op()))
+    fused = sum(1 for n in graph.find_nodes(op="call_function",
+                                            target=torch.ops.aten.view.dtype)
+                if n.args[1] == torch.float32 and n.args[0].meta.get("val") is not None
+                and n.args[0].meta["val"].dtype == torch.int32)
+    return opaque + fused
+
+
 def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = None):
     """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them:
     ``compiler="inductor"`` generates fused code; ``"aten"`` runs the traced ATen graphs op by
     op, undecomposed (every op on ATen's own kernel, as eager emulation runs it: a reference,
     and the floor of what tracing alone costs). ``stats`` (a dict) gets the number of
-    ``lowprec::quantize`` nodes of each compiled graph kind added to it ("forward",
+    roundings (:func:`roundings_in`) of each compiled graph kind added to it ("forward",
     "backward", "inference")."""
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
@@ -319,8 +332,7 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
         def counted(kind, **flags):
             def run(g, ex, **kwargs):
                 if stats is not None:
-                    n = len(g.graph.find_nodes(op="call_function", target=quantize_op()))
-                    stats[kind] = stats.get(kind, 0) + n
+                    stats[kind] = stats.get(kind, 0) + roundings_in(g.graph)
                 return (_inner if compiler == "inductor" else _aten)(g, ex, **kwargs, **flags)
             return run
 
