@@ -149,8 +149,11 @@ def test_a_uniform_level_that_holds_at_no_more_cost_replaces_the_plan():
     # the plan held at the same cost: only a more accurate level replaces it
     assert cheaper_uniform(runs, keys, 0.78, {"mean": 0.79, "cost": 100}, True) == "uniform fp16"
     assert cheaper_uniform(runs, keys, 0.78, {"mean": 0.80, "cost": 100}, True) is None
-    # a cheaper plan is never replaced by a dearer level, held or not
+    # a cheaper plan is never replaced here by a dearer level, held or not; when it missed
+    # and its repairs ran out, plan() asks the same question of the fp32 run instead: the
+    # cheapest level that held, not fp32, is then the answer
     assert cheaper_uniform(runs, keys, 0.78, {"mean": 0.5, "cost": 99}, False) is None
+    assert cheaper_uniform(runs, keys, 0.78, {"mean": 0.8, "cost": 200}, True) == "uniform fp16"
     # a diverged run (nan) never holds
     runs["uniform fp16"]["mean"] = math.nan
     assert cheaper_uniform(runs, keys, 0.78, {"mean": 0.7, "cost": 100}, False) == "uniform bf16"

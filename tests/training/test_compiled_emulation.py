@@ -210,3 +210,39 @@ def test_zoo_models_compile_or_say_why_with_the_eager_bits(name, policy, compile
     if not compiled:
         assert "embedding" in said[0]
     _same_run(eager, run, f"{name} {policy}")
+
+
+def test_a_copy_of_a_compiled_model_runs_its_own_weights_and_its_twin_the_plain_forward():
+    # copy.deepcopy (and fp32_twin, which the analyses use) once kept the original's compiled
+    # graphs: the copy computed with the original's weights
+    import copy
+
+    from lowprec.analysis.common import fp32_twin
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    prec = Precision("bf16-true", compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendChoiceWarning)
+        model, _ = prec.setup(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    model(x).sum().backward()
+    # the backward is compiled with the forward (a failure there falls back too)
+    assert model.forward.quantize_nodes.get("backward", 0) > 0
+    twin_copy = copy.deepcopy(model)
+    with torch.no_grad():
+        twin_copy.weight.zero_()
+        twin_copy.bias.zero_()
+    assert torch.equal(twin_copy(x), torch.zeros(2, 4))
+    assert not torch.equal(model(x), torch.zeros(2, 4))
+    twin = fp32_twin(model)
+    assert "forward" not in twin.__dict__  # the plain module forward, in fp32
+    ref = torch.nn.functional.linear(x, model.weight, model.bias)
+    assert torch.equal(twin(x), ref)
+
+
+def test_compile_on_the_native_backend_says_it_does_nothing():
+    with pytest.warns(UserWarning, match="compile=True has no effect"):
+        Precision("p=bf16,c=bf16,g=bf16,b=native", compile=True).setup(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="accepted: True or False"):
+        Precision("16-true", compile="yes")

@@ -14,6 +14,7 @@ from ..numerics.rounding import Rounding, RoundingSpec
 from ..training.policy import Backend, Policy, parse_policy
 from ..training.precision import Precision
 from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
+from ..training.emulation.compiled import CompiledForward
 
 __all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model",
            "parameter_groups", "scaled_policy"]
@@ -86,6 +87,8 @@ def _strip_hooks(model: nn.Module) -> nn.Module:
             if d is not None:
                 d.clear()
         m.__dict__.pop("_lowprec_saved", None)
+        if isinstance(m.__dict__.get("forward"), CompiledForward):
+            del m.__dict__["forward"]  # compiled emulation's forward: the twin runs the plain one
     return model
 
 

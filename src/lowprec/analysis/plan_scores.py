@@ -162,7 +162,8 @@ def module_cost(p: ModuleProfile, level: Policy, cost: str = "memory", *,
     """What ``level`` costs for module ``p`` per training step
     (:func:`lowprec.analysis.plan_costs.role_bits` gives each role's width). ``memory``: bytes
     of its parameters and their gradients (parameter format) and of its output activations
-    (the width the level keeps them at for the backward). ``bits``: bits its GEMM moves:
+    (the width the level keeps them at for the backward; under a scaled recipe's level, the
+    GEMM's input operand as cast, which is what it keeps). ``bits``: bits its GEMM moves:
     forward reads input and weight (compute format, or a scaled recipe's operands with their
     scales) and writes the output; backward reads the output gradient (gradient format) twice,
     the input and weight again, and writes the input and weight gradients; the weight is read
@@ -171,7 +172,10 @@ def module_cost(p: ModuleProfile, level: Policy, cost: str = "memory", *,
     bandwidth) (:mod:`lowprec.analysis.roofline`)."""
     if cost == "memory":
         r = role_bits(p, level)
-        return 2 * format_bytes(level.params, p.n_params) + bytes_of(r["saved"], p.n_out)
+        # what the backward keeps: the output (the next module's input) at the compute width;
+        # under a scaled recipe the GEMM keeps its own input operand, cast (n_in elements)
+        kept = p.n_in if covered(p, level) else p.n_out
+        return 2 * format_bytes(level.params, p.n_params) + bytes_of(r["saved"], kept)
     if cost == "bits":
         return 8 * _moved_bytes(p, level)
     if cost == "time":

@@ -200,11 +200,19 @@ def parse_compare_with(compare_with, menu: tuple[str, ...],
     """The levels trained uniformly beside the plan besides the menu's: ``compare_with`` (level
     names, ``16-mixed`` for mixed16; a comma-separated string or a sequence); by default
     mixed16 (the ``16-mixed`` policy) when fp16 is in the menu. Levels of the menu are trained
-    anyway and dropped here."""
+    anyway and dropped here, unless ``compare_uniform`` is false."""
     if compare_with is None:
         names = ["mixed16"] if compare_uniform and "fp16" in menu else []
     else:
-        raw = compare_with.split(",") if isinstance(compare_with, str) else list(compare_with)
+        if isinstance(compare_with, str):
+            raw = compare_with.split(",")
+        elif isinstance(compare_with, (list, tuple)) and all(isinstance(n, str)
+                                                            for n in compare_with):
+            raw = list(compare_with)
+        else:
+            raise ValueError(f"compare_with={compare_with!r}; accepted: level names, a "
+                             "comma-separated string or a list (16-mixed, "
+                             f"{', '.join(LEVELS)})")
         names = [{"16-mixed": "mixed16"}.get(n.strip(), n.strip()) for n in raw if n.strip()]
         for n in names:
             if n not in LEVELS:
@@ -212,7 +220,8 @@ def parse_compare_with(compare_with, menu: tuple[str, ...],
                                  f"{', '.join(LEVELS)}")
     out: list[str] = []
     for n in names:
-        if n not in menu and n not in out:
+        # a menu level is trained uniformly anyway, unless compare_uniform=False
+        if (n not in menu or not compare_uniform) and n not in out:
             out.append(n)
     return tuple(out)
 
@@ -490,21 +499,28 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
     runs["plan"] = attempts[-1]
     accepted = math.isfinite(runs["plan"]["mean"]) and runs["plan"]["mean"] >= target
     alt = dominating_uniform(runs["plan"], accepted)
+    if alt is None and not accepted:
+        # the plan missed within the repair budget: the cheapest uniform level that held beats
+        # falling back to fp32, even when it costs more than the failed plan
+        alt = dominating_uniform(runs["fp32"], True)
     if alt is not None:
         # a uniform level of the menu held the tolerance at no more cost (and, at equal cost,
-        # higher accuracy): the per-module plan buys nothing, so the plan is that level
+        # higher accuracy), or the plan missed and it is the cheapest level that held: the
+        # plan is that level
         lv = alt.removeprefix("uniform ")
         unit = _unit({"minimise": minimise, "hardware": profile and profile.to_json()})
         say(f"verify: {alt} ({100 * runs[alt]['mean']:.2f}%) holds the tolerance at "
             f"{_cost_text(runs[alt]['cost'], minimise)} {unit}, the per-module plan "
             f"({100 * runs['plan']['mean']:.2f}%) at "
             f"{_cost_text(runs['plan']['cost'], minimise)}: the plan is uniform {lv}")
+        why_uniform = ("verified at no more cost than the per-module plan" if
+                       runs[alt]["cost"] <= runs["plan"]["cost"] else
+                       "the cheapest level that held; the per-module plan missed the tolerance")
+        repaired = {n: f"uniform {lv} {why_uniform}" for n in prof}
         chosen = {n: lv for n in prof}
         base, over = runs[alt]["policy"], {}
         runs["plan"] = dict(runs[alt], overrides={})
         accepted = True
-        repaired = {n: f"uniform {lv} verified at no more cost than the per-module plan"
-                    for n in prof}
     elif not accepted:
         # nothing cheaper held: the float32 policy is the plan
         say("no plan held the tolerance within the repair budget: fp32 everywhere")
@@ -536,7 +552,7 @@ def plan(model: nn.Module, data, loss_fn=None, *, menu=DEFAULT_MENU, minimise: s
             "compare_with": list(comparators),
             "tolerance": tolerance, "steps": steps, "seeds": list(seeds), "lr": lr,
             "momentum": momentum, "batch_size": batch_size, "accepted": accepted,
-            "repairs": repairs, "optimizer_state": str(state_fmt),
+            "repairs": repairs, "optimizer_state": str(parse_policy(base).optimizer_state),
             "best_uniform": best_uniform, "high": sorted(
                 n for n in prof if chosen[n] != order[0]),
             "plan_seconds": plan_seconds, "fp32_train_seconds": fp32_seconds,

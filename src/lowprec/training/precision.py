@@ -110,7 +110,8 @@ class Precision:
         # emulated backend: the model's forward and backward compiled by Inductor with every
         # rounding of the engine in the graph (lowprec.training.emulation.compiled)
         if not isinstance(compile, bool):
-            raise TypeError(f"compile={compile!r:.40} ({type(compile).__name__}) must be a bool")
+            raise TypeError(f"compile={compile!r:.40} ({type(compile).__name__}); accepted: "
+                            "True or False")
         self.compile = compile
         # glob on module names -> policy or format; ops inside a matching module follow it
         # (emulated backend only)

@@ -41,6 +41,11 @@ class NativeBackend(PrecisionBackend):
             warnings.warn(f"match_cpu_kernels=True has no effect: policy {pol} runs on the "
                           f"native backend (torch's own kernels); it applies to emulated "
                           f"policies (b=emulated)", stacklevel=3)  # the caller of setup()
+        if self.compile:
+            warnings.warn(f"compile=True has no effect: policy {pol} runs on the native "
+                          f"backend (torch's own dtypes: torch.compile(model) compiles it as "
+                          f"any model); it compiles emulated policies (b=emulated)",
+                          stacklevel=3)
         if pol.scope is Scope.ALL and pol.params != FP32:
             dtype = storage_dtype(pol.params)
             model.to(dtype)

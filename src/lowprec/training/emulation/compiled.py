@@ -30,6 +30,7 @@ module boundaries the engine's rules follow here), C kernels that take real data
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -380,6 +381,17 @@ class CompiledForward:
         if self.reason is not None:
             self._fall_back(self.reason)
 
+    def __deepcopy__(self, memo):
+        # a copy of the model (fp32_twin, copy.deepcopy) gets its own engine and compiles its
+        # own graphs: the compiled functions cached here are bound to this model's forward
+        new = CompiledForward.__new__(CompiledForward)
+        memo[id(self)] = new
+        new.engine = copy.deepcopy(self.engine, memo)
+        new.compiler, new.options = self.compiler, dict(self.options)
+        new.reason, new._warned = self.reason, self._warned
+        new.quantize_nodes, new._compiled = {}, {}
+        return new
+
     def _fall_back(self, reason: str) -> None:
         self.reason = reason
         if not self._warned:
@@ -406,7 +418,10 @@ class CompiledForward:
                 _fresh_function(em.original_forward), fullgraph=True, dynamic=False,
                 backend=backend(em, self.compiler, self.quantize_nodes), **self.options)
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            # the backward compiled with the forward (torch compiles it lazily, at the first
+            # loss.backward(), by default): a failure there falls back here too
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
             self._fall_back(_why(err))
