@@ -18,6 +18,7 @@ __all__ = ["tune_cpu_allocator"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _done = False
 
 
@@ -32,6 +33,11 @@ def tune_cpu_allocator() -> bool:
         libc = ctypes.CDLL("libc.so.6")
         ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1 and ok
+        # glibc caps the mmap threshold at 32 MiB: a bigger block (a batch-256 activation of a
+        # CNN: 51 MB) would still be mmapped and faulted in afresh on every allocation (a 51 MB
+        # copy: 27 ms fresh, 5 ms from the heap here). No mmap at all: every block from the
+        # heap, at some cost in peak memory (MobileNet 16-true, 40 steps: 3.0 GB, 2.3 GB without)
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and ok
     except (OSError, AttributeError):
         return False
     _done = ok

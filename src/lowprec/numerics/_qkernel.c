@@ -77,6 +77,8 @@ typedef struct {
     int32_t fast;                 /* float format with 1..23 discarded bits: fast path usable */
     uint32_t fshift, fmask, fhalf; /* 23 - man, low-bit mask, 2**(fshift-1) - 1 */
     uint32_t fodd;                /* 1 when man == 0: the kept significand is the implicit 1 */
+    int32_t fsub;                 /* below the normal range, nearest even by (|x| + msub) - msub */
+    float msub;                   /* 2**(qsub + 23): its float32 ulp is the quantum 2**qsub */
 } lp_inv;
 
 LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
@@ -100,6 +102,16 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
      * so a tie always rounds up in magnitude; bit 23 of the pattern is the exponent's lsb, not
      * k's, and must not decide the tie (a length-dependent e3m0 bug: 3.0 gave 2.0 in chunks). */
     v.fodd = (uint32_t)(p->man == 0);
+    /* Below the normal range quantize_one rounds |x| to a multiple of 2**qsub. For |x| <
+     * 2**emin < msub = 2**(qsub + 23) the sum |x| + msub lies in [msub, 2 msub), where float32's
+     * own addition (round to nearest even, never flushed: no -ffast-math, and the caller leaves
+     * MXCSR at its default) keeps exactly the multiples of 2**qsub, ties to the even one, and
+     * the subtraction is exact: the same bits, with no per-chunk fallback for the gradients'
+     * many subnormal values (fp16 backward passes: 3x the forward's time before). msub must be
+     * a normal float32, and every float32 subnormal input rounds to zero (qsub >= -100), so a
+     * denormals-are-zero mode could not change a result. */
+    v.fsub = v.fast && v.qsub >= -100 && v.qsub + 23 <= 127;
+    v.msub = v.fsub ? u2f(pow2_bits(v.qsub + 23)) : 0.0f;
     return v;
 }
 
@@ -210,9 +222,15 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
                     uint32_t add;                                                                 \
                     if (MODE == R_NE) add = p.fhalf + (((a >> p.fshift) | p.fodd) & 1u);               \
                     else add = lp_rand(lo0 + (uint32_t)(i + l), k0, k1) >> (32 - p.fshift);       \
-                    const uint32_t rf = (a + add) & ~p.fmask;                                     \
+                    uint32_t rf = (a + add) & ~p.fmask;                                           \
                     const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
-                    bad |= (uint32_t)((field < p.bemin) & (a != 0)) | (uint32_t)(rf > lim);       \
+                    if (MODE == R_NE && p.fsub) {                                                 \
+                        const uint32_t fs = f2u((u2f(a) + p.msub) - p.msub);                      \
+                        rf = sel(mask_if(field < p.bemin), fs, rf);                               \
+                    } else {                                                                      \
+                        bad |= (uint32_t)((field < p.bemin) & (a != 0));                          \
+                    }                                                                             \
+                    bad |= (uint32_t)(rf > lim);                                                  \
                     uint32_t res = rf | sign;                                                     \
                     res &= ~mask_if((rf == 0) & (p.signed_zero == 0));                            \
                     tmp[l] = res;                                                                 \
