@@ -567,6 +567,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
                    help="torch threads of every run, wherever it runs (default: torch's "
                    "default here, stored for --resume): part of the numbers, as a float sum "
                    "split over other threads rounds differently")
+    p.add_argument("--compile", action="store_const", const=True, default=None,
+                   help="run the emulated policies compiled (Precision(compile=True): the "
+                   "same bits as eager emulation; eager, with a line saying why, where a model "
+                   "or policy cannot compile); fp32 and other native runs stay eager")
     p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run folder: finished runs are kept, flags not "

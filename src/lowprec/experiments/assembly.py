@@ -13,7 +13,7 @@ __all__ = ["assemble_config", "SETTINGS"]
 
 #: the settings a flag may give (None: not given)
 SETTINGS = ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentum",
-            "weight_decay", "train_subset", "schedule", "threads")
+            "weight_decay", "train_subset", "schedule", "threads", "compile")
 
 
 def _short(text: str, limit: int = 60) -> str:

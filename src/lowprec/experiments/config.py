@@ -128,6 +128,9 @@ class CompareConfig:
     #: comparison is created, to this process's torch.get_num_threads(); stored with the
     #: configuration, so --resume uses it (:meth:`resolve_threads`)
     threads: int | None = None
+    #: run emulated policies compiled (``Precision(..., compile=True)``: the same bits as eager
+    #: emulation, Inductor around the roundings); native-backend runs (fp32) stay eager
+    compile: bool = False
 
     def __post_init__(self) -> None:
         policies = self.policies
@@ -205,6 +208,8 @@ class CompareConfig:
                                              and 1 <= self.threads <= MAX_THREADS):
             raise RunError(f"threads={self.threads!r} is not valid: must be an integer in "
                            f"[1, {MAX_THREADS}]")
+        if not isinstance(self.compile, bool):
+            raise RunError(f"compile={self.compile!r:.40} is not valid: must be True or False")
         if self.schedule not in SCHEDULES:
             raise RunError(f"schedule={self.schedule!r}; accepted: {', '.join(SCHEDULES)}")
         if self.optimizer not in OPTIMIZERS:

@@ -141,7 +141,7 @@ _CONFIG_TYPES = {"data": (str,), "model": (str,), "policies": (list,), "seeds": 
                  "epochs": (int,), "batch_size": (int,), "lr": (int, float),
                  "optimizer": (str,), "momentum": (int, float), "weight_decay": (int, float),
                  "out": (str,), "train_subset": (int, type(None)), "schedule": (str,),
-                 "threads": (int, type(None))}
+                 "threads": (int, type(None)), "compile": (bool,)}
 
 
 def check_config(path, cfg) -> dict:
@@ -152,7 +152,8 @@ def check_config(path, cfg) -> dict:
                               "file was left untouched")
     for key, value in cfg.items():
         types = _CONFIG_TYPES.get(key)
-        bad = types is not None and (not isinstance(value, types) or isinstance(value, bool))
+        bad = types is not None and (not isinstance(value, types) or
+                                     isinstance(value, bool) and bool not in types)
         if key == "policies" and not bad:
             bad = not all(isinstance(p, str) for p in value)
         if key == "seeds" and not bad:

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..training.optim import SGD, Adam
 from ..training.plan import is_plan_spec, load_plan
-from ..training.policy import Policy
+from ..training.policy import Backend, Policy
 from ..training.precision import Precision
 from .checkpoints import atomic_save, checkpoint_path, resumable, run_id_of
 from .config import CompareConfig, RunError, lr_at
@@ -154,7 +154,9 @@ def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int):
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
     opt = _make_optimizer(cfg, model)
-    prec = Precision(policy, seed=seed)
+    compiled = cfg.compile and \
+        Precision(policy).resolve_backend(torch.device("cpu")) == Backend.EMULATED
+    prec = Precision(policy, seed=seed, compile=compiled)
     model, opt = prec.setup(model, opt)
     x_train, y_train = data.x_train, data.y_train
     if cfg.train_subset:
