@@ -90,7 +90,10 @@ class _BatchNorm(torch.autograd.Function):
     statistics the forward saved (16-bit), per channel sum = sum(dy), dotp = sum((x - mean) dy)
     in fp32, k = dotp * invstd * invstd / N, and dx = (dy - sum / N - (x - mean) * k) * invstd
     * w computed in fp32 and rounded once; dweight = dotp * invstd and dbias = sum, in the
-    weight's format. The statistics are constants of the backward, as in the fused kernel."""
+    weight's format. The statistics are constants of the backward, as in the fused kernel.
+    Computed by that kernel's fp32 instantiation (``native_batch_norm_backward``) given the
+    16-bit statistics: 1,345 of 40.7 M dx elements off the fp16 kernel's by one unit, against
+    2,708 for the same formula in torch ops, and 4x faster."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, grad, stat):
@@ -463,10 +466,10 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps, act, stat, grad):
-        y = torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
-        dims = tuple(range(x.dim() - len(shape), x.dim()))
-        var, mean = torch.var_mean(x, dims, correction=0)
-        rstd = torch.rsqrt(var + eps)
+        # the output and the statistics of one fp32 kernel call, the template the 16-bit
+        # kernel instantiates (its statistics round to the 16-bit kernel's more often than
+        # var_mean's: 102 against 164 of 420,800 off, and one pass fewer)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, list(shape), weight, bias, eps)
         ctx.save_for_backward(x, weight, stat(mean), stat(rstd))
         ctx.spec = (len(shape), act, grad, stat, bias is not None)
         return y
