@@ -159,6 +159,52 @@ def _opaque_ops() -> dict:
         return aten.native_layer_norm_backward.default(g, x, shape, mean, rstd, w, b,
                                                        [True, True, True])
 
+    # batch norm: the engine's 16-bit replay takes its statistics and backward from these fp32
+    # kernels (kernels.batch_norm), and fp32 islands run them; Inductor's decompositions sum in
+    # another order
+    @torch.library.custom_op("lowprec_compiled::batch_norm", mutates_args=())
+    def batch_norm_(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+                    rm: torch.Tensor, rv: torch.Tensor, training: bool, momentum: float,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor]:
+        return aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, training,
+                                                                momentum, eps)
+
+    @torch.library.custom_op("lowprec_compiled::batch_norm_no_stats", mutates_args=())
+    def batch_norm_ns_(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+                       training: bool, momentum: float, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return aten._native_batch_norm_legit.no_stats(x, w, b, training, momentum, eps)
+
+    @torch.library.custom_op("lowprec_compiled::batch_norm_eval", mutates_args=())
+    def batch_norm_ev_(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+                       rm: torch.Tensor, rv: torch.Tensor, momentum: float, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum,
+                                                                 eps)
+
+    @torch.library.custom_op("lowprec_compiled::batch_norm_backward", mutates_args=())
+    def batch_norm_bw_(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                       rm: torch.Tensor | None, rv: torch.Tensor | None,
+                       save_mean: torch.Tensor | None, save_invstd: torch.Tensor | None,
+                       train: bool, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return aten.native_batch_norm_backward.default(g, x, w, rm, rv, save_mean, save_invstd,
+                                                       train, eps, [True, True, True])
+
+    batch_norm_.register_fake(
+        lambda x, w, b, rm, rv, training, momentum, eps:
+        aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, training, momentum,
+                                                         eps))
+    batch_norm_ns_.register_fake(
+        lambda x, w, b, training, momentum, eps:
+        aten._native_batch_norm_legit.no_stats(x, w, b, training, momentum, eps))
+    batch_norm_ev_.register_fake(
+        lambda x, w, b, rm, rv, momentum, eps:
+        aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum, eps))
+    batch_norm_bw_.register_fake(
+        lambda g, x, w, rm, rv, save_mean, save_invstd, train, eps: (
+            torch.empty_like(x), torch.empty_like(w), torch.empty_like(w)))
     softmax_.register_fake(lambda x, dim, log: torch.empty_like(x))
     softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
     layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
@@ -204,6 +250,16 @@ def _opaque_ops() -> dict:
             lc.layer_norm_backward.default,
             lambda a, kw: tuple(a[:7]) if not kw and list(a[7]) == [True] * 3
             and a[5] is not None and a[6] is not None else None),
+        aten._native_batch_norm_legit_functional.default: (
+            lc.batch_norm.default, lambda a, kw: None if kw else tuple(a)),
+        aten._native_batch_norm_legit.no_stats: (
+            lc.batch_norm_no_stats.default, lambda a, kw: None if kw else tuple(a)),
+        aten._native_batch_norm_legit_no_training.default: (
+            lc.batch_norm_eval.default, lambda a, kw: None if kw else tuple(a)),
+        aten.native_batch_norm_backward.default: (
+            lc.batch_norm_backward.default,
+            lambda a, kw: tuple(a[:9]) if not kw and len(a) == 10 and list(a[9]) == [True] * 3
+            and a[2] is not None else None),
         aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
         aten.bmm.default: (torch.ops.lowprec_compiled.bmm.default, lambda a, kw: tuple(a)),
         aten.addmm.default: (torch.ops.lowprec_compiled.addmm.default,
@@ -222,16 +278,19 @@ def _opaque_ops() -> dict:
 
 def _decompositions() -> dict:
     """Inductor's decompositions but for the ops run on ATen's kernels whole (softmax, layer
-    norm: their decompositions sum in another order than the fused kernels)."""
+    norm, batch norm: their decompositions sum in another order than the fused kernels)."""
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
     keep = (aten._softmax, aten._log_softmax, aten._softmax_backward_data,
             aten._log_softmax_backward_data, aten.native_layer_norm,
-            aten.native_layer_norm_backward)
+            aten.native_layer_norm_backward, aten.native_batch_norm,
+            aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+            aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward)
     table = dict(select_decomp_table())
     for packet in keep:
-        table.pop(packet.default, None)
+        for name in packet.overloads():
+            table.pop(getattr(packet, name), None)
     return table
 
 
