@@ -16,32 +16,17 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / "zoo")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "zoo"), str(ROOT / "tests")]
 
+from training.test_compiled_emulation import _train_entry  # noqa: E402 (the test's own loop)
 from zoo import ZOO  # noqa: E402
 
-from lowprec import Precision  # noqa: E402
-from lowprec.training.tree import call_model, output_tensor  # noqa: E402
 
-
-def run(entry, policy: str, compile: bool, steps: int = 3):
-    torch.manual_seed(0)
-    model = entry.build()
-    inputs, targets = entry.batch()
-    prec = Precision(policy, compile=compile)
-    model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    seen = []
-    for _ in range(steps):
-        opt.zero_grad()
-        with prec.autocast():
-            out = output_tensor(call_model(model, inputs))
-            loss = entry.loss(out, targets)
-        prec.backward(loss)
-        seen.append(out.detach().clone())
-        seen += [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        prec.step(opt)
-    seen += [p.detach().clone() for p in model.parameters()]
-    return model, seen
+def _flat(run) -> list:
+    """(outputs per step, gradients per step, parameters) as one list of tensors."""
+    outs, grads, params = run
+    return [*outs, *(g for step in grads for g in step), *params]
 
 
 def main() -> None:
@@ -58,9 +43,9 @@ def main() -> None:
             with warnings.catch_warnings(record=True) as rec:
                 warnings.simplefilter("always")
                 try:
-                    _, eager = run(entry, policy, False)
+                    _, *eager = _train_entry(entry, policy, False)
                     t0 = time.perf_counter()
-                    model, comp = run(entry, policy, True)
+                    model, *comp = _train_entry(entry, policy, True)
                     took = time.perf_counter() - t0
                 except Exception as err:  # noqa: BLE001 (a survey: report and go on)
                     print(f"| {name} | {policy} | error: {' '.join(str(err).split())[:80]} | | |")
@@ -68,6 +53,7 @@ def main() -> None:
             reason = getattr(model.forward, "reason", "not set up compiled")
             said = [str(w.message) for w in rec if "runs this model eagerly" in str(w.message)]
             how = "yes" if reason is None else f"eager: {reason}"
+            eager, comp = _flat(eager), _flat(comp)
             differ = sum(not torch.equal(u.float().view(torch.int32), v.float().view(torch.int32))
                          for u, v in zip(eager, comp))
             bits = "identical" if differ == 0 else f"{differ} of {len(eager)} tensors differ"

@@ -35,7 +35,7 @@ def tune_cpu_allocator() -> bool:
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1 and ok
         # glibc caps the mmap threshold at 32 MiB: a bigger block (a batch-256 activation of a
         # CNN: 51 MB) would still be mmapped and faulted in afresh on every allocation (a 51 MB
-        # copy: 27 ms fresh, 5 ms from the heap here). No mmap at all: every block from the
+        # copy: 27 ms fresh, 5 ms from the heap on an AMD EPYC VM). No mmap at all: every block from the
         # heap, at some cost in peak memory (MobileNet 16-true, 40 steps: 3.0 GB, 2.3 GB without)
         ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and ok
     except (OSError, AttributeError):

@@ -93,7 +93,8 @@ class _BatchNorm(torch.autograd.Function):
     weight's format. The statistics are constants of the backward, as in the fused kernel.
     Computed by that kernel's fp32 instantiation (``native_batch_norm_backward``) given the
     16-bit statistics: 1,345 of 40.7 M dx elements off the fp16 kernel's by one unit, against
-    2,708 for the same formula in torch ops, and 4x faster."""
+    2,708 for the same formula in torch ops, and 3x faster (MobileNet, batch 256, AMD EPYC
+    AVX2: 1.25 s against 0.40 s for 44 calls)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, grad, stat):
@@ -198,7 +199,8 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
             # arithmetic (two passes: the mean, then the squared deviations), so its mean and
             # 1/std round to the 16-bit kernel's (22,800 of 22,800 equal, fp16), and its running
             # statistics are the kernel's update; the normalised output it also writes is
-            # discarded (one pass, still 2.4x faster than var_mean's Welford here)
+            # discarded (one pass; 3.7 ms a call against var_mean's 9.6 on MobileNet, batch
+            # 256, AMD EPYC AVX2)
             _, mean, invstd = torch.ops.aten.native_batch_norm(
                 x, None, None, running_mean, running_var, True, momentum, eps)
             mean_q = engine.round(mean, rule, key + ".stats", grads=False)
