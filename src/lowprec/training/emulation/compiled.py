@@ -30,8 +30,10 @@ module boundaries the engine's rules follow here), C kernels that take real data
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import os
 import types
 import warnings
 
@@ -44,6 +46,12 @@ from .dtypes import LOGICAL, format_dtype
 from .engine import MARK, PARAM, Emulation
 
 __all__ = ["CompiledForward", "backend", "roundings_in", "unsupported", "compile_model", "COMPILERS"]
+
+
+def _formats(engine: Emulation) -> list:
+    """Every format ``engine``'s rules compute, keep gradients or parameters in."""
+    rules = [engine.root_rule, *engine.rules.values(), *engine.overrides.values()]
+    return [f for r in rules for f in (r.compute, r.grads, r.params)]
 
 
 def unsupported(engine: Emulation) -> str | None:
@@ -65,12 +73,6 @@ def unsupported(engine: Emulation) -> str | None:
             return "scaled GEMMs are emulated eagerly"
     if engine.match_cpu_kernels:
         return "match_cpu_kernels runs kernels on real data"
-    model = engine.model
-    pure16 = [r for r in rules if r.scope == "all" and format_dtype(r.grads) is not None]
-    if pure16 and model is not None and any(isinstance(m, nn.Embedding) for m in model.modules()):
-        # its 16-bit gradient adds each use of a row in turn: how many turns depends on the
-        # indices' values (kernels.embedding), which a graph cannot
-        return "an embedding's 16-bit gradient sums depend on the indices' values"
     return None
 
 
@@ -136,6 +138,21 @@ def _opaque_ops() -> dict:
 
     unary_.register_fake(lambda x, name: getattr(aten, name).default(x))
 
+    # activations whose decompositions compute another formula than ATen's kernels (silu:
+    # x * sigmoid(x) for x / (1 + exp(-x))) or another erf: 1-ulp fp32 differences that now
+    # and then move a 16-bit rounding (the zoo's dict-input, GELU, under 16-true)
+    @torch.library.custom_op("lowprec_compiled::activation", mutates_args=())
+    def activation_(x: torch.Tensor, name: str, approximate: str) -> torch.Tensor:
+        return _activation(name, x, approximate)
+
+    @torch.library.custom_op("lowprec_compiled::activation_backward", mutates_args=())
+    def activation_bw_(g: torch.Tensor, x: torch.Tensor, name: str,
+                       approximate: str) -> torch.Tensor:
+        return _activation(name + "_backward", g, x, approximate)
+
+    activation_.register_fake(lambda x, name, approximate: torch.empty_like(x))
+    activation_bw_.register_fake(lambda g, x, name, approximate: torch.empty_like(g))
+
     @torch.library.custom_op("lowprec_compiled::softmax", mutates_args=())
     def softmax_(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         return (aten._log_softmax if log else aten._softmax).default(x, dim, False)
@@ -192,6 +209,15 @@ def _opaque_ops() -> dict:
         return aten.native_batch_norm_backward.default(g, x, w, rm, rv, save_mean, save_invstd,
                                                        train, eps, [True, True, True])
 
+    # an embedding's weight gradient adds the rows of each index in the order they come; the
+    # decomposition (index_put with accumulate) adds them in another (zoo encoder, 16-mixed)
+    @torch.library.custom_op("lowprec_compiled::embedding_backward", mutates_args=())
+    def embedding_bw_(g: torch.Tensor, idx: torch.Tensor, n: int, pad: int,
+                      by_freq: bool) -> torch.Tensor:
+        return aten.embedding_dense_backward.default(g, idx, n, pad, by_freq)
+
+    embedding_bw_.register_fake(
+        lambda g, idx, n, pad, by_freq: g.new_empty((n, g.shape[-1])))
     batch_norm_.register_fake(
         lambda x, w, b, rm, rv, training, momentum, eps:
         aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, training, momentum,
@@ -230,6 +256,17 @@ def _opaque_ops() -> dict:
                                                 lambda a, kw, name=name: (a[0], name))
     lc = torch.ops.lowprec_compiled
 
+    _OPAQUE.update({
+        aten.gelu.default: (lc.activation.default, lambda a, kw: None if kw else (
+            a[0], "gelu", a[1] if len(a) > 1 else "none")),
+        aten.silu.default: (lc.activation.default, lambda a, kw: None if kw else (
+            a[0], "silu", "")),
+        aten.gelu_backward.default: (lc.activation_backward.default, lambda a, kw: None if kw
+                                     else (a[0], a[1], "gelu", a[2] if len(a) > 2 else "none")),
+        aten.silu_backward.default: (lc.activation_backward.default, lambda a, kw: None if kw
+                                     else (a[0], a[1], "silu", "")),
+    })
+
     def fp32(a, kw, i):
         return len(a) > i and a[i] in (False, torch.float32) and not kw
 
@@ -260,6 +297,8 @@ def _opaque_ops() -> dict:
             lc.batch_norm_backward.default,
             lambda a, kw: tuple(a[:9]) if not kw and len(a) == 10 and list(a[9]) == [True] * 3
             and a[2] is not None else None),
+        aten.embedding_dense_backward.default: (lc.embedding_backward.default,
+                                                lambda a, kw: None if kw else tuple(a)),
         aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
         aten.bmm.default: (torch.ops.lowprec_compiled.bmm.default, lambda a, kw: tuple(a)),
         aten.addmm.default: (torch.ops.lowprec_compiled.addmm.default,
@@ -276,9 +315,17 @@ def _opaque_ops() -> dict:
     return _OPAQUE
 
 
+def _activation(name: str, *args):
+    """ATen's kernel of an activation of :func:`_opaque_ops` (approximate: GELU's, "" else)."""
+    *tensors, approximate = args
+    op = getattr(torch.ops.aten, name).default
+    return op(*tensors, approximate=approximate) if name.startswith("gelu") else op(*tensors)
+
+
 def _decompositions() -> dict:
     """Inductor's decompositions but for the ops run on ATen's kernels whole (softmax, layer
-    norm, batch norm: their decompositions sum in another order than the fused kernels)."""
+    norm, batch norm, an embedding's backward: their decompositions sum in another order than
+    the fused kernels)."""
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
@@ -286,7 +333,9 @@ def _decompositions() -> dict:
             aten._log_softmax_backward_data, aten.native_layer_norm,
             aten.native_layer_norm_backward, aten.native_batch_norm,
             aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
-            aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward)
+            aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
+            aten.embedding_dense_backward, aten.gelu, aten.gelu_backward, aten.silu,
+            aten.silu_backward)
     table = dict(select_decomp_table())
     for packet in keep:
         for name in packet.overloads():
@@ -346,13 +395,117 @@ def roundings_in(graph: torch.fx.Graph) -> int:
     return opaque + fused
 
 
-def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = None):
+# Model code that reads a tensor's dtype (``h.dtype``, ``torch.finfo(h.dtype)``) gets its
+# logical dtype from the eager engine (float16 under 16-true) but the physical one, float32, from
+# Dynamo's trace of the plain forward, which then freezes it into the graph (``.to(h.dtype)``
+# becomes an upcast to an fp32 island: the zoo encoder's masked mean). Each read by code outside
+# torch is recorded while Dynamo traces (the tensor's graph node and the dtype it answered) and
+# checked when the engine runs the graph (:func:`_checked_interpreter`): answers that could have
+# changed the graph fail the compilation, which falls back. torch's own modules are not checked:
+# they read dtypes to choose fast paths (``query.dtype != in_proj_bias.dtype``, the same answer
+# either way) and mask types (0 and -inf, exact in every float format); nn.MultiheadAttention
+# with a padding mask compiles bit-identical.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_READS: list | None = None  # while a CompiledForward traces: [(fx node, dtype answered)]
+
+
+@contextlib.contextmanager
+def _recording_dtype_reads(into: list):
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    global _READS
+    plain = TensorVariable.method_attr_dtype
+
+    def read(self, tx):
+        if (_READS is not None and self.dtype is not None and self.dtype.is_floating_point
+                and not tx.f_code.co_filename.startswith(_TORCH_DIR)):
+            _READS.append((self.proxy.node, self.dtype))
+        return plain(self, tx)
+
+    outer, _READS = _READS, into
+    TensorVariable.method_attr_dtype = read
+    try:
+        yield
+    finally:
+        TensorVariable.method_attr_dtype = plain
+        _READS = outer
+
+
+class DtypeReadError(RuntimeError):
+    """Model code read a tensor's dtype that the compiled graph would fix otherwise than eager
+    emulation answers it."""
+
+
+def _where(node: torch.fx.Node) -> str:
+    """Where model code made ``node`` (" made at file.py:123"), from its stack trace."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    files = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
+    if not files:
+        return f" ({node.name})"
+    try:
+        path, line = files[-1].split('"')[1], files[-1].split("line ")[1].split(",")[0]
+    except IndexError:
+        return f" ({node.name})"
+    return f" made at {os.path.basename(path)}:{line}"
+
+
+def _fixes_a_dtype(gm: torch.fx.GraphModule, dtype: torch.dtype) -> bool:
+    """Whether a node of ``gm`` takes ``dtype`` (``.to(torch.float32)``, ``dtype=``) or one of
+    its ``torch.finfo`` constants as an argument: where a dtype read could have gone."""
+    fi = torch.finfo(dtype)
+    consts = {float(fi.min), float(fi.max), float(fi.eps), float(fi.tiny)}
+    found = False
+
+    def look(a):
+        nonlocal found
+        if a is dtype or (isinstance(a, float) and a in consts):
+            found = True
+        return a
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" or n.op == "call_method":
+            torch.fx.node.map_aggregate((n.args, n.kwargs), look)
+    return found
+
+
+def _checked_interpreter(engine: Emulation, reads: dict, gm: torch.fx.GraphModule):
+    """A ``torch.fx.Interpreter`` class checking the dtypes read in ``reads`` (node -> the dtype
+    Dynamo's trace answered) against what ``engine`` answers. Answers that differ are harmless
+    when every read Dynamo answered with one dtype the engine answers with one other (the
+    comparisons between them come out the same) and no node of the graph takes that dtype as an
+    argument (where ``.to(h.dtype)`` or ``torch.finfo(h.dtype)`` would have put it): ViT's
+    ``pixel_values.dtype != weight.dtype``. Otherwise the run raises :class:`DtypeReadError`."""
+    class Checked(torch.fx.Interpreter):
+        def run(self, *args, **kwargs):
+            self.answers = []  # (node, Dynamo's answer, the engine's)
+            out = super().run(*args, **kwargs)
+            wrong = [(n, want, got) for n, want, got in self.answers if want != got]
+            for n, want, got in wrong:
+                same = {g for _, w, g in self.answers if w == want}
+                if len(same) > 1 or _fixes_a_dtype(gm, want):
+                    raise DtypeReadError(
+                        f"the model reads the dtype of a tensor{_where(n)}: {got} under this "
+                        f"policy, {want} in a compiled graph, which would fix it there")
+            return out
+
+        def run_node(self, n):
+            out = super().run_node(n)
+            want = reads.get(n)
+            if want is not None and torch.is_tensor(out):
+                self.answers.append((n, want, engine.reported_dtype(out)))
+            return out
+    return Checked
+
+
+def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = None,
+            reads: list | None = None):
     """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them:
     ``compiler="inductor"`` generates fused code; ``"aten"`` runs the traced ATen graphs op by
     op, undecomposed (every op on ATen's own kernel, as eager emulation runs it: a reference,
     and the floor of what tracing alone costs). ``stats`` (a dict) gets the number of
     roundings (:func:`roundings_in`) of each compiled graph kind added to it ("forward",
-    "backward", "inference")."""
+    "backward", "inference"). ``reads``: the list :func:`_recording_dtype_reads` fills while
+    Dynamo traces, checked (and emptied) as each graph compiles."""
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
     import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
@@ -368,6 +521,16 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
         owned[id(p)] = True
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        checks = dict(reads or ())
+        if reads:
+            reads.clear()
+        nodes = set(gm.graph.nodes)
+        for node, dtype in checks.items():
+            if node not in nodes and any(format_dtype(f) is not None for f in _formats(engine)):
+                raise DtypeReadError(
+                    f"the model reads the dtype of a tensor its graph does not keep ({node.name}."
+                    "dtype), which this policy may answer otherwise than float32")
+        interpreter = _checked_interpreter(engine, checks, gm) if checks else torch.fx.Interpreter
         keep, stand_in = [], []
         for i, e in enumerate(example_inputs):
             if torch.is_tensor(e) and id(e) in owned:
@@ -383,7 +546,7 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
                     setattr(args[i], MARK, mark)
                 if logical is not None:
                     setattr(args[i], LOGICAL, logical)
-            return engine.call_root(torch.fx.Interpreter(gm).run, args, keep=keep)
+            return engine.call_root(interpreter(gm).run, args, keep=keep)
 
         class Traced(nn.Module):
             def forward(self, *args):
@@ -418,7 +581,10 @@ def _fresh_function(fn):
 def _why(err: BaseException) -> str:
     """One line naming a compile failure (the backend's own error, not Dynamo's wrapper)."""
     inner = getattr(err, "inner_exception", None) or err
-    text = " ".join(str(inner).split())
+    text = str(inner)
+    if isinstance(inner, DtypeReadError):  # torch.fx adds the node it was running
+        text = text.split("While executing")[0]
+    text = " ".join(text.split())
     return f"{type(inner).__name__}: {text[:200]}"
 
 
@@ -436,6 +602,7 @@ class CompiledForward:
         #: lowprec::quantize nodes in the graphs compiled so far, by kind (see :func:`backend`)
         self.quantize_nodes: dict[str, int] = {}
         self._compiled: dict = {}  # engine.active -> the compiled forward
+        self._reads: list = []  # dtype reads of the trace under way (_recording_dtype_reads)
         self._warned = False
         if self.reason is not None:
             self._fall_back(self.reason)
@@ -448,7 +615,7 @@ class CompiledForward:
         new.engine = copy.deepcopy(self.engine, memo)
         new.compiler, new.options = self.compiler, dict(self.options)
         new.reason, new._warned = self.reason, self._warned
-        new.quantize_nodes, new._compiled = {}, {}
+        new.quantize_nodes, new._compiled, new._reads = {}, {}, []
         return new
 
     def _fall_back(self, reason: str) -> None:
@@ -475,12 +642,14 @@ class CompiledForward:
             # Dynamo's: one compiled function per state
             fn = self._compiled[em.active] = torch.compile(
                 _fresh_function(em.original_forward), fullgraph=True, dynamic=False,
-                backend=backend(em, self.compiler, self.quantize_nodes), **self.options)
+                backend=backend(em, self.compiler, self.quantize_nodes, self._reads),
+                **self.options)
         try:
             # the backward compiled with the forward (torch compiles it lazily, at the first
             # loss.backward(), by default): a failure there falls back here too
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                    _recording_dtype_reads(self._reads):
                 return fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
             self._fall_back(_why(err))

@@ -542,48 +542,64 @@ def plain_embedding(args, kwargs) -> bool:
             and args[0].dim() == 2 and not scale and not sparse)
 
 
+@torch.library.custom_op("lowprec_emulation::embedding_backward", mutates_args=())
+def _embedding_backward(g: torch.Tensor, indices: torch.Tensor, rows: int, padding_idx: int,
+                        fmt: str, rounding: str) -> torch.Tensor:
+    """An embedding's 16-bit weight gradient as ``embedding_dense_backward_cpu`` computes it
+    for 16-bit weights: ``index_add_`` into a 16-bit gradient, each addition rounded, in the
+    order of the indices (fp32 once above ``SEQUENTIAL_LIMIT`` uses of a row). A custom op, so
+    that a compiled graph holds it as one node: how many additions a row takes depends on the
+    indices' values, which a trace cannot follow. ``padding_idx`` -1: none."""
+    ids = indices.reshape(-1)
+    g = g.reshape(-1, g.shape[-1])
+    if padding_idx >= 0:
+        keep = ids != padding_idx
+        ids, g = ids[keep], g[keep]
+    acc = torch.zeros((rows, g.shape[1]), dtype=g.dtype, device=g.device)
+    if ids.numel() == 0:
+        return acc
+    # the rank of each use among the uses of its row, in index order: additions of equal
+    # rank touch distinct rows and run together; ranks run in order
+    order = torch.argsort(ids, stable=True)
+    srt = ids[order]
+    pos = torch.arange(srt.numel(), device=ids.device)
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[1:] = srt[1:] != srt[:-1]
+    rank_sorted = pos - torch.where(first, pos, 0).cummax(0).values
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    top = int(rank_sorted.max())
+    if top >= SEQUENTIAL_LIMIT:
+        return quantize(acc.index_add_(0, ids, g), fmt, rounding)
+    for k in range(top + 1):
+        sel = (rank == k).nonzero().squeeze(1)
+        rows_k = ids[sel]
+        acc[rows_k] = quantize(acc[rows_k] + g[sel], fmt, rounding)
+    return acc
+
+
+@_embedding_backward.register_fake
+def _(g, indices, rows, padding_idx, fmt, rounding):
+    return g.new_empty((rows, g.shape[-1]))
+
+
 class _Embedding(torch.autograd.Function):
-    """Forward: the rows (a selection). Backward as ``embedding_dense_backward_cpu`` runs for
-    16-bit weights: ``index_add_`` into a 16-bit gradient, each addition rounded, in the order
-    of the indices (fp32 once above ``SEQUENTIAL_LIMIT`` uses of a row)."""
+    """Forward: the rows (a selection). Backward: :func:`_embedding_backward`."""
 
     @staticmethod
     def forward(ctx, weight, indices, padding_idx, fmt, mode):
         ctx.save_for_backward(indices)
-        ctx.spec = (weight.shape, padding_idx, fmt, mode)
+        ctx.spec = (weight.shape[0], padding_idx, str(fmt), Rounding(mode).value)
         return torch.embedding(weight, indices, -1 if padding_idx is None else padding_idx)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         (indices,) = ctx.saved_tensors
-        shape, padding_idx, fmt, mode = ctx.spec
-        ids = indices.reshape(-1)
-        g = g.reshape(-1, shape[1])
-        if padding_idx is not None and padding_idx >= 0:
-            keep = ids != padding_idx
-            ids, g = ids[keep], g[keep]
-        acc = torch.zeros(shape, dtype=g.dtype, device=g.device)
-        if ids.numel() == 0:
-            return acc, None, None, None, None
-        # the rank of each use among the uses of its row, in index order: additions of equal
-        # rank touch distinct rows and run together; ranks run in order
-        order = torch.argsort(ids, stable=True)
-        srt = ids[order]
-        pos = torch.arange(srt.numel(), device=ids.device)
-        first = torch.ones_like(srt, dtype=torch.bool)
-        first[1:] = srt[1:] != srt[:-1]
-        rank_sorted = pos - torch.where(first, pos, 0).cummax(0).values
-        rank = torch.empty_like(rank_sorted)
-        rank[order] = rank_sorted
-        top = int(rank_sorted.max())
-        if top >= SEQUENTIAL_LIMIT:
-            return quantize(acc.index_add_(0, ids, g), fmt, mode), None, None, None, None
-        for k in range(top + 1):
-            sel = (rank == k).nonzero().squeeze(1)
-            rows = ids[sel]
-            acc[rows] = quantize(acc[rows] + g[sel], fmt, mode)
-        return acc, None, None, None, None
+        rows, padding_idx, fmt, mode = ctx.spec
+        pad = -1 if padding_idx is None or padding_idx < 0 else padding_idx
+        grad = torch.ops.lowprec_emulation.embedding_backward(g, indices, rows, pad, fmt, mode)
+        return grad, None, None, None, None
 
 
 def embedding(engine, rule, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
