@@ -157,3 +157,19 @@ def test_counting_and_reference_order_dot_products(on_path):
             again = torch.empty_like(out)
             kernel.dot4(cols, w, again, 2)
         assert_same_bits(out, again, "dot4")
+
+
+def test_fexp_u20_gives_the_torch_ops_bits(on_path):
+    # the flash attention's exp: fmaf (one vfmadd on x86-64-v3/v4, libm's on the baseline)
+    # against the same polynomial in torch ops with its FMAs exact through float64; random bit
+    # patterns (NaN, infinities, subnormals), the range of attention's s - max and the edges
+    # of the kernel's range (ln FLT_MIN, ln FLT_MAX)
+    from lowprec.training.emulation.kernels import fexp_u20
+
+    g = torch.Generator().manual_seed(3)
+    edges = torch.tensor([0.0, -0.0, 88.72, 88.7228, 88.73, -87.33, -87.3365, -87.34, -103.0,
+                          1e-30, -1e-30, float("nan"), float("inf"), -float("inf")])
+    x = torch.cat([bit_patterns(), -torch.rand(1 << 16, generator=g) * 100,
+                   torch.randn(1 << 14, generator=g) * 30, edges])
+    assert kernel.fexp_available()
+    assert_same_bits(fexp_u20(x, impl="kernel"), fexp_u20(x, impl="torch"), "fexp_u20")

@@ -106,6 +106,9 @@ def open_kernel(path: str):
     lib.lp_count_abs_ge.restype = None
     lib.lp_dot4.argtypes = [p, p, p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
     lib.lp_dot4.restype = None
+    if hasattr(lib, "lp_fexp_u20"):
+        lib.lp_fexp_u20.argtypes = [p, p, ctypes.c_int64, ctypes.c_int]
+        lib.lp_fexp_u20.restype = None
     if hasattr(lib, "lp_gemm_acc"):
         lib.lp_gemm_acc.argtypes = [p, p, p, ctypes.POINTER(LPAccGemm), ctypes.POINTER(LPAccFmt),
                                     ctypes.POINTER(LPAccFmt), ctypes.c_int]
@@ -159,6 +162,24 @@ def dot4(cols: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int) ->
     k = gk // groups
     _lib().lp_dot4(cols.data_ptr(), w.data_ptr(), out.data_ptr(), n, groups, k, length,
                    w.shape[0] // groups, torch.get_num_threads())
+
+
+def fexp_available() -> bool:
+    """True when the loaded kernel has ``lp_fexp_u20`` (builds since this function)."""
+    return _lib() is not None and hasattr(_lib(), "lp_fexp_u20")
+
+
+def fexp_u20(x: torch.Tensor, out: torch.Tensor, lib=None) -> None:
+    """ATen's vectorised ``fexp_u20`` (lp_fexp_u20 in _qkernel.c) of a contiguous float32 CPU
+    tensor into ``out`` (same shape). ``lib``: another build (the per-ISA tests)."""
+    for name, t in (("x", x), ("out", out)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"fexp_u20: {name} must be a contiguous float32 CPU tensor, got "
+                             f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
+    if out.shape != x.shape:
+        raise ValueError(f"fexp_u20: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")
+    (lib or _lib()).lp_fexp_u20(x.data_ptr(), out.data_ptr(), x.numel(),
+                                torch.get_num_threads())
 
 
 # -- the GEMM with a rounded accumulator (lp_gemm_acc in _qkernel_acc.c) -------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, BlockFormat
 from ...numerics.quantize import quantize
 from ...numerics.rounding import Rounding
@@ -228,9 +229,21 @@ def _fma(a, b, c) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def fexp_u20(x: torch.Tensor) -> torch.Tensor:
+def fexp_u20(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """ATen's vectorised ``fexp_u20`` of fp32 ``x``, bit for bit (the fp16/bf16 CPU flash
-    attention's exp for whole vectors of keys)."""
+    attention's exp for whole vectors of keys). ``impl``: "kernel" (lp_fexp_u20 of the C
+    kernel: a plain CPU tensor, outside a trace), "torch" (the ops below, its FMAs through
+    float64) or "auto" (the kernel where it can)."""
+    if impl != "torch" and type(x) is torch.Tensor and x.dtype == torch.float32 and \
+            x.device.type == "cpu" and not x.requires_grad and _kernel.fexp_available():
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _kernel.fexp_u20(x, out)
+        return out
+    if impl == "kernel":
+        raise ValueError(f"fexp_u20(impl='kernel'): needs a float32 CPU tensor without grad "
+                         f"and a kernel build with lp_fexp_u20 (available: "
+                         f"{_kernel.fexp_available()}); got {x.dtype} on {x.device}")
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     c0, c1, c2, c3 = (f32(v) for v in _FEXP_C)
     lo, hi, log2e = _bits(0xC2AEAC50), _bits(0x42B17218), _bits(0x3FB8AA3B)
@@ -259,7 +272,8 @@ def _kernel_exp(d: torch.Tensor) -> torch.Tensor:
     if not n:
         return e
     with torch.no_grad():
-        fast = torch.cat([fexp_u20(d[..., :n].detach()), e[..., n:].detach()], -1)
+        fast = (fexp_u20(d.detach()) if n == d.shape[-1] else
+                torch.cat([fexp_u20(d[..., :n].detach()), e[..., n:].detach()], -1))
     return e + (fast - e).detach()  # the kernel's values; the gradient of exp
 
 
@@ -269,6 +283,8 @@ def _fexp_values(d: torch.Tensor) -> torch.Tensor:
     n = d.shape[-1] // lanes * lanes if lanes else 0
     if not n:
         return torch.exp(d)
+    if n == d.shape[-1]:
+        return fexp_u20(d)
     return torch.cat([fexp_u20(d[..., :n]), torch.exp(d[..., n:])], -1)
 
 
