@@ -283,10 +283,58 @@ static loop_fn pick_loop(int mode) {
     }
 }
 
+/* IEEE binary16 rounded to nearest even, by the CPU's own conversion (F16C's vcvtps2ph with
+ * the rounding in the instruction, then vcvtph2ps back): the same bits as loop_ne for that
+ * format (subnormals, overflow to Inf, -0) in two instructions a vector; NaN keeps its input
+ * bits, as quantize_one keeps them. About 2.5x the integer loop's speed at 2 MB here
+ * (AMD EPYC, AVX2). Built where the clones are (the CPU is asked at run time) or where the
+ * -march has F16C (the per-ISA test builds: x86-64-v3 and v4 test it, the baseline the loop). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    (!defined(LP_NO_CLONES) || defined(__F16C__))
+#include <immintrin.h>
+#define LP_F16C_PATH 1
+__attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in,
+                                                               uint32_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps((const float *)(in + i));
+        const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 y = _mm256_cvtph_ps(h);
+        const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+        _mm256_storeu_ps((float *)(out + i), _mm256_blendv_ps(y, x, nan));
+    }
+    if (i < n) {
+        lp_params ne = {10, 113, -24, OV_INF, 1, R_NE, 0x477fe000u, 0x477fe000u, 0, 0, 0};
+        loop_ne(in + i, out + i, n - i, 0, 0, &ne);
+    }
+}
+
+static int lp_has_f16c(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    }
+    return known;
+}
+
+LP_INLINE int lp_is_fp16_ne(const lp_params *p) {
+    return p->rounding == R_NE && p->man == 10 && p->bemin == 113 && p->qsub == -24 &&
+           p->overflow == OV_INF && p->signed_zero == 1 && p->maxpos == 0x477fe000u &&
+           p->maxneg == 0x477fe000u;
+}
+#endif
+
 /* Elements [begin, end) of the logical tensor; the random counter's high word changes only at
  * 2**32 boundaries, so a range is split there. */
 static void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
                       const lp_params *p) {
+#ifdef LP_F16C_PATH
+    if (lp_is_fp16_ne(p) && lp_has_f16c()) {
+        fp16_ne_f16c(in + begin, out + begin, end - begin);
+        return;
+    }
+#endif
     loop_fn f = pick_loop(p->rounding);
     while (begin < end) {
         int64_t stop = (int64_t)(((uint64_t)begin | 0xffffffffULL) + 1ULL);
