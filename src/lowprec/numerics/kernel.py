@@ -126,6 +126,18 @@ def _params(ep: ElementParams, rounding: int, rmask: int, seed: tuple[int, int])
                     ep.maxneg, rmask, seed[0], seed[1])
 
 
+def prepare(ep: ElementParams, rounding: int, rmask: int) -> LPParams:
+    """The kernel's parameters of a deterministic rounding, built once (quantize's fast path)."""
+    return _params(ep, rounding, rmask, (0, 0))
+
+
+def quantize_prepared(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> None:
+    """:func:`quantize_f32` with parameters from :func:`prepare`: contiguous float32 CPU
+    ``x`` and ``out`` of its size (unchecked: the caller checked)."""
+    _lib().lp_quantize_f32(x.data_ptr(), out.data_ptr(), x.numel(), ctypes.byref(prm),
+                           torch.get_num_threads())
+
+
 def quantize_f32(x: torch.Tensor, out: torch.Tensor, ep: ElementParams, rounding: int,
                  rmask: int, seed: tuple[int, int]) -> None:
     """Quantize the contiguous float32 CPU tensor ``x`` into ``out`` (which may be ``x``)."""
