@@ -193,9 +193,14 @@ def test_quantize_properties_over_random_specs(spec, rounding, values, repeat, s
     qn = q_t.double().numpy()
     # NaN kept (a block holding NaN or Inf becomes NaN: its shared scale is NaN)
     assert np.isnan(qn[np.isnan(arr)]).all(), f"{ctx}: NaN lost"
-    # idempotent: rounding a value of the format gives it back, in every mode
+    # idempotent: rounding a value of the format gives it back, in every mode -- for a block
+    # format only where the rounding left the block's scale as it was: rounding down can grow
+    # a block's amax (int<2>'s -2 is larger than its 1), and a new scale is a new grid
     again = quantize(q_t, fmt, rounding, generator=torch.Generator().manual_seed(seed + 1))
-    assert_same_values(again, q_t, f"{ctx}: not idempotent")
+    if not isinstance(fmt, BlockFormat) or torch.equal(
+            block_shifts(x.reshape(1, -1), fmt, fmt.block_size or len(arr)),
+            block_shifts(q_t.reshape(1, -1), fmt, fmt.block_size or len(arr))):
+        assert_same_values(again, q_t, f"{ctx}: not idempotent")
     if isinstance(fmt, BlockFormat):
         block = fmt.block_size or len(arr)
         sh = block_shifts(x.reshape(1, -1), fmt, block).to(torch.float64)
@@ -226,7 +231,7 @@ def test_quantize_properties_over_random_specs(spec, rounding, values, repeat, s
         order = np.argsort(arr[fin], kind="stable")
         qs = qn[fin][order]
         qs = qs[~np.isnan(qs)]
-        assert (np.diff(qs) >= 0).all(), f"{ctx}: not monotonic"
+        assert (qs[1:] >= qs[:-1]).all(), f"{ctx}: not monotonic"  # not np.diff: inf - inf
 
 
 @pytest.mark.xfail(strict=True, reason="known defect (found 2026-12-04 by the fuzz test above): "
