@@ -26,12 +26,14 @@ def test_the_second_call_takes_the_fast_path_with_the_same_bits(fmt, rounding, m
     x = torch.randn(1000, generator=g) * 300
     first = quantize(x, fmt, rounding)  # prepares
     assert (fmt, rounding) in qmod._PREPARED
-    calls = []
-    real = kernel.quantize_prepared
-    monkeypatch.setattr(kernel, "quantize_prepared", lambda *a: calls.append(1) or real(*a))
+    calls = []  # the fast path calls quantize_prepared alone; the full one via quantize_f32
+    real, real_f32 = kernel.quantize_prepared, kernel.quantize_f32
+    monkeypatch.setattr(kernel, "quantize_prepared",
+                        lambda *a: calls.append("prepared") or real(*a))
+    monkeypatch.setattr(kernel, "quantize_f32", lambda *a: calls.append("f32") or real_f32(*a))
     w = torch.nn.Parameter(x.clone())  # a parameter, needing a gradient, a generator given
     fast = quantize(w, fmt, rounding, generator=torch.Generator())
-    assert calls == [1]
+    assert calls == ["prepared"]
     assert not fast.requires_grad and fast.grad_fn is None and fast.data_ptr() != w.data_ptr()
     assert_same_bits(fast, first, f"{fmt} {rounding}")
     assert_same_bits(fast, quantize(x, fmt, rounding, impl="torch"), f"{fmt} {rounding} torch")
@@ -40,7 +42,8 @@ def test_the_second_call_takes_the_fast_path_with_the_same_bits(fmt, rounding, m
     assert_same_bits(quantize(t, fmt, rounding), quantize(t, fmt, rounding, impl="torch"), "view")
     h = x.half()
     assert quantize(h, fmt, rounding).dtype == torch.float16
-    assert calls == [1]
+    quantize(x, fmt, "stochastic")
+    assert calls == ["prepared"] + ["f32", "prepared"] * 3
 
 
 def test_a_bad_generator_is_refused_on_the_fast_path_too():

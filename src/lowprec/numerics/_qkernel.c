@@ -294,7 +294,8 @@ static loop_fn pick_loop(int mode) {
 #include <immintrin.h>
 #define LP_F16C_PATH 1
 __attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in,
-                                                               uint32_t *out, int64_t n) {
+                                                               uint32_t *out, int64_t n,
+                                                               const lp_params *p) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps((const float *)(in + i));
@@ -303,10 +304,7 @@ __attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in
         const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
         _mm256_storeu_ps((float *)(out + i), _mm256_blendv_ps(y, x, nan));
     }
-    if (i < n) {
-        lp_params ne = {10, 113, -24, OV_INF, 1, R_NE, 0x477fe000u, 0x477fe000u, 0, 0, 0};
-        loop_ne(in + i, out + i, n - i, 0, 0, &ne);
-    }
+    if (i < n) loop_ne(in + i, out + i, n - i, 0, 0, p); /* the tail: the integer loop */
 }
 
 static int lp_has_f16c(void) {
@@ -331,7 +329,7 @@ static void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t 
                       const lp_params *p) {
 #ifdef LP_F16C_PATH
     if (lp_is_fp16_ne(p) && lp_has_f16c()) {
-        fp16_ne_f16c(in + begin, out + begin, end - begin);
+        fp16_ne_f16c(in + begin, out + begin, end - begin, p);
         return;
     }
 #endif

@@ -141,9 +141,7 @@ def quantize_prepared(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> None
 def quantize_f32(x: torch.Tensor, out: torch.Tensor, ep: ElementParams, rounding: int,
                  rmask: int, seed: tuple[int, int]) -> None:
     """Quantize the contiguous float32 CPU tensor ``x`` into ``out`` (which may be ``x``)."""
-    prm = _params(ep, rounding, rmask, seed)
-    _lib().lp_quantize_f32(x.data_ptr(), out.data_ptr(), x.numel(), ctypes.byref(prm),
-                           torch.get_num_threads())
+    quantize_prepared(x, out, _params(ep, rounding, rmask, seed))
 
 
 def quantize_blocks_f32(x: torch.Tensor, out: torch.Tensor, row_len: int, block: int,
@@ -181,17 +179,16 @@ def fexp_available() -> bool:
     return _lib() is not None and hasattr(_lib(), "lp_fexp_u20")
 
 
-def fexp_u20(x: torch.Tensor, out: torch.Tensor, lib=None) -> None:
+def fexp_u20(x: torch.Tensor, out: torch.Tensor) -> None:
     """ATen's vectorised ``fexp_u20`` (lp_fexp_u20 in _qkernel.c) of a contiguous float32 CPU
-    tensor into ``out`` (same shape). ``lib``: another build (the per-ISA tests)."""
+    tensor into ``out`` (same shape)."""
     for name, t in (("x", x), ("out", out)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"fexp_u20: {name} must be a contiguous float32 CPU tensor, got "
                              f"{t.dtype} on {t.device}, contiguous={t.is_contiguous()}")
     if out.shape != x.shape:
         raise ValueError(f"fexp_u20: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")
-    (lib or _lib()).lp_fexp_u20(x.data_ptr(), out.data_ptr(), x.numel(),
-                                torch.get_num_threads())
+    _lib().lp_fexp_u20(x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads())
 
 
 # -- the GEMM with a rounded accumulator (lp_gemm_acc in _qkernel_acc.c) -------------------------

@@ -48,15 +48,13 @@ from .engine import MARK, PARAM, Emulation
 __all__ = ["CompiledForward", "backend", "roundings_in", "unsupported", "compile_model", "COMPILERS"]
 
 
-def _formats(engine: Emulation) -> list:
-    """Every format ``engine``'s rules compute, keep gradients or parameters in."""
-    rules = [engine.root_rule, *engine.rules.values(), *engine.overrides.values()]
-    return [f for r in rules for f in (r.compute, r.grads, r.params)]
+def _rules(engine: Emulation) -> list:
+    return [engine.root_rule, *engine.rules.values(), *engine.overrides.values()]
 
 
 def unsupported(engine: Emulation) -> str | None:
     """Why ``engine``'s model cannot run compiled (None: it can)."""
-    rules = [engine.root_rule, *engine.rules.values(), *engine.overrides.values()]
+    rules = _rules(engine)
     if engine.overrides:
         return "per-module overrides"
     for r in rules:
@@ -526,7 +524,8 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
             reads.clear()
         nodes = set(gm.graph.nodes)
         for node, dtype in checks.items():
-            if node not in nodes and any(format_dtype(f) is not None for f in _formats(engine)):
+            if node not in nodes and any(format_dtype(f) is not None for r in _rules(engine)
+                                         for f in (r.compute, r.grads, r.params)):
                 raise DtypeReadError(
                     f"the model reads the dtype of a tensor its graph does not keep ({node.name}."
                     "dtype), which this policy may answer otherwise than float32")
