@@ -10,11 +10,17 @@ largest difference in fp32 ulps. One thread; compile time is left out of the ste
 
     python benchmarks/compiled_emulation.py [--models mlp,lenet,transformer]
         [--policies 16-true,bf16-true,16-mixed] [--batch 64] [--steps 5] [--rounds 5]
+        [--device cuda]
+
+On a GPU (``--device cuda``; benchmarks/gpu.py runs it there) the policies are forced onto the
+emulated backend (``b=emulated``: on a GPU ``auto`` runs 16-bit natively), the rounding compiles
+to Triton, and step times come from CUDA events after a synchronize.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import time
@@ -24,13 +30,15 @@ import torch
 from torch.nn import functional as F
 
 from lowprec import Precision
-from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier
+from lowprec.training.policy import parse_policy
+from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier, build_model
 
 MODELS = {
     "mlp": (lambda: MLP((1, 28, 28), 10, hidden=(512, 512)), (1, 28, 28)),
     "lenet": (lambda: LeNet5((1, 28, 28), 10), (1, 28, 28)),
     "transformer": (lambda: TransformerClassifier((1, 16, 16), 10, d_model=64, layers=2,
                                                   heads=4), (1, 16, 16)),
+    "resnet20": (lambda: build_model("resnet20", (1, 28, 28), 10), (1, 28, 28)),
 }
 
 
@@ -42,14 +50,17 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 class Variant:
     """One model under one set-up; ``step()`` runs one training step."""
 
-    def __init__(self, name: str, policy: str | None, compiled: bool, batch: int) -> None:
+    def __init__(self, name: str, policy: str | None, compiled: bool, batch: int,
+                 device: str = "cpu") -> None:
         build, shape = MODELS[name]
         torch.manual_seed(0)
-        model = build()
+        model = build().to(device)
         g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(batch, *shape, generator=g)
-        self.y = torch.randint(0, 10, (batch,), generator=g)
+        self.x = torch.randn(batch, *shape, generator=g).to(device)
+        self.y = torch.randint(0, 10, (batch,), generator=g).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        if policy is not None and device != "cpu":  # auto would run 16-bit natively on a GPU
+            policy = dataclasses.replace(parse_policy(policy), backend="emulated")
         self.prec = Precision("32-true" if policy is None else policy,
                               compile=compiled and policy is not None)
         self.model, self.opt = self.prec.setup(model, opt)
@@ -75,19 +86,65 @@ class Variant:
 
 
 def compare(a, b) -> str:
-    diff, total, worst = 0, 0, 0
-    for (oa, ga), (ob, gb) in zip(a[:3], b[:3]):
-        for u, v in [(oa, ob), *zip(ga, gb)]:
-            total += 1
-            if not torch.equal(u, v):
-                diff += 1
-                worst = max(worst, ulps(u, v))
-    for u, v in zip(a[3], b[3]):
-        total += 1
+    """How many of the recorded tensors differ in any bit, the largest difference in fp32 ulps,
+    and the largest normwise relative difference |u - v| / |u| (ulps mislead where a value
+    near zero changes sign)."""
+    pairs = [(u, v) for (oa, ga), (ob, gb) in zip(a[:3], b[:3])
+             for u, v in [(oa, ob), *zip(ga, gb)]]
+    pairs += list(zip(a[3], b[3]))
+    diff, worst, rel = 0, 0, 0.0
+    for u, v in pairs:
         if not torch.equal(u, v):
             diff += 1
             worst = max(worst, ulps(u, v))
-    return "bit-identical" if diff == 0 else f"{diff}/{total} tensors differ (max {worst} ulps)"
+            rel = max(rel, float((u.double() - v.double()).norm() / u.double().norm().clamp_min(
+                1e-300)))
+    return ("bit-identical" if diff == 0 else
+            f"{diff}/{len(pairs)} tensors differ (max {worst} ulps, normwise {rel:.1e})")
+
+
+def timed(fn, device: str) -> float:
+    """Seconds of ``fn()``: CUDA events after a synchronize on a GPU, perf_counter on a CPU."""
+    if device == "cpu":
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1000
+
+
+def measure(name: str, pols: list[str], batch: int, steps: int, rounds: int,
+            device: str = "cpu") -> list[dict]:
+    """One row per policy: step times relative to eager fp32 and bits against eager emulation."""
+    variants = {("fp32", False): Variant(name, None, False, batch, device),
+                ("fp32", True): Variant(name, None, True, batch, device)}
+    for pol in pols:
+        for c in (False, True):
+            variants[(pol, c)] = Variant(name, pol, c, batch, device)
+    times: dict = {k: [] for k in variants}
+    for _ in range(rounds):  # interleaved: a slow moment of the machine hits all alike
+        for k, v in variants.items():
+            times[k].append(timed(lambda v=v: [v.step() for _ in range(steps)], device) / steps)
+    med = {k: statistics.median(t) for k, t in times.items()}
+    base = med[("fp32", False)]
+    rows = []
+    fp32_bits = compare(variants[("fp32", False)].record, variants[("fp32", True)].record)
+    for pol in pols:
+        e, c = variants[(pol, False)], variants[(pol, True)]
+        rows.append({"model": name, "policy": pol, "batch": batch, "fp32_eager_ms": 1000 * base,
+                     "fp32_compiled": med[("fp32", True)] / base,
+                     "emulated_eager": med[(pol, False)] / base,
+                     "emulated_compiled": med[(pol, True)] / base,
+                     "compiled_emulated_vs_compiled_fp32": med[(pol, True)] / med[("fp32", True)],
+                     "fp32_compiled_vs_eager_bits": fp32_bits,
+                     "bits": compare(e.record, c.record) if c.reason is None else
+                     f"eager fallback: {c.reason}"})
+    return rows
 
 
 def main() -> None:
@@ -97,38 +154,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    if a.device == "cpu":
+        torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    print(f"# {platform.processor() or platform.machine()}, "
-          f"{torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, 1 thread, "
-          f"batch {a.batch}")
+    where = (torch.cuda.get_device_name(0) if a.device == "cuda" else
+             f"{platform.processor() or platform.machine()}, "
+             f"{torch.backends.cpu.get_cpu_capability()}, 1 thread")
+    print(f"# {where}, torch {torch.__version__}, batch {a.batch}")
     print("| model | policy | fp32 compiled | emulated eager | emulated compiled | "
           "compiled vs eager emulation (3 steps) |")
     print("|---|---|---|---|---|---|")
     for name in a.models.split(","):
-        pols = a.policies.split(",")
-        variants = {("fp32", False): Variant(name, None, False, a.batch),
-                    ("fp32", True): Variant(name, None, True, a.batch)}
-        for pol in pols:
-            for c in (False, True):
-                variants[(pol, c)] = Variant(name, pol, c, a.batch)
-        times: dict = {k: [] for k in variants}
-        for _ in range(a.rounds):  # interleaved: a slow moment of the machine hits all alike
-            for k, v in variants.items():
-                t = time.perf_counter()
-                for _ in range(a.steps):
-                    v.step()
-                times[k].append((time.perf_counter() - t) / a.steps)
-        med = {k: statistics.median(t) for k, t in times.items()}
-        base = med[("fp32", False)]
-        for pol in pols:
-            e, c = variants[(pol, False)], variants[(pol, True)]
-            note = compare(e.record, c.record) if c.reason is None else \
-                f"eager fallback: {c.reason}"
-            print(f"| {name} | {pol} | {med[('fp32', True)] / base:.2f}x | "
-                  f"{med[(pol, False)] / base:.2f}x | {med[(pol, True)] / base:.2f}x | {note} |")
-        print(f"| {name} | fp32 eager ms/step | {1000 * base:.1f} | | | |")
+        rows = measure(name, a.policies.split(","), a.batch, a.steps, a.rounds, a.device)
+        for r in rows:
+            print(f"| {name} | {r['policy']} | {r['fp32_compiled']:.2f}x | "
+                  f"{r['emulated_eager']:.2f}x | {r['emulated_compiled']:.2f}x | {r['bits']} |")
+        print(f"| {name} | fp32 eager ms/step | {rows[0]['fp32_eager_ms']:.1f} | | | "
+              f"fp32 compiled vs eager: {rows[0]['fp32_compiled_vs_eager_bits']} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ measure it), speed and fidelity are.
    native class differs from the fp32 class is a violation (there must be none).
 4. **quantize throughput** on the GPU (the plain-torch path: the C kernel is CPU-only), nearest
    and stochastic, against ``x.clone()`` and ``x.half().float()``.
+5. **The fused rounding in Triton**: ``quantize`` compiled on the GPU (the int32 decomposition of
+   lowprec.numerics.fused, which Inductor turns into Triton code) against eager ``quantize`` on
+   the GPU and the C kernel on the CPU, bit for bit, for every format family and rounding mode of
+   tests/numerics/test_fused_rounding.py, stochastic included (same seed tensor).
+6. **Compiled emulation on the GPU**: ``Precision(..., compile=True)`` with the emulated backend
+   against eager emulation there (bits of 3 SGD steps) and the step times of eager and compiled
+   fp32, eager and compiled emulation (benchmarks/compiled_emulation.py with ``--device cuda``).
 """
 
 from __future__ import annotations
@@ -62,9 +69,22 @@ SPECS = {"16-true": "p=fp16,c=fp16,g=fp16,o=fp16", "bf16-true": "p=bf16,c=bf16,g
 FULL = dict(cnn_batch=1024, gpt_batch=32, gpt=dict(vocab=8192, d=512, layers=6, heads=8,
             ctx=256), steps=10, rounds=5, warmup=3, fid_batch=64, cert_n=4096,
             q_elems=1 << 26, q_reps=20)
+FULL.update(fused_random=1 << 20, fused_budget_s=150, comp_models=("lenet", "resnet20", "transformer"),
+            comp_policies=("16-true",), comp_batch=256, comp_steps=5,
+            comp_rounds=5)
 DRY = dict(cnn_batch=4, gpt_batch=2, gpt=dict(vocab=64, d=32, layers=1, heads=2, ctx=16),
            steps=1, rounds=1, warmup=1, fid_batch=2, cert_n=16, q_elems=1 << 12, q_reps=2,
-           step_models=("resnet20", "gpt"))
+           step_models=("resnet20", "gpt"), fused_random=1 << 10, fused_budget_s=0,
+           comp_models=("mlp",), comp_policies=("16-true",), comp_batch=8, comp_steps=1,
+           comp_rounds=1)
+# the format families and modes of tests/numerics/test_fused_rounding.py, one of each kind
+# first (a compile each: the section checks formats until its time budget is spent)
+FUSED_SPECS = ["e5m10-nosub", "e4m3fnuz", "e3m2-ovnan", "int<8>", "mxfp4",
+               "block<e2m1fn,16,axis=0>", "e4m3-sat", "e5m2fnuz", "e3m0", "e2m3fn",
+               "e4m3-nosub-sat", "tf32", "e8m23", "uq4.4", "fixed<8,3>", "mxfp8_e5m2",
+               "mxfp6_e3m2", "mxint8", "fp16", "bf16", "e4m3fn", "q2.14", "binary",
+               "mxfp8_e4m3", "e5m2", "e2m1fn"]
+FUSED_MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic", "sr4", "sr1"]
 
 
 def _models(sz: dict):
@@ -91,17 +111,9 @@ class Timer:
         self.cuda = dev.type == "cuda"
 
     def __call__(self, fn) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            return a.elapsed_time(b) / 1000
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        from compiled_emulation import timed
+
+        return timed(fn, "cuda" if self.cuda else "cpu")
 
 
 # -- 1. step time ---------------------------------------------------------------------------
@@ -191,9 +203,15 @@ def fidelity(dev, sz, models, log) -> list[dict]:
                     p.copy_(p.to(dtype).float())
             if x.is_floating_point():
                 x = x.to(dtype).float()
-            r = {k: _run(model, x, y, k, policy, dev) for k in ("native", "emulated", "fp32",
-                                                                 "float64")}
-            r["emulated_cpu"] = _run(model, x, y, "emulated", policy, torch.device("cpu"))
+            try:  # one model failing must not lose the others' rows
+                r = {k: _run(model, x, y, k, policy, dev)
+                     for k in ("native", "emulated", "fp32", "float64")}
+                r["emulated_cpu"] = _run(model, x, y, "emulated", policy, torch.device("cpu"))
+            except Exception as err:  # noqa: BLE001 (recorded in the row)
+                traceback.print_exc()
+                rows.append({"model": name, "policy": policy,
+                             "part": f"error: {type(err).__name__}: {err}"[:300]})
+                continue
             d = lambda a, b: float((a - b).norm())  # noqa: E731
             for i, part in enumerate(("forward", "grads")):
                 fp32_gap = d(r["fp32"][i], r["native"][i]) or float("nan")
@@ -208,6 +226,87 @@ def fidelity(dev, sz, models, log) -> list[dict]:
             log(f"fidelity {name} {policy}: " + ", ".join(
                 f"{row['part']} {row['emulated_gpu_vs_native']:.3f} (cpu "
                 f"{row['emulated_cpu_vs_native']:.3f})" for row in rows[-2:]))
+    return rows
+
+
+# -- 2b. fidelity op by op ------------------------------------------------------------------
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _ops():
+    """name -> (module builder, input shape): one op each, as the models use them."""
+    nn = torch.nn
+    return {"linear": (lambda: nn.Linear(256, 256), (64, 256)),
+            "conv3x3": (lambda: nn.Conv2d(16, 16, 3, padding=1), (32, 16, 16, 16)),
+            "conv1x1": (lambda: nn.Conv2d(64, 64, 1), (32, 64, 8, 8)),
+            "batchnorm (train)": (lambda: nn.BatchNorm2d(16), (32, 16, 16, 16)),
+            "layernorm": (lambda: nn.LayerNorm(256), (64, 256)),
+            "softmax": (lambda: _Fn(lambda x: x.softmax(-1)), (64, 256)),
+            "gelu": (lambda: nn.GELU(), (64, 256)),
+            "x + x*x": (lambda: _Fn(lambda x: x + x * x), (64, 256)),
+            "sum(-1)": (lambda: _Fn(lambda x: x.sum(-1)), (64, 256)),
+            "bmm": (lambda: _Fn(lambda x: x @ x.transpose(-1, -2)), (8, 64, 64))}
+
+
+def fidelity_ops(dev, sz, log) -> list[dict]:
+    """Each op alone, fp16 and bf16: the share of output and input-gradient elements whose bits
+    the emulation (on the device, and on the CPU) gives as the device's native kernel does, and
+    as the CPU's native kernel does (what the emulation is built to match)."""
+    rows = []
+    for name, (make, shape) in _ops().items():
+        for policy, dtype in NATIVE.items():
+            g = torch.Generator().manual_seed(3)
+            x = torch.randn(shape, generator=g).to(dtype).float()
+            w = torch.randn(shape[:1], generator=g)
+            torch.manual_seed(0)
+            base = make()
+            with torch.no_grad():
+                for prm in base.parameters():
+                    prm.copy_(prm.to(dtype).float())
+
+            def run(where, emulated):
+                m = copy.deepcopy(base).to(where)
+                if emulated:
+                    m, _ = Precision(SPECS[policy] + ",b=emulated").setup(m)
+                else:
+                    m = m.to(dtype)
+                xi = x.to(where, torch.float32 if emulated else dtype, copy=True)
+                xi.requires_grad_(True)
+                out = m(xi)
+                wo = w.to(where, out.dtype).reshape(-1, *[1] * (out.dim() - 1))
+                (out * wo).sum().backward()
+                return out.detach().to(dtype).cpu(), xi.grad.to(dtype).cpu()
+
+            try:
+                res = {"native": run(dev, False), "emulated": run(dev, True),
+                       "cpu_native": run(torch.device("cpu"), False),
+                       "cpu_emulated": run(torch.device("cpu"), True)}
+            except Exception as err:  # noqa: BLE001 (recorded in the row)
+                rows.append({"op": name, "policy": policy,
+                             "part": f"error: {type(err).__name__}: {err}"[:200]})
+                continue
+            same = lambda a, b: float((a.view(torch.int16) == b.view(torch.int16))  # noqa: E731
+                                      .float().mean())
+            for i, part in enumerate(("forward", "input grad")):
+                rows.append({"op": name, "policy": policy, "part": part,
+                             "emulated_gpu_eq_native_gpu": same(res["emulated"][i],
+                                                                res["native"][i]),
+                             "emulated_cpu_eq_native_gpu": same(res["cpu_emulated"][i],
+                                                                res["native"][i]),
+                             "emulated_cpu_eq_native_cpu": same(res["cpu_emulated"][i],
+                                                                res["cpu_native"][i]),
+                             "native_cpu_eq_native_gpu": same(res["cpu_native"][i],
+                                                              res["native"][i])})
+        log(f"ops {name}: " + ", ".join(
+            f"{r['policy']} {r['part']} {r.get('emulated_gpu_eq_native_gpu', float('nan')):.4f}"
+            for r in rows if r["op"] == name))
     return rows
 
 
@@ -245,6 +344,8 @@ def certificate(dev, sz, models, log) -> list[dict]:
 # -- 4. quantize throughput -----------------------------------------------------------------
 
 def quantize_speed(dev, sz, log) -> list[dict]:
+    from lowprec.numerics.quantize import seed_tensor
+
     x = torch.randn(sz["q_elems"], device=dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     timer = Timer(dev)
@@ -253,7 +354,13 @@ def quantize_speed(dev, sz, log) -> list[dict]:
              "quantize bf16 nearest": lambda: lowprec.quantize(x, "bf16"),
              "quantize e4m3fn nearest": lambda: lowprec.quantize(x, "e4m3fn"),
              "quantize fp16 stochastic": lambda: lowprec.quantize(x, "fp16", "stochastic",
-                                                                  generator=gen)}
+                                                                  generator=gen),
+             "quantize mxfp8_e4m3 nearest": lambda: lowprec.quantize(x, "mxfp8_e4m3")}
+    seed = seed_tensor(gen)
+    for spec, mode in (("e4m3fn", "nearest"), ("fp16", "stochastic"), ("mxfp8_e4m3", "nearest")):
+        fn = torch.compile(lambda x, s, spec=spec, mode=mode: lowprec.quantize(x, spec, mode,
+                                                                            seed=s))
+        cases[f"compiled quantize {spec} {mode}"] = lambda fn=fn: fn(x, seed)
     rows, base = [], None
     for name, fn in cases.items():
         fn()
@@ -262,6 +369,79 @@ def quantize_speed(dev, sz, log) -> list[dict]:
         rows.append({"op": name, "elements": x.numel(), "ms": 1000 * t,
                      "GB_per_s": 8 * x.numel() / t / 1e9, "speed_vs_clone": base / t})
     log("quantize: " + ", ".join(f"{r['op']} {r['speed_vs_clone']:.2f}x" for r in rows))
+    return rows
+
+
+# -- 5. the fused rounding, compiled to Triton ------------------------------------------------
+
+def fused(dev, sz, log) -> list[dict]:
+    import numpy as np
+
+    from lowprec.numerics.quantize import seed_tensor
+
+    g = np.random.default_rng(7)
+    # random bit patterns (NaN payloads, subnormals, Infs), every float16 value, and a 2-d
+    # shape whose rows hold whole MX blocks of 32 (block formats are tiled along the last axis)
+    pats = np.concatenate([g.integers(0, 2**32, sz["fused_random"], dtype=np.uint64)
+                           .astype(np.uint32).view(np.float32),
+                           np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)])
+    x_cpu = torch.from_numpy(pats).reshape(-1, 64)
+    x = x_cpu.to(dev)
+    seed = seed_tensor(torch.Generator().manual_seed(3))
+    rows, start = [], time.perf_counter()
+    for spec in FUSED_SPECS:
+        if rows and time.perf_counter() - start > sz["fused_budget_s"]:
+            log(f"fused: time budget spent after {len(rows)} of {len(FUSED_SPECS)} formats")
+            break
+        t = time.perf_counter()
+        torch._dynamo.reset()  # the same code object each time: no recompile limit
+
+        def all_modes(x, seed, spec=spec):  # one graph per format: every mode's rounding
+            return [lowprec.quantize(x, spec, m, seed=seed) for m in FUSED_MODES]
+        compiled = torch.compile(all_modes, fullgraph=True, dynamic=False)
+        got = compiled(x, seed.to(dev))
+        took = time.perf_counter() - t
+        bad_gpu, bad_cpu = [], []
+        for m, y in zip(FUSED_MODES, got):
+            eager = lowprec.quantize(x, spec, m, seed=seed.to(dev))
+            kernel = lowprec.quantize(x_cpu, spec, m, seed=seed)
+            yb = y.cpu().view(torch.int32)
+            if not torch.equal(yb, eager.cpu().view(torch.int32)):
+                bad_gpu.append(m)
+            if not torch.equal(yb, kernel.view(torch.int32)):
+                bad_cpu.append(m)
+        rows.append({"format": spec, "modes": len(FUSED_MODES), "elements": x.numel(),
+                     "compiled_vs_eager_gpu": "identical" if not bad_gpu else
+                     "differ: " + " ".join(bad_gpu),
+                     "compiled_gpu_vs_cpu_kernel": "identical" if not bad_cpu else
+                     "differ: " + " ".join(bad_cpu), "compile_s": took})
+        log(f"fused {spec}: gpu {rows[-1]['compiled_vs_eager_gpu']}, cpu kernel "
+            f"{rows[-1]['compiled_gpu_vs_cpu_kernel']} ({took:.1f} s)")
+    return rows
+
+
+# -- 6. compiled emulation ------------------------------------------------------------------
+
+def compiled(dev, sz, log) -> list[dict]:
+    import warnings
+
+    from compiled_emulation import measure
+
+    rows = []
+    for name in sz["comp_models"]:
+        try:  # one model failing must not lose the others' rows
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows += measure(name, list(sz["comp_policies"]), sz["comp_batch"],
+                                sz["comp_steps"], sz["comp_rounds"], dev.type)
+        except Exception as err:  # noqa: BLE001 (recorded in the row)
+            traceback.print_exc()
+            rows.append({"model": name, "bits": f"error: {type(err).__name__}: {err}"[:300]})
+            continue
+        log("compiled " + "; ".join(
+            f"{r['model']} {r['policy']}: eager {r['emulated_eager']:.2f}x, compiled "
+            f"{r['emulated_compiled']:.2f}x (fp32 compiled {r['fp32_compiled']:.2f}x), "
+            f"{r['bits']}" for r in rows if r["model"] == name))
     return rows
 
 
@@ -284,11 +464,23 @@ def markdown(res: dict) -> str:
                 ("Fidelity: |emulated - native| / |fp32 - native| (0 = bit-exact)", "fidelity",
                  ["model", "policy", "part", "emulated_gpu_vs_native", "emulated_cpu_vs_native",
                   "emulated_cpu_vs_gpu", "bitexact_gpu", "error_vs_float64"]),
+                ("Fidelity op by op: share of elements with the native kernel's bits", "ops",
+                 ["op", "policy", "part", "emulated_gpu_eq_native_gpu",
+                  "emulated_cpu_eq_native_gpu", "emulated_cpu_eq_native_cpu",
+                  "native_cpu_eq_native_gpu"]),
                 ("Certificate: certified inputs against native fp16 on the device",
                  "certificate", ["model", "certified_on", "inputs", "certified",
                                  "native_changed_class", "violations"]),
                 ("quantize throughput", "quantize",
-                 ["op", "elements", "ms", "GB_per_s", "speed_vs_clone"])]
+                 ["op", "elements", "ms", "GB_per_s", "speed_vs_clone"]),
+                ("Fused rounding compiled (Triton on a GPU) against eager and the CPU kernel",
+                 "fused", ["format", "modes", "elements", "compiled_vs_eager_gpu",
+                           "compiled_gpu_vs_cpu_kernel", "compile_s"]),
+                ("Compiled emulation (step time relative to eager fp32; bits against eager "
+                 "emulation over 3 steps)", "compiled",
+                 ["model", "policy", "batch", "fp32_eager_ms", "fp32_compiled", "emulated_eager",
+                  "emulated_compiled", "compiled_emulated_vs_compiled_fp32", "bits",
+                  "fp32_compiled_vs_eager_bits"])]
     for title, key, cols in sections:
         md += [f"## {title}", ""]
         if key in res["errors"]:
@@ -307,7 +499,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU (a smoke test)")
-    ap.add_argument("--only", default="steps,fidelity,certificate,quantize",
+    ap.add_argument("--only",
+                    default="steps,fidelity,ops,certificate,quantize,fused,compiled",
                     help="comma-separated sections (default: all)")
     args = ap.parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
@@ -336,8 +529,11 @@ def main(argv=None) -> int:
     wanted = [s.strip() for s in args.only.split(",") if s.strip()]
     runs = {"steps": lambda: step_times(dev, sz, models, log),
             "fidelity": lambda: fidelity(dev, sz, models, log),
+            "ops": lambda: fidelity_ops(dev, sz, log),
             "certificate": lambda: certificate(dev, sz, models, log),
-            "quantize": lambda: quantize_speed(dev, sz, log)}
+            "quantize": lambda: quantize_speed(dev, sz, log),
+            "fused": lambda: fused(dev, sz, log),
+            "compiled": lambda: compiled(dev, sz, log)}
     unknown = [s for s in wanted if s not in runs]
     if unknown:
         ap.error(f"--only {','.join(unknown)}: accepted {', '.join(runs)}")

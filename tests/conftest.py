@@ -50,11 +50,15 @@ def pytest_configure(config):
 def _quantize_on(device: str) -> None:
     """Route lowprec.quantize / quantize_ through ``device`` (before test modules import it)."""
     import functools
+    import importlib
 
     import torch
 
     import lowprec
-    from lowprec.numerics import quantize as qmod
+    import lowprec.numerics
+
+    # the module: `from lowprec.numerics import quantize` is the function of that name
+    qmod = importlib.import_module("lowprec.numerics.quantize")
 
     def wrap(fn, in_place):
         @functools.wraps(fn)
@@ -74,6 +78,7 @@ def _quantize_on(device: str) -> None:
         wrapped = wrap(getattr(qmod, name), in_place)
         setattr(qmod, name, wrapped)
         setattr(lowprec, name, wrapped)
+        setattr(lowprec.numerics, name, wrapped)
 
 
 @pytest.fixture

@@ -41,8 +41,21 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(r["certified"] <= r["inputs"] for r in cert)
     ops = {r["op"] for r in data["quantize"]}
     assert {"x.clone()", "x.half().float()", "quantize fp16 nearest"} <= ops
+    # op by op: on the CPU the "device" is the CPU, so its native kernels are the CPU's
+    oprows = data["ops"]
+    assert {r["op"] for r in oprows} >= {"linear", "conv3x3", "layernorm", "softmax"}
+    assert all(r["native_cpu_eq_native_gpu"] == 1.0 and
+               r["emulated_gpu_eq_native_gpu"] == r["emulated_cpu_eq_native_cpu"]
+               for r in oprows)
+    # the rounding compiled (C++ here, Triton on a GPU) has the eager and kernel bits
+    fused = data["fused"]
+    assert fused and all(r["compiled_vs_eager_gpu"] == "identical" ==
+                         r["compiled_gpu_vs_cpu_kernel"] for r in fused)
+    (comp,) = data["compiled"]
+    assert comp["bits"] == "bit-identical" and comp["emulated_compiled"] > 0
     md = (tmp_path / "gpu.md").read_text()
-    for title in ("Step time", "Fidelity", "Certificate", "quantize throughput"):
+    for title in ("Step time", "Fidelity", "Certificate", "quantize throughput",
+                  "op by op", "Fused rounding compiled", "Compiled emulation"):
         assert title in md
 
 

@@ -246,3 +246,32 @@ def test_formats_the_decomposition_does_not_cover_keep_the_opaque_op():
 def test_bad_impl_is_named():
     with pytest.raises(ValueError, match="impl='fast'.*fused"):
         quantize(torch.ones(2), "fp16", impl="fast")
+
+
+@pytest.mark.parametrize("mode", ["nearest", "down", "stochastic", "sr4"])
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "e4m3fn", "e2m1fn", "q2.14", "mxfp8_e4m3",
+                                  "mxfp4", "block<e2m1fn,16,axis=0>"])
+def test_eager_quantize_on_a_gpu_takes_the_decomposition_with_the_kernels_bits(
+        spec, mode, monkeypatch):
+    # on a GPU, quantize rounds by the decomposition's ops over the whole tensor (the reference
+    # path's chunk loop launched thousands of kernels); here the CPU stands in for the GPU
+    import importlib
+
+    from lowprec.numerics import fused
+
+    qmod = importlib.import_module("lowprec.numerics.quantize")  # the module, not the function
+    calls = []
+    real = fused.quantize_fused
+    monkeypatch.setattr(qmod, "_on_accelerator", lambda x: True)
+    monkeypatch.setattr(fused, "quantize_fused", lambda *a: calls.append(a) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=g) * torch.logspace(-6, 6, 64)
+    x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), -0.0
+    for t in (x, x.t(), x.half()):
+        got = quantize(t, spec, mode, generator=torch.Generator().manual_seed(9))
+        monkeypatch.setattr(qmod, "_on_accelerator", lambda x: False)
+        want = quantize(t, spec, mode, generator=torch.Generator().manual_seed(9))
+        monkeypatch.setattr(qmod, "_on_accelerator", lambda x: True)
+        assert_same_bits(got, want, f"{spec} {mode} {t.dtype} {tuple(t.stride())}")
+    native = mode == "nearest" and spec in ("fp16", "bf16")  # torch's own cast stays
+    assert len(calls) == (0 if native else 3)

@@ -59,3 +59,27 @@ def test_injected_inf_is_skipped_and_matches_a_control_run(device):
     assert prec.trace[k]["scale"] == init * growth ** (k // interval)
     for a, b in zip(scaled.parameters(), control.parameters()):
         assert torch.equal(a, b)  # power-of-two scaling is exact in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("inv_scale", [1.0, 2.0**-10, 1 / 3, 65536.0])
+def test_the_unfused_check_is_torchs_fused_one(dtype, inv_scale):
+    # CUDA has no bfloat16 kernel of torch's fused check: Precision checks those gradients in
+    # plain ops, which must give torch's flag and torch's unscaled bits (its CPU kernel here)
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(n, generator=g).mul(2.0 ** torch.randint(-24, 12, (n,), generator=g))
+             .to(dtype) for n in (1, 7, 300)]  # fp16 subnormals too, no overflow
+    for case in ("finite", "inf", "nan"):
+        gs = [t.clone() for t in grads]
+        if case != "finite":
+            gs[1][3] = float(case)
+        ref, ref_found = [t.clone() for t in gs], torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found,
+                                                         torch.full((1,), inv_scale))
+        found = torch.zeros(1)
+        Precision._check_unfused(gs, found, inv_scale)
+        assert bool(found.item() > 0) == bool(ref_found.item() > 0) == (case != "finite")
+        bits = torch.int16 if dtype != torch.float32 else torch.int32
+        for a, b in zip(gs, ref):  # NaN payloads aside (a step with a NaN is skipped)
+            assert torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a[~a.isnan()].view(bits), b[~b.isnan()].view(bits))

@@ -107,6 +107,11 @@ def _use_kernel(x: torch.Tensor, impl: Impl) -> bool:
     return ok
 
 
+def _on_accelerator(x: torch.Tensor) -> bool:
+    """Whether ``quantize`` rounds ``x`` by the fused decomposition's ops eagerly (a GPU)."""
+    return x.device.type not in ("cpu", "meta")
+
+
 def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
                  out: torch.Tensor | None) -> torch.Tensor:
     ep = element_params(fmt)
@@ -274,7 +279,15 @@ def quantize(
             if not mode.is_stochastic and isinstance(fmt, (FloatFormat, FixedFormat)) and \
                     random_bits is None and impl == "auto" and _kernel.available():
                 _prepare(key, fmt, code, rmask)
-            if isinstance(fmt, BlockFormat):
+            if impl == "auto" and _on_accelerator(xf) and \
+                    not (code == 0 and fmt in _NATIVE_CASTS) and \
+                    xf.numel() <= _fused.max_numel(fmt):
+                # on a GPU: the fused decomposition's int32 ops over the whole tensor (a few
+                # dozen kernel launches; the reference path's chunk loop launched thousands)
+                keys = (torch.tensor(seed, dtype=torch.int64, device=xf.device)
+                        if mode.is_stochastic else None)
+                out = _fused.quantize_fused(xf, fmt, mode, rbits or 0, keys)
+            elif isinstance(fmt, BlockFormat):
                 out = _blocks(xf, fmt, code, rmask, seed, impl)
             elif isinstance(fmt, (FloatFormat, FixedFormat)):
                 out = _elementwise(xf, fmt, code, rmask, seed, impl, None)

@@ -338,11 +338,26 @@ class Precision:
         groups: dict = {}
         for g in grads:
             groups.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, _), gs in groups.items():
+        for (dev, dtype), gs in groups.items():
             f = torch.zeros(1, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                gs, f, torch.full((1,), inv_scale, device=dev))
+            if dev.type == "cpu" or dtype in (torch.float16, torch.float32, torch.float64):
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    gs, f, torch.full((1,), inv_scale, device=dev))
+            else:  # CUDA's fused check has no bfloat16 kernel (torch 2.11): the same in ops
+                Precision._check_unfused(gs, f, inv_scale)
             found += f.to(found.device)
+
+    @staticmethod
+    def _check_unfused(grads, found: torch.Tensor, inv_scale: float) -> None:
+        """:meth:`_check` in plain torch ops, for the dtypes and devices that have no fused
+        kernel: the same flag and, as the fused kernel computes it, each gradient multiplied
+        by ``inv_scale`` in float32 and rounded once to its dtype."""
+        for g in grads:
+            found += (~torch.isfinite(g)).any().float()
+        if inv_scale != 1.0:
+            for g in grads:
+                g.copy_(g.float() * torch.tensor(inv_scale, dtype=torch.float32,
+                                                 device=g.device))
 
     def _found_inf(self, params, scale_by: float) -> bool:
         """Round the gradients as parameter-format storage holds them (emulated 16-bit

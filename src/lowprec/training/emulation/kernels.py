@@ -503,7 +503,7 @@ class _LayerNorm(torch.autograd.Function):
         m = X.shape[0]
         a, mu = rstd.reshape(-1, 1), mean.reshape(-1, 1)
         scale = torch.tensor(1.0 / n, dtype=torch.float32)
-        g = weight.reshape(1, n) if weight is not None else torch.ones(1, n)
+        g = weight.reshape(1, n) if weight is not None else torch.ones(1, n, device=x.device)
         dgy = dY * g
         ds, db = (dgy * X).sum(-1, keepdim=True), dgy.sum(-1, keepdim=True)
         b = (db * mu - ds) * a * a * a * scale
@@ -523,7 +523,7 @@ class _LayerNorm(torch.autograd.Function):
             xh = (a * X + (-a * mu)) * dY  # dy * (a*x + b'), fp32, per row
             rows = torch.nn.functional.pad(torch.cat([xh, dY], 1), (0, 0, 0, pad))
             rows = rows.reshape(threads, chunk, 2 * n).transpose(0, 1).contiguous()
-            buf = torch.zeros(threads, 2 * n)  # [dgamma | dbeta] buffers, one row per thread
+            buf = torch.zeros(threads, 2 * n, device=x.device)  # [dgamma | dbeta], a row a thread
             for r in range(chunk):  # sequential: each add rounded to the 16-bit buffer
                 buf = act(buf + rows[r])
             tot = stat(buf.sum(0))
