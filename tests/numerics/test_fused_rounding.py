@@ -264,6 +264,8 @@ def test_eager_quantize_on_a_gpu_takes_the_decomposition_with_the_kernels_bits(
     real = fused.quantize_fused
     monkeypatch.setattr(qmod, "_on_accelerator", lambda x: True)
     monkeypatch.setattr(fused, "quantize_fused", lambda *a: calls.append(a) or real(*a))
+    # the CPU fast path (arguments an earlier call prepared) is for CPU tensors only
+    monkeypatch.setattr(qmod, "_PREPARED", {})
     g = torch.Generator().manual_seed(2)
     x = torch.randn(32, 64, generator=g) * torch.logspace(-6, 6, 64)
     x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), -0.0

@@ -4,6 +4,7 @@ with every rounding of the eager engine in the graph, and gives the eager engine
 outputs, gradients and parameters after 3 optimizer steps, compared with ``torch.equal`` on
 float32 bit patterns. One model compiled per test (an Inductor compile takes 10-60 s here)."""
 
+import dataclasses
 import importlib.util
 import sys
 import warnings
@@ -18,6 +19,7 @@ from helpers import assert_same_bits
 from lowprec import Precision, quantize
 from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier
 from lowprec.training.backends import BackendChoiceWarning
+from lowprec.training.policy import Backend, parse_policy
 from lowprec.training.emulation.compiled import CompiledForward, compile_model
 from lowprec.training.tree import call_model, output_tensor
 
@@ -38,6 +40,12 @@ MODELS = {
 }
 
 
+def _emu(policy: str):
+    """``policy`` on the emulated backend: ``auto`` runs bf16 natively on a CPU with AVX512-BF16
+    or AMX (and fp16 with AMX-FP16), where there is no emulation to compile."""
+    return dataclasses.replace(parse_policy(policy), backend=Backend.EMULATED)
+
+
 def _batch(shape):
     g = torch.Generator().manual_seed(1)
     return torch.randn(*shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g)
@@ -50,7 +58,7 @@ def _train(name, policy, steps=3, **precision):
     torch.manual_seed(0)
     model = build()
     x, y = _batch(shape)
-    prec = Precision(policy, **precision)
+    prec = Precision(_emu(policy), **precision)
     with warnings.catch_warnings():
         # the backend auto chose (emulated on this CPU)
         warnings.simplefilter("ignore", BackendChoiceWarning)
@@ -100,7 +108,7 @@ def test_dynamo_takes_the_model_as_one_graph_and_an_outer_compile_keeps_the_bits
     torch.manual_seed(0)
     build, shape = MODELS["lenet"]
     model, (x, _) = build(), _batch(shape)
-    prec = Precision("16-true", compile=True)
+    prec = Precision(_emu("16-true"), compile=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, _ = prec.setup(model)
@@ -145,7 +153,7 @@ def test_a_model_that_breaks_the_graph_falls_back_once_with_the_reason():
     for compile in (False, True):
         torch.manual_seed(0)
         model = _DataDependent()
-        prec = Precision("bf16-true", compile=compile)
+        prec = Precision(_emu("bf16-true"), compile=compile)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, _ = prec.setup(model)
@@ -162,7 +170,7 @@ def test_a_model_that_breaks_the_graph_falls_back_once_with_the_reason():
 
 def test_bad_arguments_are_refused():
     torch.manual_seed(0)
-    prec = Precision("16-true")
+    prec = Precision(_emu("16-true"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prec.setup(MLP((4,), 2, hidden=(3,)))
@@ -186,7 +194,7 @@ def _zoo():
 def _train_entry(entry, policy, compile, steps=3):
     model = entry.build()
     inputs, targets = entry.batch()
-    prec = Precision(policy, compile=compile)
+    prec = Precision(_emu(policy), compile=compile)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BackendChoiceWarning)
         model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
@@ -236,7 +244,7 @@ def test_a_copy_of_a_compiled_model_runs_its_own_weights_and_its_twin_the_plain_
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    prec = Precision("bf16-true", compile=True)
+    prec = Precision(_emu("bf16-true"), compile=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BackendChoiceWarning)
         model, _ = prec.setup(model)

@@ -234,13 +234,15 @@ BACKWARD_OPS = {
     # attention: cpu_flash_attention_backward replayed (kernels._FlashAttention); dQ's
     # rowsum(dO * O) against dO @ V^T cancels where a row attends to one key, and the
     # kernel's fp32 sums run in their own order: measured 1 unit on 1-2 of 1280 fp16
-    # gradients, 0.008 units at the scale of the largest (bf16: 0)
+    # gradients, 0.008 units at the scale of the largest (bf16: 0); the grouped case on an
+    # AVX512 EPYC (16-lane vectors sum in another order than AVX2's 8): dQ 4 of 1280 by one
+    # unit (0.125 at the largest's scale), dK 6 of 640 by up to two (0.5), dV and bf16 exact
     "sdpa_causal_40": (lambda a: F.scaled_dot_product_attention(a["Q"], a["K"], a["V"],
                                                                 is_causal=True),
                        ("Q", "K", "V"), "scale", 0.1, "flash backward, fp32 sums' order"),
     "sdpa_grouped": (lambda a: F.scaled_dot_product_attention(a["Q"], a["Kg"], a["Vg"],
                                                               enable_gqa=True),
-                     ("Q", "Kg", "Vg"), "scale", 0.1,
+                     ("Q", "Kg", "Vg"), "scale", 0.5,
                      "flash backward; dK/dV summed over the group's heads in 16 bits"),
     # a mask that needs a gradient (T5's position bias): the math path, fp32 inside, each
     # input's gradient rounded where native casts it back (the mask's after its batch sum)
@@ -629,10 +631,14 @@ def test_every_recurrent_option_tracks_the_native_16_bit_layer(case, policy):
             pol = dataclasses.replace(parse_policy(policy), backend=Backend.EMULATED)
             m, _ = Precision(pol).setup(m)
         torch.manual_seed(7)
-        out = m(xm)
-        rng[mode] = torch.get_rng_state()
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-        (out * w.to(out.dtype)).sum().backward()
+        # ATen's own recurrent kernels: with AVX512-BF16 or AMX, torch sends a bf16 nn.LSTM
+        # to oneDNN's (other roundings, and not what an AVX2 CPU or a GPU runs), which the
+        # replay does not model (2.1-2.9x fp32's distance there)
+        with torch.backends.mkldnn.flags(enabled=False):
+            out = m(xm)
+            rng[mode] = torch.get_rng_state()
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+            (out * w.to(out.dtype)).sum().backward()
         runs[mode] = [out.detach().double(),
                       torch.cat([p.grad.to(dtype).double().flatten() for p in m.parameters()])]
     assert torch.equal(rng["emulated"], rng["native"])

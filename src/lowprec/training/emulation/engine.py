@@ -116,6 +116,13 @@ def parse_override(value, base: Policy) -> Rule:
 _NAMES: dict = {}
 
 
+def _widened(t):
+    """A float16 or bfloat16 tensor as float32 (exact; its gradient flows back in its dtype)."""
+    if torch.is_tensor(t) and t.dtype in (torch.float16, torch.bfloat16):
+        return t.float()
+    return t
+
+
 def _warn_if_compiling(module, args) -> None:
     if torch.compiler.is_compiling():
         warnings.warn("lowprec: an emulated policy runs the model eagerly under torch.compile "
@@ -529,10 +536,13 @@ class Emulation:
             self._entered.append(enter)
             if not enter:
                 return None
+            pure = rule.active and rule.scope == "all"
+            if pure:  # real 16-bit inputs, as a model.half() run takes them: their exact fp32
+                args, kwargs = _map(_widened, (args, kwargs))  # (before the mode: no island)
             self._mode.__enter__()
             self._depth += 1
             self._param_sums = {}
-            if rule.active and rule.scope == "all":  # the model's floating inputs
+            if pure:  # the model's floating inputs
                 return (_map(lambda t: self._in(t, rule, "input"), args),
                         _map(lambda t: self._in(t, rule, "input"), kwargs))
             return None
