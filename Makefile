@@ -50,8 +50,9 @@ bench: $(STAMP)
 	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[bench]" && $(PY) benchmarks/peers.py
 
 # On a machine lent a GPU, with that image's own python and torch (no venv, no network): the
-# GPU measurements (under 8 minutes), then the device-independent tests on CUDA. Results in
-# $(GPU_OUT)/gpu.json and gpu.md.
+# GPU measurements (about 8 minutes on an H200), then the device-independent tests on CUDA.
+# Results in $(GPU_OUT)/gpu.json and gpu.md. That image has no gfloat (test_quantize_exact
+# imports it): carry its wheel (the device tool's README says how) or its tests are not collected.
 GPU_OUT ?= benchmarks/gpu
 bench-gpu:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu.py --out $(GPU_OUT)

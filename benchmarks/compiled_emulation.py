@@ -12,9 +12,9 @@ largest difference in fp32 ulps. One thread; compile time is left out of the ste
         [--policies 16-true,bf16-true,16-mixed] [--batch 64] [--steps 5] [--rounds 5]
         [--device cuda]
 
-On a GPU (``--device cuda``; benchmarks/gpu.py runs it there) the policies are forced onto the
-emulated backend (``b=emulated``: on a GPU ``auto`` runs 16-bit natively), the rounding compiles
-to Triton, and step times come from CUDA events after a synchronize.
+The policies run on the emulated backend (``b=emulated``), whatever ``auto`` would choose here.
+On a GPU (``--device cuda``; benchmarks/gpu.py runs it there) the rounding compiles to Triton
+and step times come from CUDA events after a synchronize.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Variant:
         self.x = torch.randn(batch, *shape, generator=g).to(device)
         self.y = torch.randint(0, 10, (batch,), generator=g).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        if policy is not None and device != "cpu":  # auto would run 16-bit natively on a GPU
+        if policy is not None:  # auto runs 16-bit natively on a GPU (and bf16 on AVX512-BF16)
             policy = dataclasses.replace(parse_policy(policy), backend="emulated")
         self.prec = Precision("32-true" if policy is None else policy,
                               compile=compiled and policy is not None)

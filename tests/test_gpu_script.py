@@ -43,6 +43,7 @@ def test_dry_run_writes_every_section(tmp_path):
     assert {"x.clone()", "x.half().float()", "quantize fp16 nearest"} <= ops
     # op by op: on the CPU the "device" is the CPU, so its native kernels are the CPU's
     oprows = data["ops"]
+    assert not [r for r in oprows if str(r["part"]).startswith("error")], oprows
     assert {r["op"] for r in oprows} >= {"linear", "conv3x3", "layernorm", "softmax"}
     assert all(r["native_cpu_eq_native_gpu"] == 1.0 and
                r["emulated_gpu_eq_native_gpu"] == r["emulated_cpu_eq_native_cpu"]

@@ -277,3 +277,26 @@ def test_eager_quantize_on_a_gpu_takes_the_decomposition_with_the_kernels_bits(
         assert_same_bits(got, want, f"{spec} {mode} {t.dtype} {tuple(t.stride())}")
     native = mode == "nearest" and spec in ("fp16", "bf16")  # torch's own cast stays
     assert len(calls) == (0 if native else 3)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "up", "stochastic", "sr4"])
+@pytest.mark.parametrize("spec", ["e4m3fn", "e5m10-nosub", "q2.14", "mxfp8_e4m3"])
+def test_eager_quantize_on_a_gpu_rounds_large_tensors_in_slices(spec, mode, monkeypatch):
+    # the decomposition's int32 temporaries take ~20x the input: on a GPU large tensors go
+    # in slices (elementwise formats, random words at their logical indices) or, for block
+    # formats, by the chunked reference path; the bits stay the kernel's
+    import importlib
+
+    qmod = importlib.import_module("lowprec.numerics.quantize")
+    monkeypatch.setattr(qmod, "_on_accelerator", lambda x: True)
+    monkeypatch.setattr(qmod, "_PREPARED", {})
+    monkeypatch.setattr(qmod, "_DEVICE_CHUNK", 1000)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 96, generator=g) * torch.logspace(-6, 6, 96)
+    x[0, 0], x[17, 50] = float("nan"), float("-inf")
+    for t in (x, x.t(), x[:, :64]):  # 3,840 and 2,560 elements: several slices, a short one
+        got = quantize(t, spec, mode, generator=torch.Generator().manual_seed(9))
+        monkeypatch.setattr(qmod, "_on_accelerator", lambda x: False)
+        want = quantize(t, spec, mode, generator=torch.Generator().manual_seed(9))
+        monkeypatch.setattr(qmod, "_on_accelerator", lambda x: True)
+        assert_same_bits(got, want, f"{spec} {mode} {tuple(t.shape)} {t.stride()}")
