@@ -202,17 +202,20 @@ def source_token() -> str:
     return h.hexdigest()[:16]
 
 
-def _index(shape, device) -> torch.Tensor:
+def _index(shape, device, offset: int = 0) -> torch.Tensor:
     n = 1
     for d in shape:
         n *= d
-    return torch.arange(n, dtype=torch.int32, device=device).reshape(shape)
+    return torch.arange(offset, offset + n, dtype=torch.int32, device=device).reshape(shape)
 
 
-def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed) -> torch.Tensor:
+def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed,
+                 offset: int = 0) -> torch.Tensor:
+    """``xf`` (contiguous when ``offset`` is given) rounded elementwise; ``offset``: the
+    logical index of its first element in the tensor it is a slice of (the random words')."""
     ep = element_params(fmt)
     u = xf.view(torch.int32)
-    r = random_words_i32(_index(xf.shape, xf.device), seed) if code == 5 else None
+    r = random_words_i32(_index(xf.shape, xf.device, offset), seed) if code == 5 else None
     return quantize_bits_i32(u, ep, code, rmask, r).view(torch.float32)
 
 

@@ -128,17 +128,12 @@ def _fused_on_device(xf: torch.Tensor, fmt, mode: Rounding, rbits: int, keys) ->
         code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
         seed = _keys_of(keys) if keys is not None else (0, 0)
         return _blocks(xf, fmt, code, rmask, seed, "torch")
-    ep, code = element_params(fmt), ROUNDING_CODES[mode]
-    rmask = random_mask(rbits) if mode.is_stochastic else 0
+    code, rmask = ROUNDING_CODES[mode], random_mask(rbits) if mode.is_stochastic else 0
     flat = xf.reshape(-1)  # row-major: the logical index of each element
     out = torch.empty_like(flat)
     for start in range(0, n, _DEVICE_CHUNK):
         stop = min(start + _DEVICE_CHUNK, n)
-        words = (_fused.random_words_i32(torch.arange(start, stop, dtype=torch.int32,
-                                                      device=xf.device), keys)
-                 if mode.is_stochastic else None)
-        out[start:stop] = _fused.quantize_bits_i32(flat[start:stop].view(torch.int32), ep, code,
-                                                   rmask, words).view(torch.float32)
+        out[start:stop] = _fused._elementwise(flat[start:stop], fmt, code, rmask, keys, start)
     return out.reshape(xf.shape)
 
 

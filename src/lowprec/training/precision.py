@@ -355,9 +355,9 @@ class Precision:
         for g in grads:
             found += (~torch.isfinite(g)).any().float()
         if inv_scale != 1.0:
+            s = torch.tensor(inv_scale, dtype=torch.float32, device=grads[0].device)
             for g in grads:
-                g.copy_(g.float() * torch.tensor(inv_scale, dtype=torch.float32,
-                                                 device=g.device))
+                g.copy_(g.float() * s)
 
     def _found_inf(self, params, scale_by: float) -> bool:
         """Round the gradients as parameter-format storage holds them (emulated 16-bit

@@ -267,13 +267,10 @@ def _vector_lanes() -> int:
 
 def _kernel_exp(d: torch.Tensor) -> torch.Tensor:
     e = torch.exp(d)
-    lanes = _vector_lanes()
-    n = d.shape[-1] // lanes * lanes if lanes else 0
-    if not n:
+    if not (_vector_lanes() and d.shape[-1] >= _vector_lanes()):
         return e
     with torch.no_grad():
-        fast = (fexp_u20(d.detach()) if n == d.shape[-1] else
-                torch.cat([fexp_u20(d[..., :n].detach()), e[..., n:].detach()], -1))
+        fast = _fexp_values(d.detach())
     return e + (fast - e).detach()  # the kernel's values; the gradient of exp
 
 
