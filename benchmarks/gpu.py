@@ -389,9 +389,10 @@ def fused(dev, sz, log) -> list[dict]:
     x = x_cpu.to(dev)
     seed = seed_tensor(torch.Generator().manual_seed(3))
     rows, start = [], time.perf_counter()
-    for spec in FUSED_SPECS:
+    specs = sz.get("fused_specs", FUSED_SPECS)
+    for spec in specs:
         if rows and time.perf_counter() - start > sz["fused_budget_s"]:
-            log(f"fused: time budget spent after {len(rows)} of {len(FUSED_SPECS)} formats")
+            log(f"fused: time budget spent after {len(rows)} of {len(specs)} formats")
             break
         t = time.perf_counter()
         torch._dynamo.reset()  # the same code object each time: no recompile limit
@@ -502,13 +503,26 @@ def main(argv=None) -> int:
     ap.add_argument("--only",
                     default="steps,fidelity,ops,certificate,quantize,fused,compiled",
                     help="comma-separated sections (default: all)")
+    ap.add_argument("--fused-specs", default=None,
+                    help="comma-separated formats for the fused section (default: its list)")
+    ap.add_argument("--comp-models", default=None,
+                    help="comma-separated models for the compiled section (default: its list)")
+    ap.add_argument("--comp-policies", default=None, type=lambda v: v.split(";"),
+                    help="semicolon-separated policies for the compiled section (default: "
+                    "16-true)")
     args = ap.parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
         print(f"benchmarks/gpu.py: no CUDA device here (torch {torch.__version__}); nothing "
               "measured (--dry runs it on the CPU at tiny sizes)")
         return 0
     dev = torch.device("cpu" if args.dry else "cuda")
-    sz = DRY if args.dry else FULL
+    sz = dict(DRY if args.dry else FULL)
+    if args.fused_specs:
+        sz["fused_specs"] = tuple(args.fused_specs.split(","))
+    if args.comp_models:
+        sz["comp_models"] = tuple(args.comp_models.split(","))
+    if args.comp_policies:
+        sz["comp_policies"] = tuple(args.comp_policies)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if dev.type == "cuda":

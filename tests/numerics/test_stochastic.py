@@ -208,3 +208,53 @@ def test_a_generator_that_is_not_one_is_a_type_error(where, gen):
         _generator_takers()[where](gen)
     msg = str(err.value)
     assert f"generator={gen!r}" in msg and "a torch.Generator" in msg and "\n" not in msg
+
+
+# -- keys derived from one base pair (lowprec.numerics.keys) ---------------------------------------
+@pytest.mark.parametrize("base", [(0, 0), (12345, 678), (2**32 - 1, 2**31 + 7)])
+def test_derived_keys_are_the_same_eagerly_and_as_tensor_ops(base):
+    """derive_keys as Python ints (eager emulation) and as int64 tensor ops (a graph), checked
+    against its definition computed here with numpy's uint32 arithmetic."""
+    from lowprec.numerics.keys import MAX_COUNTER, derive_keys
+
+    def mix(v):  # lowbias32 in numpy uint32, wrapping
+        v = np.uint32(v)
+        with np.errstate(over="ignore"):
+            v ^= v >> np.uint32(16)
+            v *= np.uint32(0x7FEB352D)
+            v ^= v >> np.uint32(15)
+            v *= np.uint32(0x846CA68B)
+        return v ^ (v >> np.uint32(16))
+
+    for c in (0, 1, 2, 1000, 2**20 + 3, MAX_COUNTER):
+        with np.errstate(over="ignore"):
+            h0 = mix(mix(2 * c) + np.uint32(0x9E3779B9))
+            h1 = mix(mix(2 * c + 1) + np.uint32(0x9E3779B9))
+            want = (int(np.uint32(base[0]) ^ h0), int(np.uint32(base[1]) + h1))
+        assert derive_keys(base, c) == want, c
+        t = derive_keys(torch.tensor(base, dtype=torch.int64), c)
+        assert t.dtype == torch.int64 and tuple(t.tolist()) == want, c
+    with pytest.raises(ValueError, match="key counter"):
+        derive_keys(base, MAX_COUNTER + 1)
+
+
+def test_derived_keys_give_independent_streams():
+    """Keys of consecutive counters round independently: the draws of 64 sites over one tensor
+    agree as often as two independent coins (fp16 at probability 1/2 of going up)."""
+    from lowprec.numerics.keys import derive_keys
+
+    x = torch.full((4096,), 1.0 + 2**-11)  # halfway between two fp16 values
+    ups = torch.stack([quantize(x, "fp16", "stochastic", seed=derive_keys((9, 4), c)) > 1
+                       for c in range(64)]).double()
+    assert abs(ups.mean().item() - 0.5) < 6 * 0.5 / math.sqrt(ups.numel())
+    same = (ups[:-1] == ups[1:]).double().mean(1)  # each pair of consecutive sites
+    assert (same - 0.5).abs().max().item() < 6 * 0.5 / math.sqrt(x.numel())
+
+
+def test_a_seed_may_be_two_ints_eagerly():
+    x = torch.randn(1000)
+    k = torch.tensor([5, 2**32 - 3])
+    assert_same_bits(quantize(x, "e4m3fn", "stochastic", seed=(5, 2**32 - 3)),
+                     quantize(x, "e4m3fn", "stochastic", seed=k), "a pair of ints")
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        quantize(x, "fp16", "stochastic", seed=(5, 2**32))

@@ -89,7 +89,10 @@ def _same_run(a, b, what):
 @pytest.mark.parametrize("name,policy", [
     ("mlp", "16-true"), ("lenet", "bf16-true"), ("transformer", "16-true"),
     ("mlp", "16-mixed"), ("lenet", "16-mixed"), ("transformer", "16-mixed"),
-    ("bncnn", "16-true"), ("bncnn", "16-mixed")])
+    ("bncnn", "16-true"), ("bncnn", "16-mixed"),
+    # stochastic rounding: one base pair of keys drawn per forward, a graph input, each
+    # rounding's keys derived from it in the graph as the eager engine derives them
+    ("mlp", "q6.10-sr"), ("transformer", "p=fp16,c=fp16:sr,g=fp16:sr")])
 def test_compiled_emulation_has_the_eager_bits(name, policy):
     eager = _train(name, policy)
     compiled = _train(name, policy, compile=True)
@@ -147,13 +150,15 @@ class _DataDependent(nn.Module):
         return self.fc(x)
 
 
-def test_a_model_that_breaks_the_graph_falls_back_once_with_the_reason():
+@pytest.mark.parametrize("policy", ["bf16-true", "p=fp16,c=fp16:sr,g=fp16:sr"])
+def test_a_model_that_breaks_the_graph_falls_back_once_with_the_reason(policy):
+    # stochastic rounding: the call that falls back rounds with the keys it drew already
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
     runs = []
     for compile in (False, True):
         torch.manual_seed(0)
         model = _DataDependent()
-        prec = Precision(_emu("bf16-true"), compile=compile)
+        prec = Precision(_emu(policy), compile=compile)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, _ = prec.setup(model)

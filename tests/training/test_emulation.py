@@ -232,6 +232,43 @@ def test_stochastic_rounding_follows_the_generator(device):
     assert torch.equal(outs[0], outs[1])
 
 
+class _Twice(nn.Module):
+    """One value rounded at two sites of one forward: ``x * c`` and ``c * x``."""
+
+    def forward(self, x):
+        c = 1.0 + 2**-11  # halfway between two fp16 values
+        return torch.stack([x * c, c * x])
+
+
+def test_a_forward_draws_one_base_pair_and_each_rounding_its_own_keys():
+    """Stochastic rounding in a model's forward: one draw from the generator per forward, from
+    which every rounding derives keys of its own (what compiled emulation derives in its graph):
+    two sites rounding the same values round them independently, consecutive forwards differ,
+    the same generator state gives the same bits, and the rounding stays unbiased, forward and
+    backward."""
+    x = torch.ones(4096)
+    prec = Precision("p=fp32,c=fp16:sr,g=fp16:sr,s=all,b=emulated", seed=3)
+    model, _ = prec.setup(_Twice())
+    state = prec.generator.get_state()
+    y = model(x)
+    up = (y > 1).double()
+    tol = 6 * 0.5 / 4096**0.5
+    assert abs(up.mean().item() - 0.5) < tol
+    assert abs((up[0] == up[1]).double().mean().item() - 0.5) < tol  # independent sites
+    y2 = model(x)
+    assert abs(((y2 > 1) == (y > 1)).double().mean().item() - 0.5) < tol  # the next forward
+    prec.generator.set_state(state)
+    assert_same_bits(model(x), y, "the same generator state")
+    # backward: each gradient rounding unbiased, so the input's gradient is in expectation
+    # the exact 2 * c * g, though its elements differ
+    xg = x.clone().requires_grad_()
+    g = 1.0 + 2**-11
+    model(xg).backward(torch.full((2, 4096), g))
+    assert xg.grad.unique().numel() > 1
+    err = (xg.grad.double().mean() - 2 * g * g).abs().item()
+    assert err < 6 * 2 * 2**-10 / 4096**0.5, err
+
+
 # -- torch.compile -------------------------------------------------------------------------------
 def test_quantize_is_a_custom_op_with_a_fake_implementation():
     op = quantize_op()

@@ -51,14 +51,28 @@ def test_sr4_keeps_its_bits_through_policy_and_spec():
     assert parse_policy("p=fp32,g=e5m2:sr").grad_rounding.bits == 32
 
 
-def test_training_draws_the_policys_random_bits():
+def test_training_draws_the_policys_random_bits(monkeypatch):
     """The gradient of the input of one emulated linear layer, rounded by the policy's backward
-    hooks, equals the same arithmetic written with ``quantize(..., "sr4")`` and the same
-    generator; with 8 bits it differs (so the bits do reach the kernel)."""
+    hooks, equals the same arithmetic written with ``quantize(..., "sr4")`` and the keys the
+    engine used, each derived from one draw of the Precision's generator for the forward
+    (lowprec.numerics.keys); with 8 bits it differs (so the bits do reach the kernel)."""
+    from lowprec.numerics.keys import derive_keys
+    from lowprec.numerics.quantize import draw_seed
+    from lowprec.training.emulation import engine
+
     torch.manual_seed(0)
     layer = nn.Linear(64, 32)
     x0 = torch.randn(16, 64)
     c = torch.randn(16, 32)
+    used = {}  # shape -> the keys its stochastic rounding used
+    real = engine.quantize
+
+    def recording(x, fmt, mode, **kw):
+        if kw.get("seed") is not None:
+            used[tuple(x.shape)] = kw["seed"]
+        return real(x, fmt, mode, **kw)
+
+    monkeypatch.setattr(engine, "quantize", recording)
 
     def input_grad(spec):
         model = copy.deepcopy(layer)
@@ -70,10 +84,13 @@ def test_training_draws_the_policys_random_bits():
         return x.grad
 
     got = input_grad("p=fp32,c=fp16,g=e5m2:sr4,s=matmul,b=emulated")
-    gen = torch.Generator().manual_seed(7)
-    dy = quantize(c, "e5m2", "sr4", generator=gen)          # the output's gradient
-    dx = dy @ quantize(layer.weight.detach(), "fp16")        # through the fp16 weight
-    expected = quantize(dx, "e5m2", "sr4", generator=gen)    # the input's gradient
+    base = draw_seed(torch.Generator().manual_seed(7))  # the forward's one draw
+    derived = {derive_keys(base, n) for n in range(64)}
+    assert set(used) == {(16, 32), (16, 64)} and all(k in derived for k in used.values())
+    assert used[(16, 32)] != used[(16, 64)]
+    dy = quantize(c, "e5m2", "sr4", seed=used[(16, 32)])          # the output's gradient
+    dx = dy @ quantize(layer.weight.detach(), "fp16")              # through the fp16 weight
+    expected = quantize(dx, "e5m2", "sr4", seed=used[(16, 64)])    # the input's gradient
     assert_same_bits(got, expected, "sr4 input gradient")
     got8 = input_grad("p=fp32,c=fp16,g=e5m2:sr8,s=matmul,b=emulated")
     assert not torch.equal(got, got8)

@@ -75,7 +75,12 @@ def draw_seed(generator: torch.Generator | None = None) -> tuple[int, int]:
 
 
 def _keys_of(seed) -> tuple[int, int]:
-    """The two keys of a ``seed=`` tensor; TypeError or ValueError naming what is wrong."""
+    """The two keys of a ``seed=`` tensor (or pair of ints); TypeError or ValueError naming
+    what is wrong."""
+    if isinstance(seed, tuple) and len(seed) == 2 and all(type(k) is int for k in seed):
+        if not all(0 <= k < 2**32 for k in seed):
+            raise ValueError(f"seed keys must lie in [0, 2**32), got {seed[0]}, {seed[1]}")
+        return seed
     if not torch.is_tensor(seed) or seed.is_floating_point() or seed.is_complex() \
             or seed.dtype == torch.bool:
         raise TypeError(f"seed must be an integer tensor of two keys (lowprec.numerics."
@@ -234,7 +239,7 @@ def quantize(
     *,
     generator: torch.Generator | None = None,
     random_bits: int | None = None,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | tuple[int, int] | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Return ``x`` rounded onto the grid of ``fmt``: same dtype, shape and device.
@@ -248,6 +253,7 @@ def quantize(
         random_bits: random bits per element for ``stochastic_limited`` (default 8).
         seed: stochastic rounding's two keys as an integer tensor (:func:`seed_tensor`), in
             place of a draw from ``generator``; what compiled code passes to stay one graph.
+            Eagerly, a tuple of two ints in [0, 2**32) also does.
         impl: ``"kernel"``, ``"torch"`` or ``"auto"`` (kernel for CPU float32 when built;
             inside ``torch.compile`` the fused decomposition); ``"fused"``: the int32 torch ops
             of :mod:`.fused`; ``"op"``: the opaque ``lowprec::quantize`` custom op.
@@ -331,7 +337,7 @@ def quantize_(
     *,
     generator: torch.Generator | None = None,
     random_bits: int | None = None,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
     Inside ``torch.compile``: the op's result copied into ``x``."""
@@ -413,6 +419,8 @@ def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool = Fals
         seed = None
     elif seed is None:
         seed = _seed_between_graphs(generator)
+    elif isinstance(seed, tuple):  # two ints: constants of the graph
+        seed = torch.tensor(_keys_of(seed), dtype=torch.int64, device=x.device)
     # neither op has an autograd formula: like the eager function, the result carries no
     # history. The fused one expands into int32 torch ops that Inductor fuses (lowprec.numerics
     # .fused); the opaque one runs this module's eager code.

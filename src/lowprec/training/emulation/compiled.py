@@ -1,6 +1,12 @@
 """Compiled emulation: a model's forward and backward compiled by Inductor with every rounding
 of the eager engine in the graph.
 
+Stochastic rounding: each forward draws one base pair of keys from the engine's generator (as
+the eager engine's root forward does) and passes it to the compiled function as a tensor, a graph
+input; every rounding's keys are derived from it inside the graph as the eager engine derives
+them from the same pair in Python (:class:`.engine._Site`, :func:`lowprec.numerics.keys
+.derive_keys`), so the random bits are the eager ones.
+
 Two traces, one after the other:
 
 1. Dynamo traces the model's plain fp32 forward into one graph (``fullgraph=True``): the
@@ -21,8 +27,8 @@ kernel). The parameters' graph inputs stand in for the parameters (``PARAM``: th
 carry their marks, so that the engine rounds, names and sums them as it does the parameters.
 
 What cannot be traced runs eagerly, with one warning line naming why (:func:`unsupported`):
-state the engine reads per call that a graph would freeze at its trace (stochastic rounding's
-seeds, dynamic fixed point's ranges, observers), per-module overrides (the flat graph has no
+state the engine reads per call that a graph would freeze at its trace (dynamic fixed point's
+ranges, observers), per-module overrides (the flat graph has no
 module boundaries the engine's rules follow here), C kernels that take real data (accumulators,
 ``match_cpu_kernels``) and scaled GEMMs; and any failure to compile (a graph break under
 ``fullgraph``, a recompilation limit reached).
@@ -42,6 +48,7 @@ from torch import nn
 
 from ...numerics.formats import BlockFormat
 from ...numerics.ops import quantize_op
+from ...numerics.quantize import seed_tensor
 from .dtypes import LOGICAL, format_dtype
 from .engine import MARK, PARAM, Emulation
 
@@ -58,8 +65,6 @@ def unsupported(engine: Emulation) -> str | None:
     if engine.overrides:
         return "per-module overrides"
     for r in rules:
-        if r.rounding.is_stochastic or r.grad_rounding.is_stochastic:
-            return "stochastic rounding draws its seeds per call"
         fmts = (r.compute, r.grads, r.params)
         if any(getattr(f, "dynamic", False) for f in fmts):
             return "dynamic fixed point keeps its ranges per call"
@@ -496,14 +501,16 @@ def _checked_interpreter(engine: Emulation, reads: dict, gm: torch.fx.GraphModul
 
 
 def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = None,
-            reads: list | None = None):
+            reads: list | None = None, keys: list | None = None):
     """The Dynamo backend compiling ``engine``'s model's graphs with its roundings in them:
     ``compiler="inductor"`` generates fused code; ``"aten"`` runs the traced ATen graphs op by
     op, undecomposed (every op on ATen's own kernel, as eager emulation runs it: a reference,
     and the floor of what tracing alone costs). ``stats`` (a dict) gets the number of
     roundings (:func:`roundings_in`) of each compiled graph kind added to it ("forward",
     "backward", "inference"). ``reads``: the list :func:`_recording_dtype_reads` fills while
-    Dynamo traces, checked (and emptied) as each graph compiles."""
+    Dynamo traces, checked (and emptied) as each graph compiles. ``keys``: a one-item list
+    holding the base keys tensor of the call being traced (stochastic rounding), which the
+    traced forward hands the engine as its ``keys_input``."""
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
     import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
@@ -531,6 +538,9 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
                     "dtype), which this policy may answer otherwise than float32")
         interpreter = _checked_interpreter(engine, checks, gm) if checks else torch.fx.Interpreter
         keep, stand_in = [], []
+        kidx = next((i for i, e in enumerate(example_inputs) if keys and e is keys[0]), None)
+        if engine.stochastic and keys and kidx is None:
+            raise RuntimeError("stochastic rounding's keys are not an input of the graph")
         for i, e in enumerate(example_inputs):
             if torch.is_tensor(e) and id(e) in owned:
                 keep.append(i)
@@ -545,7 +555,11 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
                     setattr(args[i], MARK, mark)
                 if logical is not None:
                     setattr(args[i], LOGICAL, logical)
-            return engine.call_root(interpreter(gm).run, args, keep=keep)
+            engine.keys_input = None if kidx is None else args[kidx]
+            try:
+                return engine.call_root(interpreter(gm).run, args, keep=keep)
+            finally:
+                engine.keys_input = None
 
         class Traced(nn.Module):
             def forward(self, *args):
@@ -568,11 +582,17 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
     return compile_graph
 
 
-def _fresh_function(fn):
+def _fresh_function(fn, keyed: bool = False):
     """A function calling ``fn`` with a code object of its own: Dynamo keeps its cache (and
-    counts recompilations) per code object, so each model gets its own."""
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
+    counts recompilations) per code object, so each model gets its own. ``keyed``: it takes
+    stochastic rounding's base keys first and returns them (cloned: an input only passed
+    through would not be a graph input) beside ``fn``'s output."""
+    if keyed:
+        def call(lowprec_keys, /, *args, **kwargs):
+            return fn(*args, **kwargs), lowprec_keys.clone()
+    else:
+        def call(*args, **kwargs):
+            return fn(*args, **kwargs)
     return types.FunctionType(call.__code__.replace(), call.__globals__,
                               "lowprec_compiled_forward", None, call.__closure__)
 
@@ -602,6 +622,7 @@ class CompiledForward:
         self.quantize_nodes: dict[str, int] = {}
         self._compiled: dict = {}  # engine.active -> the compiled forward
         self._reads: list = []  # dtype reads of the trace under way (_recording_dtype_reads)
+        self._keys: list = [None]  # the base keys of the call under way (stochastic rounding)
         self._warned = False
         if self.reason is not None:
             self._fall_back(self.reason)
@@ -614,7 +635,7 @@ class CompiledForward:
         new.engine = copy.deepcopy(self.engine, memo)
         new.compiler, new.options = self.compiler, dict(self.options)
         new.reason, new._warned = self.reason, self._warned
-        new.quantize_nodes, new._compiled, new._reads = {}, {}, []
+        new.quantize_nodes, new._compiled, new._reads, new._keys = {}, {}, [], [None]
         return new
 
     def _fall_back(self, reason: str) -> None:
@@ -628,6 +649,18 @@ class CompiledForward:
         em = self.engine
         return em.call_root(em.original_forward, args, kwargs)
 
+    def _eager_keyed(self, keys, args, kwargs):
+        """The eager forward with the base keys this call drew already (not a second draw)."""
+        em = self.engine
+        if keys is None:
+            return self.eager(*args, **kwargs)
+        k0, k1 = keys.tolist()
+        em.keys_input = (int(k0), int(k1))
+        try:
+            return self.eager(*args, **kwargs)
+        finally:
+            em.keys_input = None
+
     @torch.compiler.disable  # inside another torch.compile: run here, by this one's backend
     def __call__(self, *args, **kwargs):
         em = self.engine
@@ -635,24 +668,30 @@ class CompiledForward:
             return self.eager(*args, **kwargs)
         if em.observers:  # an analysis watching each op: it has to see them run
             return self.eager(*args, **kwargs)
-        fn = self._compiled.get(em.active)
+        keyed = em.draws_keys()
+        fn = self._compiled.get((em.active, keyed))
         if fn is None:
             # the engine's Python state the backend reads (whether it rounds) is no guard of
             # Dynamo's: one compiled function per state
-            fn = self._compiled[em.active] = torch.compile(
-                _fresh_function(em.original_forward), fullgraph=True, dynamic=False,
-                backend=backend(em, self.compiler, self.quantize_nodes, self._reads),
+            fn = self._compiled[(em.active, keyed)] = torch.compile(
+                _fresh_function(em.original_forward, keyed), fullgraph=True, dynamic=False,
+                backend=backend(em, self.compiler, self.quantize_nodes, self._reads,
+                                self._keys),
                 **self.options)
+        keys = seed_tensor(em.generator) if keyed else None  # the eager root forward's draw
+        self._keys[0] = keys
         try:
             # the backward compiled with the forward (torch compiles it lazily, at the first
             # loss.backward(), by default): a failure there falls back here too
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
                     torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
                     _recording_dtype_reads(self._reads):
-                return fn(*args, **kwargs)
+                return fn(keys, *args, **kwargs)[0] if keyed else fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
             self._fall_back(_why(err))
-            return self.eager(*args, **kwargs)
+            return self._eager_keyed(keys, args, kwargs)
+        finally:
+            self._keys[0] = None
 
 
 def compile_model(engine: Emulation, compiler: str = "inductor", **options) -> CompiledForward:

@@ -40,7 +40,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ...numerics.formats import FP32, BlockFormat, Format
-from ...numerics.quantize import quantize, quantize_
+from ...numerics.keys import derive_keys
+from ...numerics.quantize import draw_seed, quantize, quantize_
 from ...numerics import accumulation_ops, summation
 from ...numerics.accumulation import Accumulator
 from ...numerics.rounding import Rounding, check_generator
@@ -52,7 +53,8 @@ from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
-                      NORM_OPS, PASS_OPS, is_inplace, reduction_axes)
+                      NORM_OPS, PASS_OPS, is_inplace, reduction_axes,
+                      returns_its_input)
 
 __all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM"]
 
@@ -208,19 +210,66 @@ def _fresh(y: torch.Tensor) -> torch.Tensor:
     return y if b is None else y.clone()
 
 
+class _Site:
+    """Stochastic rounding's keys for the roundings of one site of one forward (an op's output
+    rounded, its gradient rounded in backward): the ``j``-th rounding gets the keys of counter
+    ``4 n + j`` under the forward's base keys (beyond 4, a second derivation). Whatever order
+    the backward runs in, and whether the forward runs eagerly (the base a pair of ints) or is
+    traced into a graph (the base a graph input), every rounding gets the same keys."""
+
+    __slots__ = ("base", "n", "j")
+
+    def __init__(self, base, n: int) -> None:
+        self.base, self.n, self.j = base, n, 0
+
+    def next(self):
+        j = self.j
+        self.j += 1
+        if j < 4:
+            return derive_keys(self.base, 4 * self.n + j)
+        return derive_keys(derive_keys(self.base, 4 * self.n), j)
+
+
+class _Stream:
+    """The sites of one forward (:class:`_Site`), numbered in the order the engine meets them."""
+
+    __slots__ = ("base", "n")
+
+    def __init__(self, base) -> None:
+        self.base, self.n = base, 0
+
+    def site(self) -> _Site:
+        self.n += 1
+        return _Site(self.base, self.n - 1)
+
+
+def _q(x, fmt, mode, keys):
+    """``quantize`` with stochastic rounding's keys from ``keys``: a :class:`_Site`, or a
+    generator (None: torch's default) drawn from at each call."""
+    if type(keys) is _Site:
+        return quantize(x, fmt, mode, seed=keys.next() if mode.is_stochastic else None)
+    return quantize(x, fmt, mode, generator=keys)
+
+
+def _q_(x, fmt, mode, keys):
+    if type(keys) is _Site:
+        return quantize_(x, fmt, mode, seed=keys.next() if mode.is_stochastic else None)
+    return quantize_(x, fmt, mode, generator=keys)
+
+
 class _Round(torch.autograd.Function):
     """Values to ``fwd``; the gradient reaching the output to ``bwd`` (None: unchanged)."""
 
     @staticmethod
     def forward(ctx, x, fwd, bwd, mode, bmode, gen):
         ctx.spec = (bwd, bmode, gen)
-        return _fresh(quantize(x, fwd, mode, generator=gen))
+        return _fresh(_q(x, fwd, mode, gen))
 
     @staticmethod
     def backward(ctx, g):
         bwd, bmode, gen = ctx.spec
         if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            g = _fresh(quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen))
+            g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
         return g, None, None, None, None, None
 
 
@@ -246,7 +295,7 @@ class _Sum:
         if self.value is None or task != self.task or self.value.shape != g.shape:
             self.task, self.value, self.seen = task, g, 1
             return g
-        new = quantize(self.value + g, fmt(g) if callable(fmt) else fmt, mode, generator=gen)
+        new = _q(self.value + g, fmt(g) if callable(fmt) else fmt, mode, gen)
         out = new - self.value
         self.seen += 1
         self.value = None if self.seen >= self.n else new  # every consumer in: let it go
@@ -282,7 +331,7 @@ class _Upcast(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            g = _fresh(quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen))
+            g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
             if acc is not None:
                 g = acc.add(g, bwd, bmode, gen)
         return g, None, None, None, None, None, None
@@ -302,7 +351,7 @@ class _Consumed(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
-            g = quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen)
+            g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
             if acc is not None:
                 g = acc.add(g, bwd, bmode, gen)
         return g, None, None, None, None
@@ -322,7 +371,7 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, shape = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
-            g = quantize(g, bwd(g) if callable(bwd) else bwd, bmode, generator=gen)
+            g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
             g = g.sum_to_size(shape)
         return g, None, None, None, None
 
@@ -333,7 +382,7 @@ class _RoundInplace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fwd, bwd, mode, bmode, gen):
         ctx.spec = (bwd, bmode, gen)
-        quantize_(x, fwd, mode, generator=gen)
+        _q_(x, fwd, mode, gen)
         ctx.mark_dirty(x)
         return x
 
@@ -383,6 +432,8 @@ class _Mode(TorchFunctionMode):
             if name == "element_size" and args:
                 return self.engine.reported_dtype(args[0]).itemsize
             return func(*args, **kwargs)
+        if returns_its_input(name, args, kwargs):  # (its compiled decomposition copies it)
+            return args[0]
         if isinstance(func, types.FunctionType) and func not in self.expanding:
             # a Python function of torch (F.layer_norm, F.multi_head_attention_forward,
             # Tensor.split): run its body under the mode, so each builtin it calls is an op
@@ -436,6 +487,13 @@ class Emulation:
         self.resolve = resolve if resolve is not None else static_resolve
         self.root_rule = Rule.of(policy)
         self.overrides = {str(k): parse_override(v, policy) for k, v in (overrides or {}).items()}
+        #: whether any rule rounds stochastically: a root forward then draws one base pair of
+        #: keys from the generator and derives each rounding's from it (:class:`_Site`)
+        self.stochastic = any(r.rounding.is_stochastic or r.grad_rounding.is_stochastic
+                              for r in (self.root_rule, *self.overrides.values()))
+        self._stream: _Stream | None = None
+        #: the base keys compiled emulation's trace passes in (a graph input), None eagerly
+        self.keys_input = None
         self.observers: list[Callable] = []
         self.handles: list = []
         self.rules: dict[str, Rule] = {}  # module name -> rule, for modules under an override
@@ -542,6 +600,9 @@ class Emulation:
             self._mode.__enter__()
             self._depth += 1
             self._param_sums = {}
+            if self.stochastic:
+                base = self.keys_input
+                self._stream = _Stream(draw_seed(self.generator) if base is None else base)
             if pure:  # the model's floating inputs
                 return (_map(lambda t: self._in(t, rule, "input"), args),
                         _map(lambda t: self._in(t, rule, "input"), kwargs))
@@ -553,6 +614,7 @@ class Emulation:
             self._stack.pop()
         if self._entered and self._entered.pop():
             self._depth -= 1
+            self._stream = None
             self._mode.__exit__(None, None, None)
         return None
 
@@ -602,6 +664,16 @@ class Emulation:
             self._depth -= 1
 
     # -- rounding ----------------------------------------------------------------------------
+    def draws_keys(self) -> bool:
+        """Whether a root forward called now draws stochastic rounding's base keys."""
+        return self.stochastic and self.active and self._depth == 0
+
+    def _keys(self):
+        """Where a rounding site's stochastic keys come from: the forward's stream, or (outside
+        a model's forward, ``enabled()``) the generator at each rounding."""
+        s = self._stream
+        return self.generator if s is None else s.site()
+
     def _fmts(self, rule: Rule, key: str, x: torch.Tensor, axis: int | None, grads: bool):
         c, g = rule.compute, (rule.grads if grads else None)
         if axis is not None:
@@ -623,9 +695,9 @@ class Emulation:
             fwd, bwd = self._fmts(rule, key, t, axis, grads)
             if t.requires_grad and torch.is_grad_enabled():
                 out = _Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
-                                   self.generator)
+                                   self._keys())
             else:
-                out = _fresh(quantize(t, fwd, rule.rounding, generator=self.generator))
+                out = _fresh(_q(t, fwd, rule.rounding, self._keys()))
         if axis is None:
             _mark(out, rule.compute)
         return out
@@ -638,13 +710,13 @@ class Emulation:
             if t.requires_grad and torch.is_grad_enabled() and not t.is_leaf:
                 try:
                     _RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
-                                        self.generator)
+                                        self._keys())
                     done = True
                 except RuntimeError:  # a view autograd cannot rebase: round the values only
                     pass
             if not done:
                 with torch.no_grad():
-                    quantize_(t, fwd, rule.rounding, generator=self.generator)
+                    _q_(t, fwd, rule.rounding, self._keys())
         _mark(t, rule.compute)
 
     def _in(self, t, rule: Rule, key: str):
@@ -674,7 +746,7 @@ class Emulation:
             acc = self._param_sums[_pid(p)] = _Sum()
         acc.n += 1
         with torch._C.DisableTorchFunction():
-            out = _Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self.generator, acc)
+            out = _Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self._keys(), acc)
         _mark(out, rule.compute)
         return out
 
@@ -747,7 +819,7 @@ class Emulation:
                 _, bwd = self._fmts(r, key, x, None, True)
                 acc = _consumer_sum(x) if x.grad_fn is not None and bwd is not None and \
                     format_dtype(r.grads) is not None else None
-                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self.generator, acc)
+                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
             else:
                 y = x.clone()
             if target != torch.float32:
@@ -789,7 +861,7 @@ class Emulation:
                 return t
             acc = _consumer_sum(t) if t.grad_fn is not None and \
                 format_dtype(r.grads) is not None else None
-            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self.generator, acc)
+            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
 
     @staticmethod
     def _island(name: str, args, inplace: bool, inputs) -> bool:
@@ -870,7 +942,7 @@ class Emulation:
                         and not _is_param(t):
                     with torch._C.DisableTorchFunction():
                         _, bwd = self._fmts(rule, okey, t, None, True)
-                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self.generator,
+                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self._keys(),
                                              _consumer_sum(t))
                     if getattr(t, MARK, None) is not None:
                         _mark(t2, getattr(t, MARK))
@@ -879,7 +951,7 @@ class Emulation:
                         t.shape != shape and t.dim():
                     with torch._C.DisableTorchFunction():
                         _, bwd = self._fmts(rule, okey, t, None, True)
-                        t = _Broadcast.apply(t, shape, bwd, rule.grad_rounding, self.generator)
+                        t = _Broadcast.apply(t, shape, bwd, rule.grad_rounding, self._keys())
                     _mark(t, rule.compute)
                 return t
 

@@ -14,7 +14,7 @@ the CPU's (``prelu``, ``conv_tbc``, the fused ``lstm``/``gru`` of mkldnn).
 
 from __future__ import annotations
 
-__all__ = ["LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS", "EMPTY_OPS",
+__all__ = ["returns_its_input", "LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS", "EMPTY_OPS",
            "BROADCAST_OPS", "reduction_axes", "is_inplace"]
 
 # torch.autocast's lower-precision list (CUDA and CPU): inputs and weights are cast to the
@@ -118,6 +118,23 @@ PASS_OPS = frozenset({
     "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
     "__and__", "__or__", "__invert__", "__xor__", "shape", "sign", "signbit",
 })
+
+
+_DROPOUTS = frozenset(f"{k}{u}" for k in ("dropout", "feature_dropout", "alpha_dropout",
+                                           "feature_alpha_dropout") for u in ("", "_"))
+
+
+def returns_its_input(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the op returns its input tensor itself: ATen's dropouts at p = 0 or out of
+    training (``torch.dropout(x, 0.0, True) is x``). Inductor's decomposition returns a copy
+    instead, which compiled emulation would round (a rounding eager emulation does not make,
+    and a stochastic one shifts the keys of every later rounding); the engine returns the input
+    for them in both."""
+    if name not in _DROPOUTS or not args:
+        return False
+    p = args[1] if len(args) > 1 else kwargs.get("p")
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    return isinstance(p, (int, float)) and isinstance(train, bool) and (p == 0 or not train)
 
 
 def is_inplace(name: str) -> bool:
