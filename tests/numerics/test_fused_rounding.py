@@ -280,11 +280,12 @@ def test_eager_quantize_on_a_gpu_takes_the_decomposition_with_the_kernels_bits(
 
 
 @pytest.mark.parametrize("mode", ["nearest", "up", "stochastic", "sr4"])
-@pytest.mark.parametrize("spec", ["e4m3fn", "e5m10-nosub", "q2.14", "mxfp8_e4m3"])
+@pytest.mark.parametrize("spec", ["e4m3fn", "e5m10-nosub", "q2.14", "mxfp8_e4m3",
+                                  "block<e2m1fn,16,axis=0>"])
 def test_eager_quantize_on_a_gpu_rounds_large_tensors_in_slices(spec, mode, monkeypatch):
     # the decomposition's int32 temporaries take ~20x the input: on a GPU large tensors go
-    # in slices (elementwise formats, random words at their logical indices) or, for block
-    # formats, by the chunked reference path; the bits stay the kernel's
+    # in slices (elementwise formats: random words at their logical indices; block formats:
+    # whole rows along the block axis); the bits stay the kernel's
     import importlib
 
     qmod = importlib.import_module("lowprec.numerics.quantize")
@@ -294,9 +295,35 @@ def test_eager_quantize_on_a_gpu_rounds_large_tensors_in_slices(spec, mode, monk
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, 96, generator=g) * torch.logspace(-6, 6, 96)
     x[0, 0], x[17, 50] = float("nan"), float("-inf")
-    for t in (x, x.t(), x[:, :64]):  # 3,840 and 2,560 elements: several slices, a short one
+    # 3,840 and 2,560 elements: several slices, a short one; rows longer than a slice
+    for t in (x, x.t(), x[:, :64], x.reshape(-1), x.reshape(2, -1), x[:, :63].reshape(-1)):
         got = quantize(t, spec, mode, generator=torch.Generator().manual_seed(9))
         monkeypatch.setattr(qmod, "_on_accelerator", lambda x: False)
         want = quantize(t, spec, mode, generator=torch.Generator().manual_seed(9))
         monkeypatch.setattr(qmod, "_on_accelerator", lambda x: True)
         assert_same_bits(got, want, f"{spec} {mode} {tuple(t.shape)} {t.stride()}")
+
+
+def test_tracing_outside_dynamo_emits_the_rounding_as_graph_ops():
+    """Code traced outside Dynamo (compiled emulation's backend runs the engine under
+    AOTAutograd, where torch 2.11 reports is_compiling() False) gets graph ops inside
+    ``tracing_graph()``: the seed stays an input of the graph. Traced without it, the eager path
+    ran at trace time."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lowprec.numerics.quantize import seed_tensor, tracing_graph
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+
+    def f(x, seed):
+        return quantize(x, "e4m3fn", "stochastic", seed=seed)
+
+    a, b = (seed_tensor(torch.Generator().manual_seed(s)) for s in (1, 2))
+    with tracing_graph():
+        g = make_fx(f)(x, a)
+    assert_same_bits(g(x, b), quantize(x, "e4m3fn", "stochastic", seed=b), "traced, other seed")
+    assert not torch.equal(g(x, a), g(x, b))
+    # without it the eager path ran at trace time: the C kernel filled a buffer the graph does
+    # not hold (its output is uninitialised memory), the seed's values were read as constants
+    untraced = make_fx(f)(x, a)
+    assert not torch.equal(untraced(x, b), quantize(x, "e4m3fn", "stochastic", seed=b))

@@ -269,6 +269,30 @@ def test_a_forward_draws_one_base_pair_and_each_rounding_its_own_keys():
     assert err < 6 * 2 * 2**-10 / 4096**0.5, err
 
 
+def test_a_forward_failing_while_its_inputs_are_rounded_leaves_no_mode_behind(monkeypatch):
+    """call_root (compiled emulation's trace and fallback) entered the engine's mode before
+    rounding the inputs; a failure there left it entered, and every later op was rounded (seen
+    on a GPU: a model built afterwards failed in its weights' initialisation)."""
+    from lowprec.training.emulation import engine
+
+    prec = Precision("p=fp16,c=fp16,g=fp16,o=fp16,b=emulated")
+    model, _ = prec.setup(nn.Linear(3, 3))
+    em = prec.emulation
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("rounding failed")
+
+    monkeypatch.setattr(engine, "_q", fails)
+    with pytest.raises(RuntimeError, match="rounding failed"):
+        em.call_root(em.original_forward, (torch.randn(2, 3),))
+    monkeypatch.undo()
+    assert not torch.overrides._get_current_function_mode_stack()
+    x = torch.full((3,), 1.0 + 2**-12)
+    assert torch.equal(x * 1.0, x)  # not rounded to fp16 (1.0 there)
+    assert_same_bits(model(torch.ones(1, 3)), em.call_root(em.original_forward, (torch.ones(1, 3),)),
+                     "the engine still works")
+
+
 # -- torch.compile -------------------------------------------------------------------------------
 def test_quantize_is_a_custom_op_with_a_fake_implementation():
     op = quantize_op()

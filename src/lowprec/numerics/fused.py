@@ -252,7 +252,12 @@ def _block_shifts(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return torch.where(finite, s, NAN_SHIFT)
 
 
-def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed) -> torch.Tensor:
+def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
+            offset: int = 0, stride: int | None = None) -> torch.Tensor:
+    """``xf`` rounded block by block along ``fmt.axis``. For the random words, when ``xf`` is
+    a piece of a larger tensor: ``offset``, the logical index (in the layout with the block
+    axis moved last) of its first element there, and ``stride``, the distance there between
+    the starts of its rows (default: its own row length)."""
     if xf.dim() == 0:
         return _blocks(xf.reshape(1), fmt, code, rmask, seed).reshape(())
     axis = fmt.axis if fmt.axis >= 0 else xf.dim() + fmt.axis
@@ -272,7 +277,8 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed) -> 
     r = None
     if code == 5:  # the counter of an element: its index in the moved, row-major layout
         pos = torch.arange(nblocks * block, dtype=torch.int32, device=xf.device)
-        start = torch.arange(nrows, dtype=torch.int32, device=xf.device) * row_len
+        start = offset + torch.arange(nrows, dtype=torch.int32, device=xf.device) * (
+            row_len if stride is None else stride)
         r = random_words_i32((start[:, None] + pos[None, :]).reshape(blocks.shape), seed)
     out = quantize_bits_i32(blocks.view(torch.int32), element_params(fmt.element), code, rmask,
                             r, sh)

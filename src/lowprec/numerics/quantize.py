@@ -20,6 +20,8 @@ outside the graph (one graph break; ``fullgraph=True`` refuses it).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Literal
 
 import torch
@@ -29,7 +31,7 @@ from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
 from .rounding import Rounding, check_generator, parse_rounding
 
-__all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts"]
+__all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # formats whose nearest-even rounding torch's casts perform exactly (the plain-torch fast path)
@@ -52,6 +54,27 @@ def _prepare(key, fmt, code: int, rmask: int) -> None:
             _PREPARED[key] = _kernel.prepare(element_params(fmt), code, rmask)
     except TypeError:  # an unhashable format object: no fast path for it
         pass
+
+
+_GRAPH_TRACING = False
+
+
+@contextlib.contextmanager
+def tracing_graph():
+    """Inside this block :func:`quantize` and :func:`quantize_` emit graph ops, as inside
+    ``torch.compile``: for code that traces outside Dynamo (compiled emulation's backend runs
+    the engine under AOTAutograd), where torch before 2.13 reports ``is_compiling()`` False
+    (seen with torch 2.11: the eager path then read a traced seed's values)."""
+    global _GRAPH_TRACING
+    old, _GRAPH_TRACING = _GRAPH_TRACING, True
+    try:
+        yield
+    finally:
+        _GRAPH_TRACING = old
+
+
+def _compiling() -> bool:
+    return _GRAPH_TRACING or torch.compiler.is_compiling()
 
 
 def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
@@ -125,21 +148,45 @@ _DEVICE_CHUNK = 1 << 24
 def _fused_on_device(xf: torch.Tensor, fmt, mode: Rounding, rbits: int, keys) -> torch.Tensor:
     """The fused decomposition eagerly on a GPU, in slices of :data:`_DEVICE_CHUNK` elements
     (the random words of each slice drawn at their logical indices, so the bits are the whole
-    tensor's); a block format beyond one slice takes the chunked reference path instead."""
+    tensor's); block formats in slices of whole rows along their axis (a row longer than a
+    slice, or one scale for the whole tensor, takes the chunked reference path)."""
     n = xf.numel()
     if n <= _DEVICE_CHUNK:
         return _fused.quantize_fused(xf, fmt, mode, rbits, keys)
-    if not isinstance(fmt, (FloatFormat, FixedFormat)):
-        code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
-        seed = _keys_of(keys) if keys is not None else (0, 0)
-        return _blocks(xf, fmt, code, rmask, seed, "torch")
     code, rmask = ROUNDING_CODES[mode], random_mask(rbits) if mode.is_stochastic else 0
+    if isinstance(fmt, BlockFormat):
+        return _fused_blocks_on_device(xf, fmt, code, rmask, keys)
     flat = xf.reshape(-1)  # row-major: the logical index of each element
     out = torch.empty_like(flat)
     for start in range(0, n, _DEVICE_CHUNK):
         stop = min(start + _DEVICE_CHUNK, n)
         out[start:stop] = _fused._elementwise(flat[start:stop], fmt, code, rmask, keys, start)
     return out.reshape(xf.shape)
+
+
+def _fused_blocks_on_device(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, keys
+                            ) -> torch.Tensor:
+    axis = fmt.axis if fmt.axis >= 0 else xf.dim() + fmt.axis
+    row_len = xf.shape[axis] if 0 <= axis < xf.dim() else 0
+    if fmt.block_size is None or fmt.block_size > _DEVICE_CHUNK or row_len == 0:
+        seed = _keys_of(keys) if keys is not None else (0, 0)
+        return _blocks(xf, fmt, code, rmask, seed, "torch")
+    moved = xf.movedim(axis, -1)
+    rows = moved.reshape(-1, row_len)  # the layout fused._blocks numbers the elements in
+    last = dataclasses.replace(fmt, axis=-1)
+    out = torch.empty_like(rows)
+    if row_len <= _DEVICE_CHUNK:  # slices of whole rows
+        step = _DEVICE_CHUNK // row_len
+        for r0 in range(0, rows.shape[0], step):
+            out[r0:r0 + step] = _fused._blocks(rows[r0:r0 + step], last, code, rmask, keys,
+                                               r0 * row_len)
+    else:  # long rows (a 1-d tensor): pieces of whole blocks
+        seg = _DEVICE_CHUNK // fmt.block_size * fmt.block_size
+        for r in range(rows.shape[0]):
+            for c0 in range(0, row_len, seg):
+                out[r, c0:c0 + seg] = _fused._blocks(rows[r:r + 1, c0:c0 + seg], last, code,
+                                                     rmask, keys, r * row_len + c0)
+    return out.reshape(moved.shape).movedim(-1, axis)
 
 
 def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
@@ -154,8 +201,10 @@ def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
     native = _NATIVE_CASTS.get(fmt) if code == 0 else None
     if native is not None:
         # torch's own cast rounds to nearest-even with these exact overflow rules; NaNs keep
-        # their input bits, as in the kernel
-        res = torch.where(torch.isnan(xf), xf, xf.to(native).float())
+        # their input bits, as in the kernel. e4m3fn saturates: CPU casts do, CUDA's give NaN
+        # beyond 464 (seen on an H200, torch 2.11), so clamped first (NaN passes clamp)
+        src = xf.clamp(-448.0, 448.0) if native == torch.float8_e4m3fn else xf
+        res = torch.where(torch.isnan(xf), xf, src.to(native).float())
     else:
         res = _reference.quantize_f32(xf, ep, code, rmask, seed)
     if out is not None:
@@ -275,11 +324,11 @@ def quantize(
         except TypeError:  # an unhashable argument: the checks below say what is wrong
             prm = None
         if prm is not None and x.is_contiguous() and x.numel() and \
-                not torch.compiler.is_compiling():
+                not _compiling():
             out = torch.empty_like(x)
             _kernel.quantize_prepared(x, out, prm)
             return out
-    if (torch.compiler.is_compiling() and impl == "auto") or impl in ("fused", "op"):
+    if (_compiling() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
             return _as_op(x, spelled, generator, seed, opaque=impl == "op")
@@ -341,7 +390,7 @@ def quantize_(
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
     Inside ``torch.compile``: the op's result copied into ``x``."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
             with torch.no_grad():

@@ -48,7 +48,8 @@ from torch import nn
 
 from ...numerics.formats import BlockFormat
 from ...numerics.ops import quantize_op
-from ...numerics.quantize import seed_tensor
+from ...numerics.quantize import seed_tensor, tracing_graph
+from ..tree import tensors_in
 from .dtypes import LOGICAL, format_dtype
 from .engine import MARK, PARAM, Emulation
 
@@ -572,12 +573,15 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
                 return (_inner if compiler == "inductor" else _aten)(g, ex, **kwargs, **flags)
             return run
 
-        return aot_autograd(
-            fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
-            inference_compiler=counted("inference", is_inference=True),
-            decompositions=_decompositions() if compiler == "inductor" else {},
-            partition_fn=min_cut_rematerialization_partition,
-            keep_inference_input_mutations=True)(Traced(), example_inputs)
+        # the engine's roundings as graph ops while AOTAutograd traces the forward and, through
+        # autograd, the backward (torch 2.11 reports is_compiling() False here)
+        with tracing_graph():
+            return aot_autograd(
+                fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
+                inference_compiler=counted("inference", is_inference=True),
+                decompositions=_decompositions() if compiler == "inductor" else {},
+                partition_fn=min_cut_rematerialization_partition,
+                keep_inference_input_mutations=True)(Traced(), example_inputs)
 
     return compile_graph
 
@@ -678,7 +682,11 @@ class CompiledForward:
                 backend=backend(em, self.compiler, self.quantize_nodes, self._reads,
                                 self._keys),
                 **self.options)
-        keys = seed_tensor(em.generator) if keyed else None  # the eager root forward's draw
+        keys = None
+        if keyed:  # the eager root forward's draw, on the inputs' device
+            keys = seed_tensor(em.generator)
+            dev = next((t.device for t in tensors_in((args, kwargs), [])), keys.device)
+            keys = keys.to(dev)
         self._keys[0] = keys
         try:
             # the backward compiled with the forward (torch compiles it lazily, at the first

@@ -631,12 +631,12 @@ class Emulation:
         kwargs = kwargs or {}
         keep = set(keep)
         given = tuple(a for i, a in enumerate(args) if i not in keep)
-        new = self._pre("", self.rules.get("", self.root_rule))(self._model, given, kwargs)
-        if new is not None:
-            rounded = iter(new[0])
-            args = tuple(a if i in keep else next(rounded) for i, a in enumerate(args))
-            kwargs = new[1]
-        try:
+        try:  # (the hook enters the mode before it rounds the inputs, which may fail)
+            new = self._pre("", self.rules.get("", self.root_rule))(self._model, given, kwargs)
+            if new is not None:
+                rounded = iter(new[0])
+                args = tuple(a if i in keep else next(rounded) for i, a in enumerate(args))
+                kwargs = new[1]
             return fn(*args, **kwargs)
         finally:
             self._post(self._model, args, None)
