@@ -150,7 +150,8 @@ def measure(name: str, pols: list[str], batch: int, steps: int, rounds: int,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mlp,lenet,transformer")
-    ap.add_argument("--policies", default="16-true,bf16-true,16-mixed")
+    ap.add_argument("--policies", default="16-true,bf16-true,16-mixed",
+                    help="comma-separated, or semicolon-separated when a policy has commas")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
     ap.add_argument("--rounds", type=int, default=5)
@@ -167,7 +168,8 @@ def main() -> None:
           "compiled vs eager emulation (3 steps) |")
     print("|---|---|---|---|---|---|")
     for name in a.models.split(","):
-        rows = measure(name, a.policies.split(","), a.batch, a.steps, a.rounds, a.device)
+        rows = measure(name, a.policies.split(";" if ";" in a.policies else ","), a.batch,
+                       a.steps, a.rounds, a.device)
         for r in rows:
             print(f"| {name} | {r['policy']} | {r['fp32_compiled']:.2f}x | "
                   f"{r['emulated_eager']:.2f}x | {r['emulated_compiled']:.2f}x | {r['bits']} |")

@@ -226,11 +226,14 @@ def test_derived_keys_are_the_same_eagerly_and_as_tensor_ops(base):
             v *= np.uint32(0x846CA68B)
         return v ^ (v >> np.uint32(16))
 
-    for c in (0, 1, 2, 1000, 2**20 + 3, MAX_COUNTER):
+    def h(v):  # v below 2**63: its low and high words
         with np.errstate(over="ignore"):
-            h0 = mix(mix(2 * c) + np.uint32(0x9E3779B9))
-            h1 = mix(mix(2 * c + 1) + np.uint32(0x9E3779B9))
-            want = (int(np.uint32(base[0]) ^ h0), int(np.uint32(base[1]) + h1))
+            return mix(mix(v % 2**32) + mix(np.uint32(v // 2**32) + np.uint32(0x85EBCA6B))
+                       + np.uint32(0x9E3779B9))
+
+    for c in (0, 1, 2, 1000, 2**20 + 3, 2**31 - 1, 2**31, 3 * 2**31 + 7, MAX_COUNTER):
+        with np.errstate(over="ignore"):
+            want = (int(np.uint32(base[0]) ^ h(2 * c)), int(np.uint32(base[1]) + h(2 * c + 1)))
         assert derive_keys(base, c) == want, c
         t = derive_keys(torch.tensor(base, dtype=torch.int64), c)
         assert t.dtype == torch.int64 and tuple(t.tolist()) == want, c
@@ -249,6 +252,15 @@ def test_derived_keys_give_independent_streams():
     assert abs(ups.mean().item() - 0.5) < 6 * 0.5 / math.sqrt(ups.numel())
     same = (ups[:-1] == ups[1:]).double().mean(1)  # each pair of consecutive sites
     assert (same - 0.5).abs().max().item() < 6 * 0.5 / math.sqrt(x.numel())
+
+
+def test_the_engines_two_level_counters_give_distinct_keys():
+    """Site n's j-th rounding takes counter j * 2**31 + n: all distinct (derivations nested
+    one in the other commute, and shared keys between (n=1, j=8) and (n=2, j=4))."""
+    from lowprec.numerics.keys import derive_keys
+
+    keys = [derive_keys((12345, 678), j * 2**31 + n) for n in range(256) for j in range(16)]
+    assert len(set(keys)) == len(keys)
 
 
 def test_a_seed_may_be_two_ints_eagerly():

@@ -173,6 +173,33 @@ def test_a_model_that_breaks_the_graph_falls_back_once_with_the_reason(policy):
         assert_same_bits(a, b, "fallback")
 
 
+def test_a_mixed_stochastic_policy_compiles_inside_and_outside_autocast():
+    """Outside autocast a mixed policy does not round (no keys drawn); that call compiled a
+    function without keys, which the backend took for keys missing from the graph and fell
+    back to eager for good. Traced op by op (compiler="aten"): the bits are eager's either way."""
+    x, _ = _batch((8, 1, 8, 8))
+    runs = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = MODELS["mlp"][0]()
+        prec = Precision(_emu("p=fp32,c=fp16:sr,g=fp16:sr,s=matmul"), seed=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BackendChoiceWarning)
+            model, _ = prec.setup(model)
+        if compile:
+            fwd = compile_model(prec.emulation, compiler="aten")
+        with torch.no_grad():
+            outs = [model(x)]
+        with prec.autocast():
+            outs += [model(x), model(x)]
+        runs.append(outs)
+    assert fwd.reason is None, fwd.reason
+    assert fwd.quantize_nodes.get("inference", 0) > 0 or fwd.quantize_nodes.get("forward", 0) > 0
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_same_bits(a, b, f"call {i}")
+    assert not torch.equal(runs[1][1], runs[1][2])  # fresh keys each forward
+
+
 def test_bad_arguments_are_refused():
     torch.manual_seed(0)
     prec = Precision(_emu("16-true"))

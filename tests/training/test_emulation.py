@@ -247,10 +247,16 @@ def test_a_forward_draws_one_base_pair_and_each_rounding_its_own_keys():
     the same generator state gives the same bits, and the rounding stays unbiased, forward and
     backward."""
     x = torch.ones(4096)
+    from lowprec.numerics.quantize import draw_seed
+
     prec = Precision("p=fp32,c=fp16:sr,g=fp16:sr,s=all,b=emulated", seed=3)
     model, _ = prec.setup(_Twice())
     state = prec.generator.get_state()
     y = model(x)
+    one = torch.Generator()
+    one.set_state(state)
+    draw_seed(one)  # a forward of two roundings draws once
+    assert torch.equal(prec.generator.get_state(), one.get_state())
     up = (y > 1).double()
     tol = 6 * 0.5 / 4096**0.5
     assert abs(up.mean().item() - 0.5) < tol

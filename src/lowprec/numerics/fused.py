@@ -253,11 +253,10 @@ def _block_shifts(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 
 
 def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
-            offset: int = 0, stride: int | None = None) -> torch.Tensor:
-    """``xf`` rounded block by block along ``fmt.axis``. For the random words, when ``xf`` is
-    a piece of a larger tensor: ``offset``, the logical index (in the layout with the block
-    axis moved last) of its first element there, and ``stride``, the distance there between
-    the starts of its rows (default: its own row length)."""
+            offset: int = 0) -> torch.Tensor:
+    """``xf`` rounded block by block along ``fmt.axis``. ``offset``, for the random words when
+    ``xf`` is a piece of a larger tensor (whole rows of it, or one piece of one row): the
+    logical index there (in the layout with the block axis moved last) of its first element."""
     if xf.dim() == 0:
         return _blocks(xf.reshape(1), fmt, code, rmask, seed).reshape(())
     axis = fmt.axis if fmt.axis >= 0 else xf.dim() + fmt.axis
@@ -277,8 +276,7 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
     r = None
     if code == 5:  # the counter of an element: its index in the moved, row-major layout
         pos = torch.arange(nblocks * block, dtype=torch.int32, device=xf.device)
-        start = offset + torch.arange(nrows, dtype=torch.int32, device=xf.device) * (
-            row_len if stride is None else stride)
+        start = offset + torch.arange(nrows, dtype=torch.int32, device=xf.device) * row_len
         r = random_words_i32((start[:, None] + pos[None, :]).reshape(blocks.shape), seed)
     out = quantize_bits_i32(blocks.view(torch.int32), element_params(fmt.element), code, rmask,
                             r, sh)

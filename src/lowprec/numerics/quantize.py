@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Literal
 
 import torch
@@ -56,25 +57,26 @@ def _prepare(key, fmt, code: int, rmask: int) -> None:
         pass
 
 
-_GRAPH_TRACING = False
+_TRACING = threading.local()
 
 
 @contextlib.contextmanager
 def tracing_graph():
-    """Inside this block :func:`quantize` and :func:`quantize_` emit graph ops, as inside
-    ``torch.compile``: for code that traces outside Dynamo (compiled emulation's backend runs
-    the engine under AOTAutograd), where torch before 2.13 reports ``is_compiling()`` False
-    (seen with torch 2.11: the eager path then read a traced seed's values)."""
-    global _GRAPH_TRACING
-    old, _GRAPH_TRACING = _GRAPH_TRACING, True
+    """Inside this block (in this thread) :func:`quantize` and :func:`quantize_` emit graph
+    ops, as inside ``torch.compile``: for code that traces outside Dynamo (compiled emulation's
+    backend runs the engine under AOTAutograd), where torch before 2.13 reports
+    ``is_compiling()`` False (seen with torch 2.11: the eager path then read a traced seed's
+    values)."""
+    old = getattr(_TRACING, "on", False)
+    _TRACING.on = True
     try:
         yield
     finally:
-        _GRAPH_TRACING = old
+        _TRACING.on = old
 
 
 def _compiling() -> bool:
-    return _GRAPH_TRACING or torch.compiler.is_compiling()
+    return getattr(_TRACING, "on", False) or torch.compiler.is_compiling()
 
 
 def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
@@ -175,8 +177,9 @@ def _fused_blocks_on_device(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask
     rows = moved.reshape(-1, row_len)  # the layout fused._blocks numbers the elements in
     last = dataclasses.replace(fmt, axis=-1)
     out = torch.empty_like(rows)
-    if row_len <= _DEVICE_CHUNK:  # slices of whole rows
-        step = _DEVICE_CHUNK // row_len
+    padded = -(-row_len // fmt.block_size) * fmt.block_size  # a row as fused._blocks pads it
+    if padded <= _DEVICE_CHUNK:  # slices of whole rows
+        step = _DEVICE_CHUNK // padded
         for r0 in range(0, rows.shape[0], step):
             out[r0:r0 + step] = _fused._blocks(rows[r0:r0 + step], last, code, rmask, keys,
                                                r0 * row_len)

@@ -539,8 +539,9 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
                     "dtype), which this policy may answer otherwise than float32")
         interpreter = _checked_interpreter(engine, checks, gm) if checks else torch.fx.Interpreter
         keep, stand_in = [], []
-        kidx = next((i for i, e in enumerate(example_inputs) if keys and e is keys[0]), None)
-        if engine.stochastic and keys and kidx is None:
+        drawn = keys[0] if keys else None  # the call being traced draws keys (draws_keys())
+        kidx = next((i for i, e in enumerate(example_inputs) if e is drawn), None)
+        if drawn is not None and kidx is None:
             raise RuntimeError("stochastic rounding's keys are not an input of the graph")
         for i, e in enumerate(example_inputs):
             if torch.is_tensor(e) and id(e) in owned:
@@ -624,7 +625,7 @@ class CompiledForward:
         self.reason = unsupported(engine)  # None while it runs compiled
         #: lowprec::quantize nodes in the graphs compiled so far, by kind (see :func:`backend`)
         self.quantize_nodes: dict[str, int] = {}
-        self._compiled: dict = {}  # engine.active -> the compiled forward
+        self._compiled: dict = {}  # (engine.active, keys drawn) -> the compiled forward
         self._reads: list = []  # dtype reads of the trace under way (_recording_dtype_reads)
         self._keys: list = [None]  # the base keys of the call under way (stochastic rounding)
         self._warned = False
@@ -683,9 +684,10 @@ class CompiledForward:
                                 self._keys),
                 **self.options)
         keys = None
-        if keyed:  # the eager root forward's draw, on the inputs' device
+        if keyed:  # the eager root forward's draw, on the model's device
             keys = seed_tensor(em.generator)
-            dev = next((t.device for t in tensors_in((args, kwargs), [])), keys.device)
+            dev = next((t.device for t in em.model.parameters()), None) or next(
+                (t.device for t in tensors_in((args, kwargs), [])), keys.device)
             keys = keys.to(dev)
         self._keys[0] = keys
         try:

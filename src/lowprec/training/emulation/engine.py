@@ -213,9 +213,11 @@ def _fresh(y: torch.Tensor) -> torch.Tensor:
 class _Site:
     """Stochastic rounding's keys for the roundings of one site of one forward (an op's output
     rounded, its gradient rounded in backward): the ``j``-th rounding gets the keys of counter
-    ``4 n + j`` under the forward's base keys (beyond 4, a second derivation). Whatever order
-    the backward runs in, and whether the forward runs eagerly (the base a pair of ints) or is
-    traced into a graph (the base a graph input), every rounding gets the same keys."""
+    ``j * 2**31 + n`` under the forward's base keys. The site's number ``n`` is fixed when the
+    forward meets it, so whether the forward runs eagerly (the base a pair of ints) or is traced
+    into a graph (the base a graph input), every rounding gets the same keys, given the same
+    roundings in the same order (a 16-bit sum of a tensor's gradients (``_Sum``) rounds with the
+    site of the arrival that completes each add: autograd's order, the same in both)."""
 
     __slots__ = ("base", "n", "j")
 
@@ -223,11 +225,8 @@ class _Site:
         self.base, self.n, self.j = base, n, 0
 
     def next(self):
-        j = self.j
         self.j += 1
-        if j < 4:
-            return derive_keys(self.base, 4 * self.n + j)
-        return derive_keys(derive_keys(self.base, 4 * self.n), j)
+        return derive_keys(self.base, (self.j - 1) * 2**31 + self.n)
 
 
 class _Stream:
@@ -432,7 +431,10 @@ class _Mode(TorchFunctionMode):
             if name == "element_size" and args:
                 return self.engine.reported_dtype(args[0]).itemsize
             return func(*args, **kwargs)
+        em = self.engine
         if returns_its_input(name, args, kwargs):  # (its compiled decomposition copies it)
+            for fn in em.observers:
+                fn(name, em.module_name(), args, kwargs, args[0])
             return args[0]
         if isinstance(func, types.FunctionType) and func not in self.expanding:
             # a Python function of torch (F.layer_norm, F.multi_head_attention_forward,
@@ -444,7 +446,6 @@ class _Mode(TorchFunctionMode):
                     return body(*args, **kwargs)
             finally:
                 self.expanding.discard(func)
-        em = self.engine
         rule = em.rule()
         dt = kwargs.get("dtype")
         if name in CASTS and args and torch.is_tensor(args[0]):
