@@ -242,18 +242,20 @@ class _Stream:
         return _Site(self.base, self.n - 1)
 
 
-def _q(x, fmt, mode, keys):
-    """``quantize`` with stochastic rounding's keys from ``keys``: a :class:`_Site`, or a
-    generator (None: torch's default) drawn from at each call."""
+def _keyword(mode, keys) -> dict:
+    """quantize's keyword for stochastic rounding's keys from ``keys``: a :class:`_Site`'s
+    next keys, or a generator (None: torch's default) drawn from at each call."""
     if type(keys) is _Site:
-        return quantize(x, fmt, mode, seed=keys.next() if mode.is_stochastic else None)
-    return quantize(x, fmt, mode, generator=keys)
+        return {"seed": keys.next() if mode.is_stochastic else None}
+    return {"generator": keys}
+
+
+def _q(x, fmt, mode, keys):
+    return quantize(x, fmt, mode, **_keyword(mode, keys))
 
 
 def _q_(x, fmt, mode, keys):
-    if type(keys) is _Site:
-        return quantize_(x, fmt, mode, seed=keys.next() if mode.is_stochastic else None)
-    return quantize_(x, fmt, mode, generator=keys)
+    return quantize_(x, fmt, mode, **_keyword(mode, keys))
 
 
 class _Round(torch.autograd.Function):
