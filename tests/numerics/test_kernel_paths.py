@@ -5,8 +5,8 @@ baseline x86-64) and the loader runs the one this CPU supports, so the other tes
 one of them. Here the file is built once per instruction set with ``-DLP_NO_CLONES -march=...``
 (setup.py's flags otherwise) and each build this CPU can execute is checked: quantization
 (elementwise, every rounding mode, and MX blocks) against the plain-torch path, the fused
-optimizer step against the torch path, and the counting and reference-order dot-product loops
-against torch. A path this CPU cannot execute (AVX-512 on an AVX2-only EPYC) is skipped with the
+optimizer step against the torch path, the counting and reference-order dot-product loops
+against torch, and the fused LSTM cell against the op-by-op replay it stands for. A path this CPU cannot execute (AVX-512 on an AVX2-only EPYC) is skipped with the
 reason; CI machines with AVX-512 run it.
 """
 
@@ -173,3 +173,31 @@ def test_fexp_u20_gives_the_torch_ops_bits(on_path):
                    torch.randn(1 << 14, generator=g) * 30, edges])
     assert kernel.fexp_available()
     assert_same_bits(fexp_u20(x, impl="kernel"), fexp_u20(x, impl="torch"), "fexp_u20")
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
+def test_the_rounded_sum_of_two_gives_the_torch_ops_bits(on_path, fmt):
+    # one step of a 16-bit sum of gradients, rnd(rnd(a) + rnd(b)), in one pass (lp_round_add2)
+    from lowprec.numerics.params import element_params
+    from lowprec.numerics.formats import parse_format
+
+    a, b = bit_patterns(1 << 13, seed=1), bit_patterns(1 << 13, seed=2)
+    keep = ~(a.isnan() | b.isnan())  # a NaN's payload: whichever operand the compiler put first
+    a, b = a[keep].contiguous(), b[keep].contiguous()
+    prm = kernel.prepare(element_params(parse_format(fmt)), 0, 0)
+    ref = quantize(quantize(a, fmt, impl="torch") + quantize(b, fmt, impl="torch"), fmt,
+                   impl="torch")
+    assert_same_bits(kernel.round_add2(a, b, prm), ref, fmt)
+    assert kernel.round_add2(a, b[:-1].contiguous(), prm) is None  # shapes differ: torch ops
+
+
+@pytest.mark.parametrize("policy", ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated",
+                                    "p=fp16,c=fp16,g=e8m22"])
+def test_the_fused_lstm_cell_gives_the_op_by_op_replays_bits(on_path, policy, monkeypatch):
+    from training.test_lstm_cell import run
+
+    fused, n = run(policy, "time-first-2-layers-bidirectional", True, monkeypatch)
+    replay, _ = run(policy, "time-first-2-layers-bidirectional", False, monkeypatch)
+    assert n > 0
+    for i, (x, y) in enumerate(zip(fused, replay)):
+        assert_same_bits(x, y, f"{policy}: tensor {i}")

@@ -109,6 +109,16 @@ def open_kernel(path: str):
     if hasattr(lib, "lp_fexp_u20"):
         lib.lp_fexp_u20.argtypes = [p, p, ctypes.c_int64, ctypes.c_int]
         lib.lp_fexp_u20.restype = None
+    if hasattr(lib, "lp_lstm_bwd"):
+        i64, lpp, ci = ctypes.c_int64, ctypes.POINTER(LPParams), ctypes.c_int
+        lib.lp_lstm_gates.argtypes = [p, p, i64, p, i64, i64, lpp, ci]
+        lib.lp_lstm_fwd.argtypes = [p, p, p, p, i64, p, i64, p, p, i64, i64, lpp, ci]
+        lib.lp_lstm_fwd2.argtypes = [p, p, p, i64, i64, lpp, ci]
+        lib.lp_lstm_bwd.argtypes = [p, i64, p, i64, p, p, p, i64, p, p, i64, i64, lpp, ci, ci]
+        lib.lp_round_add2.argtypes = [p, p, p, i64, lpp, ci]
+        for f in (lib.lp_lstm_gates, lib.lp_lstm_fwd, lib.lp_lstm_fwd2, lib.lp_lstm_bwd,
+                  lib.lp_round_add2):
+            f.restype = None
     if hasattr(lib, "lp_gemm_acc"):
         lib.lp_gemm_acc.argtypes = [p, p, p, ctypes.POINTER(LPAccGemm), ctypes.POINTER(LPAccFmt),
                                     ctypes.POINTER(LPAccFmt), ctypes.c_int]
@@ -189,6 +199,78 @@ def fexp_u20(x: torch.Tensor, out: torch.Tensor) -> None:
     if out.shape != x.shape:
         raise ValueError(f"fexp_u20: out has shape {tuple(out.shape)}, x {tuple(x.shape)}")
     _lib().lp_fexp_u20(x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads())
+
+
+# -- the LSTM cell of ATen's CPU composite in a 16-bit dtype (lp_lstm_* in _qkernel.c) -----------
+def lstm_available() -> bool:
+    """True when the loaded kernel has the fused LSTM cell (builds since these functions)."""
+    return _lib() is not None and hasattr(_lib(), "lp_lstm_bwd")
+
+
+def round_add2(a: torch.Tensor, b: torch.Tensor, prm: LPParams) -> torch.Tensor | None:
+    """rnd(rnd(a) + rnd(b)) in one pass (lp_round_add2), ``prm`` a deterministic rounding from
+    :func:`prepare`; None where ``a`` and ``b`` are not contiguous float32 CPU tensors of one
+    shape (the caller then rounds with torch ops: the same bits)."""
+    if not (a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu" and
+            a.shape == b.shape and a.is_contiguous() and b.is_contiguous()):
+        return None
+    out = torch.empty_like(a)
+    _lib().lp_round_add2(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(),
+                         ctypes.byref(prm), torch.get_num_threads())
+    return out
+
+
+def _rows(t: torch.Tensor, name: str, cols: int) -> int:
+    """The row stride of a 2-D float32 CPU tensor of ``cols`` columns with unit column stride."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or \
+            t.shape[1] != cols or (t.stride(1) != 1 and t.shape[1] > 1) or t.stride(0) < cols:
+        raise ValueError(f"lstm cell: {name} must be a 2-D float32 CPU tensor of {cols} columns "
+                         f"with rows of unit stride, got {t.dtype} {tuple(t.shape)} strides "
+                         f"{t.stride()} on {t.device}")
+    return t.stride(0)
+
+
+def lstm_gates(lin, xw, out, prm: LPParams) -> None:
+    """``out`` = rc(rc(lin) + xw) (lp_lstm_gates); ``lin`` and ``out`` contiguous."""
+    b, n = out.shape
+    _rows(lin, "lin", n), _rows(out, "out", n)
+    if not (lin.is_contiguous() and out.is_contiguous()):
+        raise ValueError("lstm cell: lin and out must be contiguous")
+    _lib().lp_lstm_gates(lin.data_ptr(), xw.data_ptr(), _rows(xw, "xw", n), out.data_ptr(), b,
+                         n, ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_forward(si, sf, tg, so, c, acts, cn, prm: LPParams) -> None:
+    """acts = the rounded activations (i, f, g, o), cn the new cell state (lp_lstm_fwd)."""
+    b, h = cn.shape
+    rs = _rows(si, "si", h)
+    if any(_rows(t, "activation", h) != rs for t in (sf, tg, so)):
+        raise ValueError("lstm cell: the four activations must share one row stride")
+    if not (acts.is_contiguous() and cn.is_contiguous()) or acts.shape != (b, 4 * h):
+        raise ValueError("lstm cell: acts (B, 4H) and cn (B, H) must be contiguous")
+    _lib().lp_lstm_fwd(si.data_ptr(), sf.data_ptr(), tg.data_ptr(), so.data_ptr(), rs,
+                       c.data_ptr(), _rows(c, "c", h), acts.data_ptr(), cn.data_ptr(), b, h,
+                       ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_forward2(tc, acts, h_out, prm: LPParams) -> None:
+    """tc rounded in place (torch's tanh of the cell state), h = rc(o * tc) (lp_lstm_fwd2)."""
+    b, h = tc.shape
+    if not all(t.is_contiguous() for t in (tc, acts, h_out)):
+        raise ValueError("lstm cell: tc, acts and h must be contiguous")
+    _lib().lp_lstm_fwd2(tc.data_ptr(), acts.data_ptr(), h_out.data_ptr(), b, h,
+                        ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_backward(dh, dcn, acts, tc, c, dG, dcp, prm: LPParams, half: bool) -> None:
+    """The cell's backward (lp_lstm_bwd): dG the gates' gradient, dcp the cell state's."""
+    b, h = tc.shape
+    _lib().lp_lstm_bwd(dh.data_ptr(), _rows(dh, "dh", h),
+                       dcn.data_ptr() if dcn is not None else None,
+                       _rows(dcn, "dcn", h) if dcn is not None else 0, acts.data_ptr(),
+                       tc.data_ptr(), c.data_ptr(), _rows(c, "c", h), dG.data_ptr(),
+                       dcp.data_ptr(), b, h, ctypes.byref(prm), int(half),
+                       torch.get_num_threads())
 
 
 # -- the GEMM with a rounded accumulator (lp_gemm_acc in _qkernel_acc.c) -------------------------

@@ -1,0 +1,109 @@
+"""The fused LSTM cell gives the op-by-op replay's bits.
+
+Under an emulated policy with plain formats (IEEE-style or fixed point, rounded to nearest),
+each step of an ``nn.LSTM`` runs as one autograd node whose roundings are the C kernel's
+(``_LSTMCell`` in emulation/recurrent_kernels.py, ``lp_lstm_*`` in _qkernel.c) instead of some
+forty ops and roundings. The reference is the op-by-op replay itself (the kernel's cell
+switched off), which tests/training/test_fidelity.py checks bit for bit against torch's own
+``.half()`` / ``.bfloat16()`` layers: outputs, every parameter gradient and the parameters
+after two SGD steps, for the layer's options and for gradient formats other than the compute
+format (fp16 values with bf16 gradients: sigmoid's backward then runs in fp32, not c10::Half).
+The gradient format e8m22 keeps all but one bit of each float32 operation, so a kernel that
+computes ``dy * ((1 - y) * y)`` where torch computes ``(dy * (1 - y)) * y`` fails there (it
+did, 4 of 4 layers), where a 16-bit rounding would hide it in most elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_same_bits
+from lowprec import Precision
+from lowprec.numerics import kernel
+from lowprec.training.emulation import recurrent_kernels
+from lowprec.training.optim import SGD
+
+pytestmark = pytest.mark.skipif(not kernel.lstm_available(), reason="no compiled kernel")
+
+POLICIES = ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated", "p=fp16,c=fp16,g=bf16",
+            "p=bf16,c=bf16,g=fp16,o=bf16,b=emulated", "q8.8", "p=fp16,c=fp16,g=e8m22"]
+LAYERS = {  # the layer, a packed input
+    "batch-first": (lambda: nn.LSTM(7, 32, batch_first=True), False),
+    "time-first-2-layers-bidirectional": (lambda: nn.LSTM(7, 16, 2, bidirectional=True), False),
+    "projections-packed": (lambda: nn.LSTM(7, 16, proj_size=5, batch_first=True), True),
+    "no-bias-odd-width": (lambda: nn.LSTM(7, 13, bias=False, batch_first=True), False),
+}
+
+
+class Net(nn.Module):
+    """Every output of the layer (the sequence and both final states) reaches the loss."""
+
+    def __init__(self, lstm: nn.LSTM, packed: bool) -> None:
+        super().__init__()
+        self.lstm, self.packed = lstm, packed
+        width = lstm.proj_size or lstm.hidden_size
+        self.head = nn.Linear(width * (2 if lstm.bidirectional else 1), 3)
+
+    def forward(self, x):  # x: (batch, time, features)
+        first = self.lstm.batch_first
+        x = x if first else x.transpose(0, 1)
+        if self.packed:
+            x = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 3, 5, 2, 6]),
+                                                  batch_first=first, enforce_sorted=False)
+        out, (h, c) = self.lstm(x)
+        if self.packed:
+            out = nn.utils.rnn.pad_packed_sequence(out, batch_first=first)[0]
+        return self.head(out).sum(1 if first else 0) + h.sum() + c.sum()
+
+
+def run(policy: str, case: str, fused: bool, monkeypatch) -> tuple[list, int]:
+    """Outputs, gradients and parameters over two SGD steps; the fused cell's calls."""
+    calls = []
+    original = recurrent_kernels._LSTMCell.apply
+    with monkeypatch.context() as m:
+        if not fused:
+            m.setattr(kernel, "lstm_available", lambda: False)
+        m.setattr(recurrent_kernels._LSTMCell, "apply",
+                  lambda *a: calls.append(1) or original(*a))
+        make, packed = LAYERS[case]
+        torch.manual_seed(0)
+        net = Net(make(), packed)
+        prec = Precision(policy, seed=0)
+        model, opt = prec.setup(net, SGD(net.parameters(), lr=0.1))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(5, 6, 7, generator=g), torch.randint(0, 3, (5,), generator=g)
+        seen = []
+        for _ in range(2):
+            opt.zero_grad()
+            with prec.autocast():
+                out = model(x)
+                loss = nn.functional.cross_entropy(out.float(), y)
+            prec.backward(loss)
+            seen += [out.detach()] + [p.grad.clone() for p in net.parameters()]
+            prec.step(opt)
+        seen += [p.detach().clone() for p in net.parameters()]
+    return seen, len(calls)
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections")
+@pytest.mark.parametrize("case", list(LAYERS))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_fused_cell_gives_the_op_by_op_replays_bits(policy, case, monkeypatch):
+    fused, n_fused = run(policy, case, True, monkeypatch)
+    replay, n_replay = run(policy, case, False, monkeypatch)
+    lstm = LAYERS[case][0]()
+    steps = 6 * lstm.num_layers * (2 if lstm.bidirectional else 1)
+    if LAYERS[case][1]:  # packed: 6 steps, some with fewer rows, still one call each
+        steps = 6
+    assert n_replay == 0 and n_fused == 2 * steps, (n_fused, n_replay)
+    assert len(fused) == len(replay)
+    for i, (a, b) in enumerate(zip(fused, replay)):
+        assert_same_bits(a, b, f"{policy} {case}: tensor {i}")
+
+
+def test_stochastic_and_mixed_policies_keep_the_op_by_op_replay(monkeypatch):
+    for policy in ("q6.10-sr", "p=fp16,c=fp16:sr,g=fp16:sr", "16-mixed"):
+        _, n = run(policy, "batch-first", True, monkeypatch)
+        assert n == 0, policy
