@@ -275,6 +275,66 @@ def test_a_forward_draws_one_base_pair_and_each_rounding_its_own_keys():
     assert err < 6 * 2 * 2**-10 / 4096**0.5, err
 
 
+@pytest.mark.parametrize("policy", ["16-true", "p=fp16,c=fp16:sr,g=fp16:sr,s=all,b=emulated",
+                                    "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated", "q6.10",
+                                    "p=fp16,c=fp16,g=mxfp8_e4m3,s=all,b=emulated"])
+def test_a_gradient_its_one_consumer_rounded_is_not_rounded_again(policy, monkeypatch):
+    """An op's output with one consumer gets that consumer's gradient rounded (_Consumed), then
+    the same tensor reaches the output's own rounding node (_Round), where rounding it again to
+    the same element format is the identity in any mode: skipped (the site's stochastic keys
+    advancing as if not). The bits are those of rounding every time; fewer kernel calls; block
+    formats (whose shared scale can move) round every time, and formats with no torch dtype
+    (fixed point) have no per-consumer rounding to skip after."""
+    from lowprec.training.emulation import engine
+
+    def run(skip: bool):
+        calls = []
+        with monkeypatch.context() as m:
+            if not skip:
+                m.setattr(engine, "_rounded_already", lambda g, fmt: False)
+            q = engine._q
+            m.setattr(engine, "_q", lambda *a: calls.append(1) or q(*a))
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Sigmoid(),
+                                nn.Linear(16, 4))
+            prec = Precision(policy, seed=1)
+            model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+            seen = []
+            for _ in range(3):
+                opt.zero_grad()
+                with prec.autocast():
+                    loss = model(x).float().pow(2).mean()
+                prec.backward(loss)
+                seen += [p.grad.clone() for p in net.parameters()]
+                prec.step(opt)
+        return seen + [p.detach().clone() for p in net.parameters()], len(calls)
+
+    skipped, n_skip = run(True)
+    every, n_every = run(False)
+    for i, (a, b) in enumerate(zip(skipped, every)):
+        assert_same_bits(a, b, f"{policy}: tensor {i}")
+    if "mxfp8" in policy or policy == "q6.10":
+        assert n_skip == n_every
+    else:
+        assert n_skip < n_every, (n_skip, n_every)
+
+
+def test_a_gradient_changed_in_place_since_it_was_rounded_is_rounded_again():
+    from lowprec.numerics.formats import FP16
+    from lowprec.training.emulation.engine import _note_rounded, _rounded_already
+
+    g = torch.tensor([1.0, 2.0])
+    _note_rounded(g, FP16)
+    assert _rounded_already(g, FP16)
+    g.add_(1e-4)  # autograd accumulating into it in place: the version moves
+    assert not _rounded_already(g, FP16)
+    h = torch.tensor([1.0])
+    _note_rounded(h, FP16)
+    from lowprec.numerics.formats import BF16
+    assert not _rounded_already(h, BF16)
+
+
 def test_a_forward_failing_while_its_inputs_are_rounded_leaves_no_mode_behind(monkeypatch):
     """call_root (compiled emulation's trace and fallback) entered the engine's mode before
     rounding the inputs; a failure there left it entered, and every later op was rounded (seen

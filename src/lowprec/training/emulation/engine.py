@@ -23,7 +23,8 @@ run on this CPU's 16-bit GEMM (:mod:`.native_gemm`), which makes an emulated run
 bit-exact with ``model.half()`` on CPUs where those kernels run (no AVX512-FP16).
 
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
-twice. Module hooks track which module is running, for per-module overrides and for naming ops.
+twice; so do gradients (``_lowprec_grad_grid``, with their version): the gradient one consumer
+sent back, rounded there, is not rounded again at the output it reaches unchanged. Module hooks track which module is running, for per-module overrides and for naming ops.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...numerics.formats import FP32, BlockFormat, Format
+from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
 from ...numerics.keys import derive_keys
-from ...numerics.quantize import draw_seed, quantize, quantize_
+from ...numerics.quantize import _compiling, draw_seed, quantize, quantize_
 from ...numerics import accumulation_ops, summation
 from ...numerics.accumulation import Accumulator
 from ...numerics.rounding import Rounding, check_generator
@@ -180,6 +181,30 @@ def _floating(t) -> bool:
     return torch.is_tensor(t) and t.dtype in _ROUNDABLE
 
 
+GRAD_MARK = "_lowprec_grad_grid"  # a gradient's (format, version) when rounded: see _Round
+
+
+def _note_rounded(g: torch.Tensor, fmt) -> None:
+    """Record that ``g``'s values, as they are now, lie on ``fmt``'s grid, where rounding them
+    to ``fmt`` again changes nothing in any mode: element formats with a fixed grid (not a
+    dynamic format, whose scale is chosen from the tensor, nor a block format, whose shared
+    scale can move when the block's largest value rounds up). Eagerly only: a graph being
+    traced rounds every time (the same bits)."""
+    if isinstance(fmt, (FloatFormat, FixedFormat)) and not fmt.dynamic and not _compiling():
+        try:
+            setattr(g, GRAD_MARK, (fmt, g._version))
+        except (AttributeError, RuntimeError):
+            pass
+
+
+def _rounded_already(g: torch.Tensor, fmt) -> bool:
+    """Whether ``g`` is a gradient :func:`_note_rounded` saw rounded to ``fmt``, unchanged
+    since (its version counter: autograd may accumulate into a gradient in place)."""
+    m = getattr(g, GRAD_MARK, None)
+    return m is not None and (m[0] is fmt or m[0] == fmt) and m[1] == g._version \
+        and not _compiling()
+
+
 def _map(fn, obj):
     """``fn`` over the tensors of nested tuples, lists, namedtuples (PackedSequence) and dicts."""
     if torch.is_tensor(obj):
@@ -270,7 +295,14 @@ class _Round(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen = ctx.spec
         if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
+            if _rounded_already(g, bwd) and (not bmode.is_stochastic or type(gen) is _Site):
+                # the one consumer's gradient, rounded by its _Consumed node and passed on
+                # unchanged: rounding it again is the identity (half the backward's roundings
+                # in a chain of ops); the site's keys advance as if it had rounded
+                if bmode.is_stochastic:
+                    gen.next()
+            else:
+                g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
         return g, None, None, None, None, None
 
 
@@ -353,6 +385,7 @@ class _Consumed(torch.autograd.Function):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
             g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
+            _note_rounded(g, bwd)
             if acc is not None:
                 g = acc.add(g, bwd, bmode, gen)
         return g, None, None, None, None
