@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from ...numerics.formats import BF16, FP16
 from ...numerics.quantize import quantize
 from . import kernels
+from .gradmarks import rounded_grad
 
 __all__ = ["REPLAYED", "replayable", "replayed"]
 
@@ -303,7 +304,7 @@ def replayed(rule, name: str, func, args, kwargs, opts):
         return quantize(t, compute)
 
     def q(t):
-        return quantize(t, grads)
+        return rounded_grad(t, grads)
 
     xs = tuple(args[:2]) if name == "div" else (args[0],)
     kind = "fp16" if compute == FP16 else "bf16" if compute == BF16 else "other"

@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
+from ...numerics.formats import FP32, BlockFormat, Format
 from ...numerics.keys import derive_keys
-from ...numerics.quantize import _compiling, draw_seed, quantize, quantize_
+from ...numerics.quantize import draw_seed, quantize, quantize_
 from ...numerics import accumulation_ops, summation
 from ...numerics.accumulation import Accumulator
 from ...numerics.rounding import Rounding, check_generator
@@ -51,6 +51,7 @@ from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role, Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
+from .gradmarks import note_rounded as _note_rounded, rounded_already
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -181,28 +182,6 @@ def _floating(t) -> bool:
     return torch.is_tensor(t) and t.dtype in _ROUNDABLE
 
 
-GRAD_MARK = "_lowprec_grad_grid"  # a gradient's (format, version) when rounded: see _Round
-
-
-def _note_rounded(g: torch.Tensor, fmt) -> None:
-    """Record that ``g``'s values, as they are now, lie on ``fmt``'s grid, where rounding them
-    to ``fmt`` again changes nothing in any mode: element formats with a fixed grid (not a
-    dynamic format, whose scale is chosen from the tensor, nor a block format, whose shared
-    scale can move when the block's largest value rounds up). Eagerly only: a graph being
-    traced rounds every time (the same bits)."""
-    if isinstance(fmt, (FloatFormat, FixedFormat)) and not fmt.dynamic and not _compiling():
-        try:
-            setattr(g, GRAD_MARK, (fmt, g._version))
-        except (AttributeError, RuntimeError):
-            pass
-
-
-def _rounded_already(g: torch.Tensor, fmt) -> bool:
-    """Whether ``g`` is a gradient :func:`_note_rounded` saw rounded to ``fmt``, unchanged
-    since (its version counter: autograd may accumulate into a gradient in place)."""
-    m = getattr(g, GRAD_MARK, None)
-    return m is not None and (m[0] is fmt or m[0] == fmt) and m[1] == g._version \
-        and not _compiling()
 
 
 def _map(fn, obj):
@@ -275,6 +254,17 @@ def _keyword(mode, keys) -> dict:
     return {"generator": keys}
 
 
+def _skips(g, fmt, mode, keys) -> bool:
+    """Whether rounding the gradient ``g`` to ``fmt`` can be skipped: it is on that grid
+    already, unchanged (:mod:`.gradmarks`), and no generator would be drawn from; a site's
+    stochastic keys advance as if it had rounded, so later roundings keep theirs."""
+    if not rounded_already(g, fmt) or (mode.is_stochastic and type(keys) is not _Site):
+        return False
+    if mode.is_stochastic:
+        keys.next()
+    return True
+
+
 def _q(x, fmt, mode, keys):
     return quantize(x, fmt, mode, **_keyword(mode, keys))
 
@@ -295,13 +285,9 @@ class _Round(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen = ctx.spec
         if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            if _rounded_already(g, bwd) and (not bmode.is_stochastic or type(gen) is _Site):
-                # the one consumer's gradient, rounded by its _Consumed node and passed on
-                # unchanged: rounding it again is the identity (half the backward's roundings
-                # in a chain of ops); the site's keys advance as if it had rounded
-                if bmode.is_stochastic:
-                    gen.next()
-            else:
+            # skipped: the one consumer's gradient, rounded by its _Consumed node and passed
+            # on unchanged (rounding it again is the identity)
+            if not _skips(g, bwd, bmode, gen):
                 g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
         return g, None, None, None, None, None
 
@@ -384,8 +370,9 @@ class _Consumed(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
-            g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
-            _note_rounded(g, bwd)
+            if not _skips(g, bwd, bmode, gen):  # skipped: a replayed kernel rounded it
+                g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
+                _note_rounded(g, bwd)
             if acc is not None:
                 g = acc.add(g, bwd, bmode, gen)
         return g, None, None, None, None

@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, BlockFormat
 from ...numerics.quantize import quantize
+from .gradmarks import rounded_grad
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
 
@@ -135,7 +136,7 @@ def _kernel_roundings(rule):
         return quantize(t, rule.params) if rule.params == rule.compute else t
 
     def grad(t):
-        return quantize(t, rule.grads)
+        return rounded_grad(t, rule.grads)
 
     return stat, grad
 
@@ -394,7 +395,7 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
             return quantize(t, rule.compute)
 
         def grad(t):
-            return quantize(t, rule.grads)
+            return rounded_grad(t, rule.grads)
 
         return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), sc, act, grad)
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped keys and values
@@ -505,7 +506,7 @@ class _LayerNorm(torch.autograd.Function):
         ds, db = (dgy * X).sum(-1, keepdim=True), dgy.sum(-1, keepdim=True)
         b = (db * mu - ds) * a * a * a * scale
         c = -b * mu - db * a * scale
-        dx = grad(a * dY * g + b * X + c).reshape(x.shape)
+        dx = grad((a * dY * g + b * X + c).reshape(x.shape))  # the noted tensor returned
         dw = dbias = None
         if weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
             # at::parallel_for(0, M, 1): thread t takes rows [t*chunk, (t+1)*chunk)

@@ -1,0 +1,47 @@
+"""Which gradients are already on a format's grid, so that the engine does not round them again.
+
+The engine rounds a gradient where a consumer's backward writes it (``_Consumed``) and where it
+reaches the op output it belongs to (``_Round``); a replayed 16-bit kernel (batch norm, layer
+norm, attention, activations) rounds the input gradient it writes itself. Where the same tensor,
+unchanged, meets a second rounding to the same element format, that rounding is the identity in
+any mode. A rounding records the fact on the tensor (the format and the tensor's version
+counter, which moves if autograd accumulates into it in place) and the next one skips the pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...numerics.formats import FixedFormat, FloatFormat
+from ...numerics.quantize import _compiling, quantize
+
+__all__ = ["GRAD_MARK", "note_rounded", "rounded_already", "rounded_grad"]
+
+GRAD_MARK = "_lowprec_grad_grid"  # a gradient's (format, version) when rounded
+
+
+def note_rounded(g: torch.Tensor, fmt) -> None:
+    """Record that ``g``'s values, as they are now, lie on ``fmt``'s grid, where rounding them
+    to ``fmt`` again changes nothing in any mode: element formats with a fixed grid (not a
+    dynamic format, whose scale is chosen from the tensor, nor a block format, whose shared
+    scale can move when the block's largest value rounds up). Eagerly only: a graph being
+    traced rounds every time (the same bits)."""
+    if isinstance(fmt, (FloatFormat, FixedFormat)) and not fmt.dynamic and not _compiling():
+        try:
+            setattr(g, GRAD_MARK, (fmt, g._version))
+        except (AttributeError, RuntimeError):
+            pass
+
+
+def rounded_already(g: torch.Tensor, fmt) -> bool:
+    """Whether :func:`note_rounded` saw ``g`` rounded to ``fmt``, unchanged since."""
+    m = getattr(g, GRAD_MARK, None)
+    return m is not None and (m[0] is fmt or m[0] == fmt) and m[1] == g._version \
+        and not _compiling()
+
+
+def rounded_grad(t: torch.Tensor, fmt) -> torch.Tensor:
+    """``t`` rounded to nearest ``fmt``, noted (a replayed kernel's input gradient)."""
+    out = quantize(t, fmt)
+    note_rounded(out, fmt)
+    return out
