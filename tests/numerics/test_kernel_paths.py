@@ -85,15 +85,23 @@ def bit_patterns(n: int = 1 << 14, seed: int = 0) -> torch.Tensor:
     return torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
 
 
-FORMATS = ["fp16", "bf16", "e4m3fn", "e5m2", "e2m1fn", "q6.10"]
+# q12.12: a 24-bit word, the widest whose limits lie below 2**(qsub + 23) (nearest even by the
+# addition trick); q13.12, 25 bits, takes the general rule
+FORMATS = ["fp16", "bf16", "e4m3fn", "e5m2", "e2m1fn", "q6.10", "q12.12", "q13.12"]
 MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic", "sr4"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
+    from lowprec.numerics.formats import parse_format
+
     x = bit_patterns()
-    # also values near the format's own grid, where rounding decisions are made
-    x = torch.cat([x, torch.randn(1 << 12, generator=torch.Generator().manual_seed(1)) * 3])
+    # also values near the format's own grid, where rounding decisions are made, and whole
+    # chunks of them across its range (random bit patterns put a value beyond the range in
+    # nearly every chunk of 16, which sends the chunk past the kernel's fast path)
+    g = torch.Generator().manual_seed(1)
+    span = (torch.rand(1 << 12, generator=g) * 2 - 1) * parse_format(fmt).max
+    x = torch.cat([x, torch.randn(1 << 12, generator=g) * 3, span])
     for mode in MODES:
         got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(5))
         want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(5))
