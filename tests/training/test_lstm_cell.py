@@ -107,3 +107,74 @@ def test_stochastic_and_mixed_policies_keep_the_op_by_op_replay(monkeypatch):
     for policy in ("q6.10-sr", "p=fp16,c=fp16:sr,g=fp16:sr", "16-mixed"):
         _, n = run(policy, "batch-first", True, monkeypatch)
         assert n == 0, policy
+
+
+class HeadOnLSTM(nn.Module):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(7, hidden, batch_first=True), nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return self.head(out) + c.sum()
+
+
+def _forward(fused: bool, grad: bool, monkeypatch, policy: str, overrides=None, hidden=16,
+             batch=4):
+    with monkeypatch.context() as m:
+        if not fused:
+            m.setattr(kernel, "lstm_available", lambda: False)
+        torch.manual_seed(0)
+        net = HeadOnLSTM(hidden)
+        prec = Precision(policy, seed=0, overrides=overrides)
+        model, _ = prec.setup(net)
+        x = torch.randn(batch, 5, 7, generator=torch.Generator().manual_seed(1))
+        with torch.set_grad_enabled(grad), prec.autocast():
+            out = model(x)
+        if grad:
+            out.float().pow(2).sum().backward()
+            return [out.detach()] + [p.grad for p in net.parameters()]
+        return [out]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_stochastic_model_around_the_fused_cell_keeps_its_keys(grad, monkeypatch):
+    """Stochastic rounding elsewhere in the model: each rounding's keys come from its site's
+    number in the forward, so the fused cell must take as many sites as the op-by-op cell
+    would: six, and five more without gradients (its activations then rounded as ops).
+    Found by review: it took six always, and a no-grad forward's later roundings differed."""
+    policy = "p=fp16,c=fp16:sr,g=fp16:sr,s=all,b=emulated"
+    nearest = {"lstm": "p=fp16,c=fp16,g=fp16,s=all,b=emulated"}
+    a = _forward(True, grad, monkeypatch, policy, nearest)
+    b = _forward(False, grad, monkeypatch, policy, nearest)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert_same_bits(x, y, f"tensor {i}")
+
+
+@pytest.mark.parametrize("hidden,batch", [(1, 1), (1, 4), (5, 1), (300, 2)])
+def test_one_unit_one_row_and_wide_layers(hidden, batch, monkeypatch):
+    """A gradient of one row or one unit may come with stride 0 (an expanded sum's gradient):
+    the kernel's row stride is not read then (it raised); 300 units: two column pieces."""
+    a = _forward(True, True, monkeypatch, "16-true", hidden=hidden, batch=batch)
+    b = _forward(False, True, monkeypatch, "16-true", hidden=hidden, batch=batch)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert_same_bits(x, y, f"tensor {i}")
+
+
+def test_a_traced_sum_of_gradients_takes_graph_ops(monkeypatch):
+    """While compiled emulation traces a backward, the 16-bit sum of a recurrent layer's
+    gradients must be graph ops, not the kernel on a tensor's memory (review: a GRU compiled
+    with Dynamo's allow_rnn fell back to eager, 'Cannot access data pointer')."""
+    from lowprec.numerics.formats import FP16
+    from lowprec.numerics.quantize import tracing_graph
+
+    def refuse(*args):
+        raise AssertionError("the kernel was called while tracing")
+
+    r = recurrent_kernels._Rounder(FP16)
+    a, b = torch.randn(64), torch.randn(64)
+    want = r.add2(a, b)
+    monkeypatch.setattr(kernel, "round_add2", refuse)
+    with tracing_graph():
+        got = r.add2(a, b)
+    assert_same_bits(got, want, "add2 traced")

@@ -221,13 +221,15 @@ def round_add2(a: torch.Tensor, b: torch.Tensor, prm: LPParams) -> torch.Tensor 
 
 
 def _rows(t: torch.Tensor, name: str, cols: int) -> int:
-    """The row stride of a 2-D float32 CPU tensor of ``cols`` columns with unit column stride."""
+    """The row stride of a 2-D float32 CPU tensor of ``cols`` columns with unit column stride
+    (a single row's stride is never read: a size-1 dimension may have any, even 0)."""
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or \
-            t.shape[1] != cols or (t.stride(1) != 1 and t.shape[1] > 1) or t.stride(0) < cols:
+            t.shape[1] != cols or (t.stride(1) != 1 and t.shape[1] > 1) or \
+            (t.stride(0) < cols and t.shape[0] > 1):
         raise ValueError(f"lstm cell: {name} must be a 2-D float32 CPU tensor of {cols} columns "
                          f"with rows of unit stride, got {t.dtype} {tuple(t.shape)} strides "
                          f"{t.stride()} on {t.device}")
-    return t.stride(0)
+    return t.stride(0) if t.shape[0] > 1 else cols
 
 
 def lstm_gates(lin, xw, out, prm: LPParams) -> None:

@@ -32,7 +32,8 @@ from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
 from .rounding import Rounding, check_generator, parse_rounding
 
-__all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph"]
+__all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph",
+           "emits_graph_ops"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # formats whose nearest-even rounding torch's casts perform exactly (the plain-torch fast path)
@@ -77,6 +78,12 @@ def tracing_graph():
 
 def _compiling() -> bool:
     return getattr(_TRACING, "on", False) or torch.compiler.is_compiling()
+
+
+def emits_graph_ops() -> bool:
+    """Whether :func:`quantize` emits graph ops now (inside ``torch.compile`` or
+    :func:`tracing_graph`): code that calls the kernel on a tensor's memory must not then."""
+    return _compiling()
 
 
 def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import FixedFormat, FloatFormat
-from ...numerics.quantize import _compiling, quantize
+from ...numerics.quantize import emits_graph_ops, quantize
 
 __all__ = ["GRAD_MARK", "note_rounded", "rounded_already", "rounded_grad"]
 
@@ -26,7 +26,7 @@ def note_rounded(g: torch.Tensor, fmt) -> None:
     dynamic format, whose scale is chosen from the tensor, nor a block format, whose shared
     scale can move when the block's largest value rounds up). Eagerly only: a graph being
     traced rounds every time (the same bits)."""
-    if isinstance(fmt, (FloatFormat, FixedFormat)) and not fmt.dynamic and not _compiling():
+    if isinstance(fmt, (FloatFormat, FixedFormat)) and not fmt.dynamic and not emits_graph_ops():
         try:
             setattr(g, GRAD_MARK, (fmt, g._version))
         except (AttributeError, RuntimeError):
@@ -37,7 +37,7 @@ def rounded_already(g: torch.Tensor, fmt) -> bool:
     """Whether :func:`note_rounded` saw ``g`` rounded to ``fmt``, unchanged since."""
     m = getattr(g, GRAD_MARK, None)
     return m is not None and (m[0] is fmt or m[0] == fmt) and m[1] == g._version \
-        and not _compiling()
+        and not emits_graph_ops()
 
 
 def rounded_grad(t: torch.Tensor, fmt) -> torch.Tensor:

@@ -62,7 +62,7 @@ from torch.autograd.function import once_differentiable
 from ...numerics import kernel as _kernel
 from ...numerics.formats import FP16, FP32, FixedFormat, FloatFormat
 from ...numerics.params import element_params
-from ...numerics.quantize import _compiling, quantize
+from ...numerics.quantize import emits_graph_ops, quantize
 from .kernels import plain_formats
 
 __all__ = ["RNN_OPS", "RecurrentCall", "parse", "replay"]
@@ -161,7 +161,8 @@ class _Rounder:
         return quantize(t, self.fmt)
 
     def add2(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        out = _kernel.round_add2(a, b, self.prm) if self.prm is not None else None
+        fused = self.prm is not None and not emits_graph_ops()  # (traced: graph ops)
+        out = _kernel.round_add2(a, b, self.prm) if fused else None
         return out if out is not None else self(self(a) + self(b))
 
 
@@ -281,7 +282,7 @@ class _Replay:
         self.weight_rounding = param if self.plain and rule.params == rule.compute else None
         # the fused LSTM cell (:class:`_LSTMCell`): plain formats the kernel rounds, eagerly
         self.fused = None
-        if kind == "lstm" and self.plain and _kernel.lstm_available() and not _compiling():
+        if kind == "lstm" and self.plain and _kernel.lstm_available() and not emits_graph_ops():
             pc, pg = _cell_params(rule.compute), _cell_params(rule.grads)
             if pc is not None and pg is not None:
                 self.fused = (pc, pg, rule.grads == FP16)
@@ -326,10 +327,11 @@ class _Replay:
         w_hh, b_hh = uses[0].next(), uses[1].next()
         if self.kind == "lstm" and self.fused is not None and xw.dtype == torch.float32 and \
                 xw.device.type == "cpu" and c.dtype == torch.float32 and c.dim() == 2:
+            lin = F.linear(h_uses[0], w_hh, b_hh)
             stream = self.engine._stream
-            if stream is not None:  # the six roundings' sites of the op-by-op cell
-                stream.n += 6
-            h, c = _LSTMCell.apply(F.linear(h_uses[0], w_hh, b_hh), xw, c, *self.fused)
+            if stream is not None:  # the sites the op-by-op cell's roundings would take
+                stream.n += self._cell_sites(lin, xw, c)
+            h, c = _LSTMCell.apply(lin, xw, c, *self.fused)
             w_hr = uses[2].next()
             if w_hr is not None:  # projections: matmul_hr
                 h = act(torch.matmul(h, w_hr.t()))
@@ -355,6 +357,17 @@ class _Replay:
             return act(act(act(h_sub - n_sub) * z) + n_add), None  # (h - n).mul_(z).add_(n)
         pre = act(act(F.linear(h_uses[0], w_hh, b_hh)) + xw)
         return (sig(pre, False) if self.kind == "rnn_tanh" else act(pre.relu())), None
+
+    @staticmethod
+    def _cell_sites(lin, xw, c) -> int:
+        """The rounding sites of one op-by-op LSTM cell: six ``act`` roundings (linear_hh, the
+        gates, f * c, i * g, the cell state, h), and one more per activation whose input needs
+        no gradient (rounded by ``act``, not :class:`_Activation`): the four gates' when
+        neither ``lin`` nor ``xw`` does, the cell state's tanh when ``c`` does not either."""
+        on = torch.is_grad_enabled()
+        gates = on and (lin.requires_grad or xw.requires_grad)
+        state = gates or (on and c.requires_grad)
+        return 6 + (0 if gates else 4) + (0 if state else 1)
 
     def uses(self, p):
         _, w_hh, _, b_hh, w_hr = p
