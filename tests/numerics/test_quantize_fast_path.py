@@ -51,3 +51,32 @@ def test_a_bad_generator_is_refused_on_the_fast_path_too():
     quantize(x, "fp16")
     with pytest.raises(TypeError, match="generator"):
         quantize(x, "fp16", generator=3)
+
+
+@pytest.mark.parametrize("fmt,rounding", [("fp16", "stochastic"), ("q6.10", "stochastic"),
+                                          ("e4m3fn", "sr4"), (parse_format("bf16"), "sr8")])
+def test_stochastic_rounding_given_its_keys_takes_the_fast_path_too(fmt, rounding, monkeypatch):
+    """The eager engine rounds stochastically with keys derived per site, two ints a call:
+    after a first call prepared the kernel's arguments, the keys are put into a copy of them
+    (no per-call parsing); the bits are the full path's and the torch path's for the same
+    keys, and other keys give other bits."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 300
+    keys = (123456789, 2**32 - 5)
+    first = quantize(x, fmt, rounding, seed=keys)  # prepares
+    assert (fmt, rounding) in qmod._PREPARED_KEYED
+    calls = []
+    real, real_f32 = kernel.quantize_prepared, kernel.quantize_f32
+    monkeypatch.setattr(kernel, "quantize_prepared",
+                        lambda *a: calls.append("prepared") or real(*a))
+    monkeypatch.setattr(kernel, "quantize_f32", lambda *a: calls.append("f32") or real_f32(*a))
+    fast = quantize(x, fmt, rounding, seed=keys)
+    assert calls == ["prepared"]
+    assert_same_bits(fast, first, f"{fmt} {rounding}")
+    assert_same_bits(fast, quantize(x, fmt, rounding, seed=keys, impl="torch"), "torch path")
+    assert not torch.equal(fast, quantize(x, fmt, rounding, seed=(keys[0], keys[1] ^ 1)))
+    # not taken: keys drawn from a generator, keys out of range (refused as before)
+    calls.clear()
+    quantize(x, fmt, rounding, generator=torch.Generator().manual_seed(1))
+    assert calls == ["f32", "prepared"]
+    with pytest.raises(ValueError, match="seed keys"):
+        quantize(x, fmt, rounding, seed=(2**32, 0))

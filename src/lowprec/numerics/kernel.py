@@ -141,6 +141,13 @@ def prepare(ep: ElementParams, rounding: int, rmask: int) -> LPParams:
     return _params(ep, rounding, rmask, (0, 0))
 
 
+def with_keys(prm: LPParams, k0: int, k1: int) -> LPParams:
+    """A copy of prepared parameters (:func:`prepare`) with stochastic rounding's keys."""
+    q = LPParams.from_buffer_copy(prm)
+    q.k0, q.k1 = k0, k1
+    return q
+
+
 def quantize_prepared(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> None:
     """:func:`quantize_f32` with parameters from :func:`prepare`: contiguous float32 CPU
     ``x`` and ``out`` of its size (unchecked: the caller checked)."""

@@ -46,14 +46,16 @@ _NATIVE_CASTS = {
 Impl = Literal["auto", "kernel", "torch", "fused", "op"]
 _IMPLS = ("auto", "kernel", "torch", "fused", "op")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-# (fmt, rounding) as given -> the kernel's parameters (kernel.prepare), for quantize's fast path
+# (fmt, rounding) as given -> the kernel's parameters (kernel.prepare), for quantize's fast path:
+# deterministic modes, and stochastic ones given their keys as two ints (the eager engine)
 _PREPARED: dict = {}
+_PREPARED_KEYED: dict = {}
 
 
-def _prepare(key, fmt, code: int, rmask: int) -> None:
+def _prepare(key, fmt, code: int, rmask: int, table: dict = _PREPARED) -> None:
     try:
-        if key not in _PREPARED and len(_PREPARED) < 4096:
-            _PREPARED[key] = _kernel.prepare(element_params(fmt), code, rmask)
+        if key not in table and len(table) < 4096:
+            table[key] = _kernel.prepare(element_params(fmt), code, rmask)
     except TypeError:  # an unhashable format object: no fast path for it
         pass
 
@@ -338,6 +340,21 @@ def quantize(
             out = torch.empty_like(x)
             _kernel.quantize_prepared(x, out, prm)
             return out
+    elif impl == "auto" and type(seed) is tuple and generator is None and \
+            random_bits is None and type(x) in _PLAIN and x.dtype == torch.float32 and \
+            x.device.type == "cpu":
+        # stochastic rounding with its keys given as two ints (each rounding of the eager
+        # engine): the prepared arguments with the keys put in
+        try:
+            prm = _PREPARED_KEYED.get((fmt, rounding))
+        except TypeError:
+            prm = None
+        if prm is not None and len(seed) == 2 and type(seed[0]) is int and \
+                type(seed[1]) is int and 0 <= seed[0] < 2**32 and 0 <= seed[1] < 2**32 and \
+                x.is_contiguous() and x.numel() and not _compiling():
+            out = torch.empty_like(x)
+            _kernel.quantize_prepared(x, out, _kernel.with_keys(prm, seed[0], seed[1]))
+            return out
     if (_compiling() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
@@ -361,14 +378,18 @@ def quantize(
         if isinstance(fmt, BinaryFormat):
             out = _binary(xf)
         else:
+            keyed = type(seed) is tuple and generator is None
             if not mode.is_stochastic:
                 seed = (0, 0)
             else:
                 seed = draw_seed(generator) if seed is None else _keys_of(seed)
             code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
-            if not mode.is_stochastic and isinstance(fmt, (FloatFormat, FixedFormat)) and \
-                    random_bits is None and impl == "auto" and _kernel.available():
-                _prepare(key, fmt, code, rmask)
+            if isinstance(fmt, (FloatFormat, FixedFormat)) and random_bits is None and \
+                    impl == "auto" and _kernel.available():
+                if not mode.is_stochastic:
+                    _prepare(key, fmt, code, rmask)
+                elif keyed:
+                    _prepare(key, fmt, code, rmask, _PREPARED_KEYED)
             if impl == "auto" and _on_accelerator(xf) and \
                     not (code == 0 and fmt in _NATIVE_CASTS) and \
                     xf.numel() <= _fused.max_numel(fmt):
