@@ -81,6 +81,9 @@ typedef struct {
     float msub;                   /* 2**(qsub + 23): its float32 ulp is the quantum 2**qsub */
     int32_t fixed_ne;             /* fixed point (no normal range), limits below msub: nearest
                                    * even by the fsub trick for every value */
+    int32_t fixed_sr;             /* fixed point: stochastic rounding with 32 random bits by
+                                   * the float path's trick at a per-element shift */
+    uint32_t quantum;             /* float32 bits of 2**qsub (fixed_sr) */
 } lp_inv;
 
 LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
@@ -125,6 +128,15 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
         v.fsub = 1;
         v.msub = u2f(pow2_bits(v.qsub + 23));
     }
+    /* Stochastic rounding to fixed point: a value with s = qsub + 150 - max(field, 1) bits of
+     * its significand below the quantum (1 <= s <= 23) rounds as the float path's does, adding
+     * the top s random bits to the pattern and clearing the s low bits (the carry rule of
+     * quantize_one, the exponent's carry included); one below the quantum (s >= 24) becomes
+     * the quantum or 0 by the carry of its 32-bit fraction plus the random word; s <= 0 (at
+     * least 2**(qsub + 24): beyond any fixed format's limit) and values beyond the limits go
+     * to quantize_one with their chunk. */
+    v.fixed_sr = p->bemin + sh >= 255 && v.qsub >= -126 && v.qsub <= 100;
+    v.quantum = v.fixed_sr ? pow2_bits(v.qsub) : 0u;
     return v;
 }
 
@@ -226,7 +238,38 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
         int64_t i = 0;                                                                            \
         const int fast = (MODE == R_NE && (p.fast || p.fixed_ne)) ||                            \
                          (MODE == R_SR && p.rmask == 0xffffffffu && p.fast);                      \
-        if (fast) {                                                                               \
+        if (MODE == R_SR && p.rmask == 0xffffffffu && p.fixed_sr) {                               \
+            for (; i + LP_CHUNK <= n; i += LP_CHUNK) {                                            \
+                uint32_t tmp[LP_CHUNK];                                                           \
+                uint32_t bad = 0;                                                                 \
+                for (int l = 0; l < LP_CHUNK; ++l) {                                              \
+                    const uint32_t u = in[i + l], sign = u & 0x80000000u, a = u & 0x7fffffffu;   \
+                    const int32_t field = (int32_t)(a >> 23);                                     \
+                    const int32_t s = p.qsub + 150 - imax(field, 1);                              \
+                    const int32_t sc = imin(imax(s, 1), 23);                                      \
+                    const uint32_t r = lp_rand(lo0 + (uint32_t)(i + l), k0, k1);                  \
+                    const uint32_t near = (a + (r >> (32 - sc))) & ~((1u << sc) - 1u);            \
+                    const uint32_t M = (a & 0x7fffffu) | ((uint32_t)(field > 0) << 23);           \
+                    const uint32_t t = sel(mask_if(s >= 32), M >> imin(imax(s - 32, 0), 31),      \
+                                           M << imin(imax(32 - s, 0), 31));                       \
+                    const uint32_t tiny = sel(mask_if((uint32_t)(t + r) < t), p.quantum, 0u);     \
+                    const uint32_t rf = sel(mask_if(s >= 24), tiny, near);                        \
+                    const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
+                    bad |= (uint32_t)(s <= 0) | (uint32_t)(rf > lim);                             \
+                    uint32_t res = rf | sign;                                                     \
+                    res &= ~mask_if((rf == 0) & (p.signed_zero == 0));                            \
+                    tmp[l] = res;                                                                 \
+                }                                                                                 \
+                if (bad) {                                                                        \
+                    for (int l = 0; l < LP_CHUNK; ++l)                                            \
+                        out[i + l] = quantize_one(in[i + l],                                      \
+                                                  lp_rand(lo0 + (uint32_t)(i + l), k0, k1), &p,   \
+                                                  MODE);                                          \
+                } else {                                                                          \
+                    for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                       \
+                }                                                                                 \
+            }                                                                                     \
+        } else if (fast) {                                                                        \
             for (; i + LP_CHUNK <= n; i += LP_CHUNK) {                                            \
                 uint32_t tmp[LP_CHUNK];                                                           \
                 uint32_t bad = 0;                                                                 \
