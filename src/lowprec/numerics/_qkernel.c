@@ -128,13 +128,7 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
         v.fsub = 1;
         v.msub = u2f(pow2_bits(v.qsub + 23));
     }
-    /* Stochastic rounding to fixed point: a value with s = qsub + 150 - max(field, 1) bits of
-     * its significand below the quantum (1 <= s <= 23) rounds as the float path's does, adding
-     * the top s random bits to the pattern and clearing the s low bits (the carry rule of
-     * quantize_one, the exponent's carry included); one below the quantum (s >= 24) becomes
-     * the quantum or 0 by the carry of its 32-bit fraction plus the random word; s <= 0 (at
-     * least 2**(qsub + 24): beyond any fixed format's limit) and values beyond the limits go
-     * to quantize_one with their chunk. */
+    /* stochastic rounding to fixed point: fixed_sr_one */
     v.fixed_sr = p->bemin + sh >= 255 && v.qsub >= -126 && v.qsub <= 100;
     v.quantum = v.fixed_sr ? pow2_bits(v.qsub) : 0u;
     return v;
@@ -231,57 +225,56 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
     return mix32(mix32(idx ^ k0) + k1);
 }
 
+/* Stochastic rounding to fixed point (the loop of mode R_SRFX, a variant of R_SR chosen by
+ * run_range for fixed formats and 32 random bits): a value with s = qsub + 150 - max(field, 1)
+ * bits of its significand below the quantum (1 <= s <= 23) rounds as the float path does,
+ * adding the top s random bits to the pattern and clearing the s low bits (quantize_one's
+ * carry rule, the exponent's carry included); one below the quantum (s >= 24) becomes the
+ * quantum or 0 by the carry of its 32-bit fraction plus the random word. The loop sends s <= 0
+ * (at least 2**(qsub + 24): beyond any fixed format's limit) and values beyond the limits to
+ * quantize_one with their chunk. A mode of its own, so that each loop's branches fold at
+ * compile time (a run-time branch inside the float loop stopped GCC vectorising it: 8x). */
+LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_inv *p) {
+    const int32_t s = p->qsub + 150 - imax(field, 1);
+    const int32_t sc = imin(imax(s, 1), 23);
+    const uint32_t near = (a + (r >> (32 - sc))) & ~((1u << sc) - 1u);
+    const uint32_t M = (a & 0x7fffffu) | ((uint32_t)(field > 0) << 23);
+    const uint32_t t = sel(mask_if(s >= 32), M >> imin(imax(s - 32, 0), 31),
+                           M << imin(imax(32 - s, 0), 31));
+    const uint32_t tiny = sel(mask_if((uint32_t)(t + r) < t), p->quantum, 0u);
+    return sel(mask_if(s >= 24), tiny, near);
+}
+
+#define R_SRFX 6
+#define LP_BASE(MODE) ((MODE) == R_SRFX ? R_SR : (MODE))
+
 #define LP_DEFINE_LOOP(NAME, MODE)                                                               \
     LP_CLONES static void NAME##_tile(const uint32_t *in, uint32_t *out, int64_t n, uint32_t lo0, \
                                       uint32_t k0, uint32_t k1, const lp_inv *pp) {              \
         const lp_inv p = *pp;                                                                     \
         int64_t i = 0;                                                                            \
         const int fast = (MODE == R_NE && (p.fast || p.fixed_ne)) ||                            \
-                         (MODE == R_SR && p.rmask == 0xffffffffu && p.fast);                      \
-        if (MODE == R_SR && p.rmask == 0xffffffffu && p.fixed_sr) {                               \
+                         (MODE == R_SR && p.rmask == 0xffffffffu && p.fast) ||                    \
+                         (MODE == R_SRFX && p.rmask == 0xffffffffu && p.fixed_sr);               \
+        if (fast) {                                                                        \
             for (; i + LP_CHUNK <= n; i += LP_CHUNK) {                                            \
                 uint32_t tmp[LP_CHUNK];                                                           \
                 uint32_t bad = 0;                                                                 \
                 for (int l = 0; l < LP_CHUNK; ++l) {                                              \
                     const uint32_t u = in[i + l], sign = u & 0x80000000u, a = u & 0x7fffffffu;   \
                     const int32_t field = (int32_t)(a >> 23);                                     \
-                    const int32_t s = p.qsub + 150 - imax(field, 1);                              \
-                    const int32_t sc = imin(imax(s, 1), 23);                                      \
-                    const uint32_t r = lp_rand(lo0 + (uint32_t)(i + l), k0, k1);                  \
-                    const uint32_t near = (a + (r >> (32 - sc))) & ~((1u << sc) - 1u);            \
-                    const uint32_t M = (a & 0x7fffffu) | ((uint32_t)(field > 0) << 23);           \
-                    const uint32_t t = sel(mask_if(s >= 32), M >> imin(imax(s - 32, 0), 31),      \
-                                           M << imin(imax(32 - s, 0), 31));                       \
-                    const uint32_t tiny = sel(mask_if((uint32_t)(t + r) < t), p.quantum, 0u);     \
-                    const uint32_t rf = sel(mask_if(s >= 24), tiny, near);                        \
+                    uint32_t add, rf;                                                             \
+                    if (MODE == R_SRFX) {                                                         \
+                        rf = fixed_sr_one(a, field, lp_rand(lo0 + (uint32_t)(i + l), k0, k1), &p);\
+                    } else {                                                                      \
+                        if (MODE == R_NE) add = p.fhalf + (((a >> p.fshift) | p.fodd) & 1u);      \
+                        else add = lp_rand(lo0 + (uint32_t)(i + l), k0, k1) >> (32 - p.fshift);   \
+                        rf = (a + add) & ~p.fmask;                                                \
+                    }                                                                             \
                     const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
-                    bad |= (uint32_t)(s <= 0) | (uint32_t)(rf > lim);                             \
-                    uint32_t res = rf | sign;                                                     \
-                    res &= ~mask_if((rf == 0) & (p.signed_zero == 0));                            \
-                    tmp[l] = res;                                                                 \
-                }                                                                                 \
-                if (bad) {                                                                        \
-                    for (int l = 0; l < LP_CHUNK; ++l)                                            \
-                        out[i + l] = quantize_one(in[i + l],                                      \
-                                                  lp_rand(lo0 + (uint32_t)(i + l), k0, k1), &p,   \
-                                                  MODE);                                          \
-                } else {                                                                          \
-                    for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                       \
-                }                                                                                 \
-            }                                                                                     \
-        } else if (fast) {                                                                        \
-            for (; i + LP_CHUNK <= n; i += LP_CHUNK) {                                            \
-                uint32_t tmp[LP_CHUNK];                                                           \
-                uint32_t bad = 0;                                                                 \
-                for (int l = 0; l < LP_CHUNK; ++l) {                                              \
-                    const uint32_t u = in[i + l], sign = u & 0x80000000u, a = u & 0x7fffffffu;   \
-                    const int32_t field = (int32_t)(a >> 23);                                     \
-                    uint32_t add;                                                                 \
-                    if (MODE == R_NE) add = p.fhalf + (((a >> p.fshift) | p.fodd) & 1u);               \
-                    else add = lp_rand(lo0 + (uint32_t)(i + l), k0, k1) >> (32 - p.fshift);       \
-                    uint32_t rf = (a + add) & ~p.fmask;                                           \
-                    const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
-                    if (MODE == R_NE && p.fsub) {                                                 \
+                    if (MODE == R_SRFX) {                                                         \
+                        bad |= (uint32_t)(p.qsub + 150 - imax(field, 1) <= 0);                    \
+                    } else if (MODE == R_NE && p.fsub) {                                          \
                         const uint32_t fs = f2u((u2f(a) + p.msub) - p.msub);                      \
                         rf = sel(mask_if(field < p.bemin), fs, rf);                               \
                     } else {                                                                      \
@@ -295,8 +288,8 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
                 if (bad) {                                                                        \
                     for (int l = 0; l < LP_CHUNK; ++l) {                                          \
                         uint32_t r = 0;                                                           \
-                        if (MODE == R_SR) r = lp_rand(lo0 + (uint32_t)(i + l), k0, k1);           \
-                        out[i + l] = quantize_one(in[i + l], r, &p, MODE);                        \
+                        if (LP_BASE(MODE) == R_SR) r = lp_rand(lo0 + (uint32_t)(i + l), k0, k1);  \
+                        out[i + l] = quantize_one(in[i + l], r, &p, LP_BASE(MODE));               \
                     }                                                                             \
                 } else {                                                                          \
                     for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                       \
@@ -305,8 +298,8 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
         }                                                                                         \
         for (; i < n; ++i) {                                                                      \
             uint32_t r = 0;                                                                       \
-            if (MODE == R_SR) r = lp_rand(lo0 + (uint32_t)i, k0, k1);                             \
-            out[i] = quantize_one(in[i], r, &p, MODE);                                            \
+            if (LP_BASE(MODE) == R_SR) r = lp_rand(lo0 + (uint32_t)i, k0, k1);                    \
+            out[i] = quantize_one(in[i], r, &p, LP_BASE(MODE));                                   \
         }                                                                                         \
     }                                                                                             \
     static void NAME(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, int32_t sh,      \
@@ -326,6 +319,7 @@ LP_DEFINE_LOOP(loop_z, R_Z)
 LP_DEFINE_LOOP(loop_up, R_UP)
 LP_DEFINE_LOOP(loop_down, R_DOWN)
 LP_DEFINE_LOOP(loop_sr, R_SR)
+LP_DEFINE_LOOP(loop_sr_fixed, R_SRFX)
 
 typedef void (*loop_fn)(const uint32_t *, uint32_t *, int64_t, uint64_t, int32_t, const lp_params *);
 
@@ -416,6 +410,9 @@ static void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t 
         return;
     }
     loop_fn f = pick_loop(p->rounding);
+    if (p->rounding == R_SR && p->rmask == 0xffffffffu && p->bemin >= 255 && p->qsub >= -126 &&
+        p->qsub <= 100)
+        f = loop_sr_fixed; /* fixed point, 32 random bits (fixed_sr_one) */
     while (begin < end) {
         int64_t stop = (int64_t)(((uint64_t)begin | 0xffffffffULL) + 1ULL);
         if (stop > end) stop = end;
