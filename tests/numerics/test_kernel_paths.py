@@ -100,8 +100,13 @@ def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
     # chunks of them across its range (random bit patterns put a value beyond the range in
     # nearly every chunk of 16, which sends the chunk past the kernel's fast path)
     g = torch.Generator().manual_seed(1)
-    span = (torch.rand(1 << 12, generator=g) * 2 - 1) * parse_format(fmt).max
-    x = torch.cat([x, torch.randn(1 << 12, generator=g) * 3, span])
+    top = parse_format(fmt).max
+    span = (torch.rand(1 << 12, generator=g) * 2 - 1) * top
+    # and magnitudes log-uniform from 2**-40 to the maximum, every binade in whole chunks (the
+    # binades just above and below the quantum, where a path changes rule)
+    e = torch.rand(1 << 12, generator=g) * (40 + float(torch.log2(torch.tensor(top)))) - 40
+    sign = torch.where(torch.rand(1 << 12, generator=g) < 0.5, -1.0, 1.0)
+    x = torch.cat([x, torch.randn(1 << 12, generator=g) * 3, span, sign * torch.exp2(e)])
     for mode in MODES:
         got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(5))
         want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(5))
