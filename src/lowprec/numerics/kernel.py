@@ -242,7 +242,8 @@ def _rows(t: torch.Tensor, name: str, cols: int) -> int:
 def lstm_gates(lin, xw, out, prm: LPParams) -> None:
     """``out`` = rc(rc(lin) + xw) (lp_lstm_gates); ``lin`` and ``out`` contiguous."""
     b, n = out.shape
-    _rows(lin, "lin", n), _rows(out, "out", n)
+    for t, name in ((lin, "lin"), (out, "out")):
+        _rows(t, name, n)
     if not (lin.is_contiguous() and out.is_contiguous()):
         raise ValueError("lstm cell: lin and out must be contiguous")
     _lib().lp_lstm_gates(lin.data_ptr(), xw.data_ptr(), _rows(xw, "xw", n), out.data_ptr(), b,

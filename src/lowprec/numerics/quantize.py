@@ -78,14 +78,10 @@ def tracing_graph():
         _TRACING.on = old
 
 
-def _compiling() -> bool:
-    return getattr(_TRACING, "on", False) or torch.compiler.is_compiling()
-
-
 def emits_graph_ops() -> bool:
     """Whether :func:`quantize` emits graph ops now (inside ``torch.compile`` or
     :func:`tracing_graph`): code that calls the kernel on a tensor's memory must not then."""
-    return _compiling()
+    return getattr(_TRACING, "on", False) or torch.compiler.is_compiling()
 
 
 def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
@@ -325,37 +321,26 @@ def quantize(
     :func:`lowprec.quantize_ste` or :class:`lowprec.Quantizer` to quantize inside a model.
     Inside ``torch.compile`` it is one node, the ``lowprec::quantize`` op (module docstring).
     """
-    if impl == "auto" and seed is None and random_bits is None and \
-            (generator is None or isinstance(generator, torch.Generator)) and \
-            type(x) in _PLAIN and x.dtype == torch.float32 and x.device.type == "cpu":
-        # the commonest call (the engine rounds each op's output with it): a deterministic
-        # mode to a float or fixed-point format, on a contiguous float32 CPU tensor, whose
-        # kernel arguments a first call prepared; ~20 us of Python per call otherwise
+    if impl == "auto" and random_bits is None and type(x) in _PLAIN and \
+            x.dtype == torch.float32 and x.device.type == "cpu":
+        # the commonest calls (the engine rounds each op's output with them), whose kernel
+        # arguments a first call prepared (~20 us of Python per call otherwise): a
+        # deterministic mode to a float or fixed-point format, or stochastic rounding with its
+        # keys given as two ints (the eager engine's), put into a copy of the arguments
+        keyed = type(seed) is tuple and generator is None
+        plain = seed is None and (generator is None or isinstance(generator, torch.Generator))
         try:
-            prm = _PREPARED.get((fmt, rounding))
+            prm = (_PREPARED_KEYED if keyed else _PREPARED).get((fmt, rounding)) \
+                if keyed or plain else None
         except TypeError:  # an unhashable argument: the checks below say what is wrong
             prm = None
-        if prm is not None and x.is_contiguous() and x.numel() and \
-                not _compiling():
+        if prm is not None and x.is_contiguous() and x.numel() and not emits_graph_ops():
+            if keyed:  # (refused as the full path refuses them: a bad pair raises here)
+                prm = _kernel.with_keys(prm, *_keys_of(seed))
             out = torch.empty_like(x)
             _kernel.quantize_prepared(x, out, prm)
             return out
-    elif impl == "auto" and type(seed) is tuple and generator is None and \
-            random_bits is None and type(x) in _PLAIN and x.dtype == torch.float32 and \
-            x.device.type == "cpu":
-        # stochastic rounding with its keys given as two ints (each rounding of the eager
-        # engine): the prepared arguments with the keys put in
-        try:
-            prm = _PREPARED_KEYED.get((fmt, rounding))
-        except TypeError:
-            prm = None
-        if prm is not None and len(seed) == 2 and type(seed[0]) is int and \
-                type(seed[1]) is int and 0 <= seed[0] < 2**32 and 0 <= seed[1] < 2**32 and \
-                x.is_contiguous() and x.numel() and not _compiling():
-            out = torch.empty_like(x)
-            _kernel.quantize_prepared(x, out, _kernel.with_keys(prm, seed[0], seed[1]))
-            return out
-    if (_compiling() and impl == "auto") or impl in ("fused", "op"):
+    if (emits_graph_ops() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
             return _as_op(x, spelled, generator, seed, opaque=impl == "op")
@@ -421,7 +406,7 @@ def quantize_(
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
     Inside ``torch.compile``: the op's result copied into ``x``."""
-    if _compiling():
+    if emits_graph_ops():
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
             with torch.no_grad():

@@ -24,7 +24,8 @@ bit-exact with ``model.half()`` on CPUs where those kernels run (no AVX512-FP16)
 
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
 twice; so do gradients (``_lowprec_grad_grid``, with their version): the gradient one consumer
-sent back, rounded there, is not rounded again at the output it reaches unchanged. Module hooks track which module is running, for per-module overrides and for naming ops.
+sent back, rounded there, is not rounded again at the output it reaches unchanged. Module hooks
+track which module is running, for per-module overrides and for naming ops.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role, Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
-from .gradmarks import note_rounded as _note_rounded, rounded_already
+from .gradmarks import note_rounded, rounded_already
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -182,8 +183,6 @@ def _floating(t) -> bool:
     return torch.is_tensor(t) and t.dtype in _ROUNDABLE
 
 
-
-
 def _map(fn, obj):
     """``fn`` over the tensors of nested tuples, lists, namedtuples (PackedSequence) and dicts."""
     if torch.is_tensor(obj):
@@ -265,6 +264,17 @@ def _skips(g, fmt, mode, keys) -> bool:
     return True
 
 
+def _round_grad(g, bwd, bmode, keys):
+    """The gradient ``g`` rounded to ``bwd`` (a format, or a function of the tensor giving one:
+    dynamic formats) and noted (:mod:`.gradmarks`); ``g`` itself where it is on that grid
+    already (:func:`_skips`)."""
+    if _skips(g, bwd, bmode, keys):
+        return g
+    out = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, keys))
+    note_rounded(out, bwd)
+    return out
+
+
 def _q(x, fmt, mode, keys):
     return quantize(x, fmt, mode, **_keyword(mode, keys))
 
@@ -285,10 +295,8 @@ class _Round(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen = ctx.spec
         if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            # skipped: the one consumer's gradient, rounded by its _Consumed node and passed
-            # on unchanged (rounding it again is the identity)
-            if not _skips(g, bwd, bmode, gen):
-                g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
+            # (not again: the one consumer's gradient its _Consumed node rounded)
+            g = _round_grad(g, bwd, bmode, gen)
         return g, None, None, None, None, None
 
 
@@ -350,7 +358,7 @@ class _Upcast(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            g = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, gen))
+            g = _round_grad(g, bwd, bmode, gen)
             if acc is not None:
                 g = acc.add(g, bwd, bmode, gen)
         return g, None, None, None, None, None, None
@@ -370,9 +378,7 @@ class _Consumed(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in _ROUNDABLE:
-            if not _skips(g, bwd, bmode, gen):  # skipped: a replayed kernel rounded it
-                g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
-                _note_rounded(g, bwd)
+            g = _round_grad(g, bwd, bmode, gen)  # (not again: what a replayed kernel rounded)
             if acc is not None:
                 g = acc.add(g, bwd, bmode, gen)
         return g, None, None, None, None

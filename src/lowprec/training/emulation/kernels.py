@@ -15,9 +15,9 @@ from torch.autograd.function import once_differentiable
 from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, BlockFormat
 from ...numerics.quantize import quantize
-from .gradmarks import rounded_grad
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
+from .gradmarks import rounded_grad
 
 __all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "plain_formats",
            "uses_batch_stats", "plain_attention", "label_kernel_nodes",

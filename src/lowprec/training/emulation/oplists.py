@@ -14,8 +14,8 @@ the CPU's (``prelu``, ``conv_tbc``, the fused ``lstm``/``gru`` of mkldnn).
 
 from __future__ import annotations
 
-__all__ = ["returns_its_input", "LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS", "EMPTY_OPS",
-           "BROADCAST_OPS", "reduction_axes", "is_inplace"]
+__all__ = ["LOWP_OPS", "FP32_OPS", "GRID_OPS", "NORM_OPS", "PASS_OPS", "BUFFER_OPS", "EMPTY_OPS",
+           "BROADCAST_OPS", "reduction_axes", "is_inplace", "returns_its_input"]
 
 # torch.autocast's lower-precision list (CUDA and CPU): inputs and weights are cast to the
 # compute dtype, the result is produced in it (fp32 accumulation inside the kernel).

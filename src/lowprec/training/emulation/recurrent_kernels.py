@@ -282,10 +282,10 @@ class _Replay:
         self.weight_rounding = param if self.plain and rule.params == rule.compute else None
         # the fused LSTM cell (:class:`_LSTMCell`): plain formats the kernel rounds, eagerly
         self.fused = None
-        if kind == "lstm" and self.plain and _kernel.lstm_available() and not emits_graph_ops():
-            pc, pg = _cell_params(rule.compute), _cell_params(rule.grads)
-            if pc is not None and pg is not None:
-                self.fused = (pc, pg, rule.grads == FP16)
+        if kind == "lstm" and self.plain and grad.prm is not None and not emits_graph_ops():
+            pc = _cell_params(rule.compute)
+            if pc is not None:
+                self.fused = (pc, grad.prm, rule.grads == FP16)
 
     def act(self, t: torch.Tensor) -> torch.Tensor:
         """An op's output on the compute grid; the gradient reaching it on the gradient grid."""
