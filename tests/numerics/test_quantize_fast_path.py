@@ -37,13 +37,66 @@ def test_the_second_call_takes_the_fast_path_with_the_same_bits(fmt, rounding, m
     assert not fast.requires_grad and fast.grad_fn is None and fast.data_ptr() != w.data_ptr()
     assert_same_bits(fast, first, f"{fmt} {rounding}")
     assert_same_bits(fast, quantize(x, fmt, rounding, impl="torch"), f"{fmt} {rounding} torch")
-    # not taken: a transposed view, a float16 tensor, stochastic rounding
+    # taken by a transposed view too (in its memory order); not by a float16 tensor or
+    # stochastic rounding
     t = x.reshape(20, 50).t()
     assert_same_bits(quantize(t, fmt, rounding), quantize(t, fmt, rounding, impl="torch"), "view")
     h = x.half()
     assert quantize(h, fmt, rounding).dtype == torch.float16
     quantize(x, fmt, "stochastic")
-    assert calls == ["prepared"] + ["f32", "prepared"] * 3
+    assert calls == ["prepared", "prepared"] + ["f32", "prepared"] * 2
+
+
+def _layouts(x: torch.Tensor):
+    """``x`` (4-d) laid out channels-last, as a permuted view, and as a transposed matrix."""
+    yield "channels_last", x.contiguous(memory_format=torch.channels_last)
+    yield "permuted", x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    yield "transposed", x.reshape(x.shape[0], -1).t()
+
+
+def _args(rounding: str, keys) -> dict:
+    """Fresh keyword arguments for one call: none for a deterministic rounding; the keys, or a
+    new generator seeded alike, for a stochastic one."""
+    if rounding not in ("stochastic", "sr4"):
+        return {}
+    return {"seed": keys} if keys is not None else {"generator": torch.Generator().manual_seed(5)}
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
+def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding):
+    """A deterministic rounding runs over a dense tensor in its memory order (no row-major copy,
+    the output in the input's layout); a stochastic one over a row-major copy, since its random
+    bits follow each element's row-major index: either way the bits of the contiguous tensor's
+    rounding, whatever the path (fast after a first call, full, in place; keys or a
+    generator)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 5, 7, generator=g) * torch.logspace(-9, 9, 7)
+    for name, v in _layouts(x):
+        c = v.contiguous()
+        for keys in ((11, 12), None):
+            for call in range(2):  # the first call prepares, the second takes the fast path
+                got = quantize(v, fmt, rounding, **_args(rounding, keys))
+                want = quantize(c, fmt, rounding, **_args(rounding, keys))
+                assert_same_bits(got.contiguous(), want, f"{name} {fmt} {rounding} {call}")
+                assert got.shape == v.shape
+                if rounding in ("nearest", "toward_zero"):
+                    assert got.stride() == v.stride(), name
+            inplace = torch.empty_strided(v.shape, v.stride()).copy_(v)
+            qmod.quantize_(inplace, fmt, rounding, **_args(rounding, keys))
+            assert inplace.stride() == v.stride()
+            assert_same_bits(inplace.contiguous(), quantize(c, fmt, rounding,
+                                                            **_args(rounding, keys)),
+                             f"{name} {fmt} {rounding} in place")
+
+
+def test_memory_order_finds_dense_layouts_only():
+    x = torch.randn(2, 3, 4, 5)
+    assert qmod.memory_order(x) is None  # contiguous: nothing to do
+    assert qmod.memory_order(x.contiguous(memory_format=torch.channels_last)) == (0, 2, 3, 1)
+    assert qmod.memory_order(x[:, :, ::2]) is None  # gaps
+    assert qmod.memory_order(x[:, :1].expand(2, 3, 4, 5)) is None  # overlaps
+    assert qmod.memory_order(torch.randn(3)) is None
 
 
 def test_a_bad_generator_is_refused_on_the_fast_path_too():

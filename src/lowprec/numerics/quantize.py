@@ -33,6 +33,7 @@ from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format
 from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph",
+           "memory_order",
            "emits_graph_ops"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,6 +51,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # deterministic modes, and stochastic ones given their keys as two ints (the eager engine)
 _PREPARED: dict = {}
 _PREPARED_KEYED: dict = {}
+
+
+_STOCHASTIC_CODE = ROUNDING_CODES[Rounding.STOCHASTIC]
 
 
 def _prepare(key, fmt, code: int, rmask: int, table: dict = _PREPARED) -> None:
@@ -197,10 +201,31 @@ def _fused_blocks_on_device(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask
     return out.reshape(moved.shape).movedim(-1, axis)
 
 
+def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of ``x``'s dimensions that lists them in memory order, where ``x`` is
+    dense but not contiguous (channels-last, a transposed matrix): ``x.permute(p)`` is then a
+    contiguous view of the same memory. None for a contiguous tensor or one with gaps or
+    overlaps. A deterministic rounding is elementwise, so it may run over that view and write
+    an output of ``x``'s own strides: no copy to row-major order and back (a channels-last
+    convolution's output, which ``.contiguous()`` would transpose)."""
+    if x.dim() < 2 or x.is_contiguous():
+        return None
+    perm = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    return perm if x.permute(perm).is_contiguous() else None
+
+
 def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
                  out: torch.Tensor | None) -> torch.Tensor:
     ep = element_params(fmt)
     if _use_kernel(xf, impl):
+        # a stochastic rounding's bits depend on each element's row-major index: it rounds a
+        # row-major copy; a deterministic one rounds a dense tensor in its memory order
+        perm = None if code == _STOCHASTIC_CODE else memory_order(xf)
+        if perm is not None and (out is None or out.stride() == xf.stride()):
+            if out is None:
+                out = torch.empty_like(xf)  # the same strides: xf is dense
+            _kernel.quantize_f32(xf.permute(perm), out.permute(perm), ep, code, rmask, seed)
+            return out
         xc = xf.contiguous()
         if out is None:
             out = torch.empty_like(xc, memory_format=torch.contiguous_format)
@@ -334,12 +359,18 @@ def quantize(
                 if keyed or plain else None
         except TypeError:  # an unhashable argument: the checks below say what is wrong
             prm = None
-        if prm is not None and x.is_contiguous() and x.numel() and not emits_graph_ops():
-            if keyed:  # (refused as the full path refuses them: a bad pair raises here)
-                prm = _kernel.with_keys(prm, *_keys_of(seed))
-            out = torch.empty_like(x)
-            _kernel.quantize_prepared(x, out, prm)
-            return out
+        if prm is not None and x.numel() and not emits_graph_ops():
+            if x.is_contiguous():
+                if keyed:  # (refused as the full path refuses them: a bad pair raises here)
+                    prm = _kernel.with_keys(prm, *_keys_of(seed))
+                out = torch.empty_like(x)
+                _kernel.quantize_prepared(x, out, prm)
+                return out
+            perm = None if keyed else memory_order(x)  # see _elementwise
+            if perm is not None:
+                out = torch.empty_like(x)
+                _kernel.quantize_prepared(x.permute(perm), out.permute(perm), prm)
+                return out
     if (emits_graph_ops() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
