@@ -16,6 +16,7 @@ from lowprec import find_loss_scale, parse_format, quantize
 from lowprec.analysis import (advise, certificate_from_outputs, certify, classify,
                               first_nonfinite, layer_errors, lost_fractions, lost_updates,
                               range_profile)
+from lowprec.analysis.ranges import BINS, log2_histogram, overflow_threshold
 from lowprec.experiments.data import Dataset
 
 
@@ -117,6 +118,61 @@ def test_range_fractions_match_a_direct_count():
         assert c["flush"] == pytest.approx(flush, abs=1e-12), spec
         assert c["overflow"] == pytest.approx(over, abs=1e-12), spec
         assert c["subnormal"] == pytest.approx(sub, abs=1e-12), spec
+
+
+def _float64_reference(values: torch.Tensor, fmt) -> tuple[dict, list]:
+    """classify's fractions and the log2 histogram, counted in float64 and numpy."""
+    v = values.detach().double().abs().flatten()
+    v = v[torch.isfinite(v) & (v > 0)]
+    n = v.numel()
+    half = fmt.min_subnormal / 2
+    counts = {"n": n, "overflow": (v >= overflow_threshold(fmt)).sum().item() / n,
+              "flush": (v <= half).sum().item() / n,
+              "subnormal": ((v > half) & (v < fmt.min_normal)).sum().item() / n}
+    return counts, np.histogram(np.log2(v.numpy()), bins=BINS)[0].tolist()
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "e4m3fn", "e5m2", "q13.12", "q6.10", "e8m23"])
+def test_range_statistics_in_any_layout_and_dtype_match_a_float64_count(spec):
+    """The range profile's counts (thresholds compared exactly in the values' own dtype) and
+    its log2 histogram (read from the exponent) equal a float64/numpy count: every float32 bit
+    pattern class, each threshold and its neighbours, powers of two and theirs, subnormals, in
+    channels-last, float16, bfloat16 and float64 tensors too."""
+    fmt = parse_format(spec)
+    g = torch.Generator().manual_seed(2)
+    bits = torch.randint(-2**31, 2**31, (40000,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    edges = torch.tensor([fmt.min_subnormal / 2, fmt.min_normal, overflow_threshold(fmt)]
+                         + [2.0 ** k for k in range(-149, 128)], dtype=torch.float64).float()
+    edges = edges[torch.isfinite(edges)]
+    x = torch.cat([x, edges, torch.nextafter(edges, torch.zeros(1)),
+                   torch.nextafter(edges, torch.full((1,), float("inf"))), torch.zeros(5)])
+    x = x[: x.numel() // 60 * 60].reshape(-1, 3, 4, 5)
+    for name, t in [("float32", x), ("channels_last", x.contiguous(
+            memory_format=torch.channels_last)), ("float16", x.half()),
+            ("bfloat16", x.bfloat16()), ("float64", x.double() * 3.0)]:
+        counts, hist = _float64_reference(t, fmt)
+        assert classify(t, fmt) == counts, (spec, name)
+        v = t.detach().abs().flatten()
+        v = v[torch.isfinite(v) & (v > 0)]
+        assert log2_histogram(v if v.dtype == torch.float64 else v.float()) == hist, name
+
+
+def test_a_threshold_between_two_floats_is_compared_as_the_real_number():
+    """torch compares a float32 tensor with a Python float in float32 (``1.0 >= 1 + 1e-9`` is
+    True there): each threshold is replaced by the largest value of the dtype at most it (below
+    it, for a strict comparison), so the count is the real comparison's."""
+    from lowprec.analysis.ranges import _at_most
+
+    f32 = torch.float32
+    assert bool(torch.tensor([1.0]) >= 1.0 + 1e-9)  # what the replacement avoids
+    assert _at_most(1.0 + 1e-9, f32) == 1.0 and _at_most(1.0 + 1e-9, f32, strict=True) == 1.0
+    assert _at_most(1.0, f32) == 1.0
+    assert _at_most(1.0, f32, strict=True) == float(np.nextafter(np.float32(1), np.float32(0)))
+    assert _at_most(1.0 - 1e-9, f32) == float(np.nextafter(np.float32(1), np.float32(0)))
+    assert _at_most(1e40, f32) == float(np.finfo(np.float32).max)
+    assert _at_most(2.0 ** -150, f32) == 0.0  # half float32's smallest subnormal
+    assert _at_most(1.0 + 1e-9, torch.float64) == 1.0 + 1e-9
 
 
 def test_range_profile_roles_and_loss_scale_cross_check():
