@@ -423,6 +423,11 @@ def quantize(
                                 "a range per group of tensors; use Precision, or "
                                 "fmt.at_range(r) for a given range")
         out = out.reshape(x.shape)
+        if out.stride() != x.stride() and memory_order(x) is not None:
+            # a dense input's layout kept, as torch's elementwise ops keep it (a channels-last
+            # activation rounded stochastically or in blocks: the next convolution would
+            # otherwise take mixed layouts)
+            return torch.empty_like(x).copy_(out)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
