@@ -25,7 +25,7 @@ from torch import nn
 from lowprec.analysis.certify import certify
 from lowprec.experiments.config import PRESETS, CompareConfig, split_models
 from lowprec.experiments.data import load_dataset
-from lowprec.experiments.models import build_model
+from lowprec.experiments.models import build_model, channels_last
 from lowprec.experiments.run_analyses import analyse_run, certificate_formats
 from lowprec.experiments.runner import evaluate
 from lowprec.experiments.system import tune_cpu_allocator
@@ -79,6 +79,7 @@ def main() -> None:
         for policy in cfg.policies:
             torch.manual_seed(0)
             model = build_model(model_name, data.input_shape, data.num_classes)
+            channels_last(model)  # as the runner lays a convolutional model out
             opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                       weight_decay=cfg.weight_decay)
             prec = Precision(policy, seed=0)

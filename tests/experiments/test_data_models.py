@@ -14,7 +14,8 @@ from torch import nn
 from lowprec import Precision
 from lowprec.experiments.data import (DatasetNotFound, load_checked_dataset, load_dataset,
                                       read_idx)
-from lowprec.experiments.models import MODELS, build_checked_model, build_model
+from lowprec.experiments.models import (MODELS, build_checked_model, build_model, channels_last,
+                                       layout_of)
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
@@ -255,4 +256,55 @@ def test_every_model_trains_under_every_policy_family(name, policy):
     prec.backward(loss)
     assert prec.step(opt)
     assert torch.isfinite(loss)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_convolutional_model_is_laid_out_channels_last_with_its_inputs():
+    """channels_last (what the runner applies to every model): 4-d weights and inputs NHWC, the
+    outputs those of the row-major model up to float32 summation order; no change to a model
+    without 2-d convolutions."""
+    torch.manual_seed(0)
+    model = build_model("resnet20", SHAPES["resnet20"], 10)
+    ref = build_model("resnet20", SHAPES["resnet20"], 10)
+    ref.load_state_dict(model.state_dict())
+    assert layout_of(model) == "contiguous"
+    assert channels_last(model) and layout_of(model) == "channels_last"
+    seen = []
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    first.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    x = torch.randn(3, *SHAPES["resnet20"])
+    model.eval(), ref.eval()
+    out = model(x)
+    assert seen[0].is_contiguous(memory_format=torch.channels_last) and not seen[0].is_contiguous()
+    torch.testing.assert_close(out, ref(x), rtol=1e-4, atol=1e-5)
+    mlp = build_model("mlp", SHAPES["mlp"], 10)
+    assert not channels_last(mlp) and layout_of(mlp) == "contiguous"
+    assert not mlp._forward_pre_hooks
+
+
+@pytest.mark.parametrize("policy", ["16-true", "q6.10-sr", "mxfp8_e4m3"])
+def test_emulation_keeps_a_channels_last_model_on_its_grids_and_layout(policy):
+    """Under emulated policies the rounded activations of a channels-last model stay NHWC
+    (rounded in their memory order, not copied to row-major) and on the policy's grid."""
+    from lowprec import quantize
+
+    torch.manual_seed(0)
+    model = build_model("mobilenet", SHAPES["mobilenet"], 10)
+    channels_last(model)
+    prec = Precision(policy, seed=0)
+    model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    acts = []
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)):
+            m.register_forward_hook(lambda m, a, out: acts.append(out))
+    x = torch.randn(4, *SHAPES["mobilenet"])
+    with prec.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), torch.tensor([0, 1, 2, 3]))
+    prec.backward(loss)
+    assert prec.step(opt)
+    fmt = "fp16" if policy == "16-true" else "q6.10" if policy.startswith("q") else None
+    assert acts and all(a.is_contiguous(memory_format=torch.channels_last) for a in acts)
+    if fmt is not None:
+        for a in acts:
+            assert torch.equal(quantize(a.detach(), fmt), a.detach())
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -13,9 +13,11 @@ import math
 import torch
 from torch import nn
 
+from ..training.tree import map_floating
 from .util import USER_ERRORS, describe_error, import_callable, short
 
-__all__ = ["build_model", "build_checked_model", "check_model", "MODELS", "MLP", "LeNet5",
+__all__ = ["build_model", "build_checked_model", "check_model", "channels_last", "layout_of",
+           "MODELS", "MLP", "LeNet5",
            "ResNet20", "SmallVGG", "CNN1d", "TransformerClassifier", "MobileNetV2Small",
            "CharTransformer"]
 
@@ -303,3 +305,35 @@ def build_checked_model(name: str, data) -> nn.Module:
                          ) from None
     check_model(model, name, data)
     return model
+
+
+def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+
+def channels_last(model: nn.Module) -> bool:
+    """Lay a model with 2-d convolutions out channels-last (NHWC), its 4-d floating inputs
+    too (a forward pre-hook), as PyTorch's CPU performance guide advises: oneDNN's CPU
+    convolutions run NHWC without reordering. Measured on an AMD EPYC with AVX512-BF16 (2
+    threads, batch 256, fp32 training steps): ResNet-20 410-458 -> 319-323 ms, the MobileNet
+    510-538 -> 291-304 ms, the VGG 228-232 -> 202-239 ms. Every policy of a comparison trains
+    the same layout; the emulated backend rounds channels-last tensors in place of their
+    layout (:func:`lowprec.numerics.quantize.memory_order`). Returns whether it changed the
+    model (False without ``nn.Conv2d``)."""
+    if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return False
+    model.to(memory_format=torch.channels_last)
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: (map_floating(args, _to_channels_last),
+                                 map_floating(kwargs, _to_channels_last)), with_kwargs=True)
+    return True
+
+
+def layout_of(model: nn.Module) -> str:
+    """``"channels_last"`` where the model's 4-d parameters are laid out so (and not also
+    contiguous, as 1x1 kernels of one channel are), else ``"contiguous"``: what a run records."""
+    four = [p for p in model.parameters() if p.dim() == 4]
+    cl = [p for p in four if not p.is_contiguous()
+          and p.is_contiguous(memory_format=torch.channels_last)]
+    return "channels_last" if cl else "contiguous"
+

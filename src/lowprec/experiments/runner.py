@@ -32,7 +32,7 @@ from .checkpoints import atomic_save, checkpoint_path, resumable, run_id_of
 from .config import CompareConfig, RunError, lr_at
 from .data import Dataset, load_checked_dataset
 from .environment import environment
-from .models import build_checked_model
+from .models import build_checked_model, channels_last, layout_of
 from .progress import Progress
 from .report import write_report
 from .results import NOT_REQUESTED, ResultsDB, is_blank
@@ -153,6 +153,7 @@ def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int):
     """The model, optimizer, Precision and training split of a run, as every run builds them."""
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
+    channels_last(model)  # oneDNN's fast CPU layout for convolutions, for every policy
     opt = _make_optimizer(cfg, model)
     compiled = cfg.compile and \
         Precision(policy).resolve_backend(torch.device("cpu")) == Backend.EMULATED
@@ -171,7 +172,8 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, 
     db.start_run(run_id, policy=str(policy), policy_spec=prec.policy.spec, seed=seed,
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
                  hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg),
-                           "backend_choice": prec.backend_choice.to_json()})
+                           "backend_choice": prec.backend_choice.to_json(),
+                           "layout": layout_of(model)})
     db.set_backend(run_id, prec.backend)
     if is_plan_spec(str(policy)):  # the plan as this run read it, for the report's section
         db.record_analysis(run_id, "plan", load_plan(str(policy)).to_json())
