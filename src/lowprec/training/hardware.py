@@ -18,8 +18,10 @@ On CUDA, tensor cores run fp16 from compute capability 7.0 (Volta) and bf16 from
 
 The facts are read from torch (``torch.cpu.get_capabilities()``, cpuinfo's view of CPUID and of
 Arm's HWCAPs; ``torch.backends.cpu.get_cpu_capability()``; ``torch.cuda.get_device_capability``),
-never from a CPU's name, and never from a timing: a micro-benchmark on a loaded machine could
-choose differently from one run to the next, and the backend changes a run's bits.
+never from a CPU's name, and not from a timing by default: a micro-benchmark on a loaded
+machine could choose differently from one run to the next, and the backend changes a run's
+bits. A caller holding a sample batch may have the choice checked by timing the model's own
+steps (``Precision.setup(model, example=batch)``, :mod:`lowprec.training.backends.probe`).
 :func:`native_speed` takes the facts as data, so every rule is testable on any machine.
 """
 

@@ -37,6 +37,7 @@ import contextlib
 import math
 import weakref
 import warnings
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,11 +46,12 @@ from ..numerics.formats import FP32, Format
 from ..numerics.rounding import check_generator
 from ..numerics.storage import compact, format_of_dtype
 from .backends import BackendChoice, PrecisionBackend, announce, backend_class, choose_backend
+from .backends.probe import BackendTiming, build_copies, decide, loss_of, time_steps
 from .emulation import Emulation
 from .hardware import device_facts
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
-from .optim import FormatOptimizer, PolicyOptimizer
+from .optim import SGD, FormatOptimizer, PolicyOptimizer
 from .optim.torch_adam import TORCH_ADAMS, OptimizerPrecisionWarning, adam_risks, adam_warning
 from .plan import is_plan_spec, load_plan
 from .policy import Backend, Policy, Scope, WriteBack, parse_policy
@@ -58,7 +60,7 @@ from .regimes import GroupKey, Regime, regimes_for, static_resolve
 # models a Precision has converted (weak: a model's copy is not in it; a dead model leaves it)
 _SET_UP: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
-__all__ = ["Precision"]
+__all__ = ["Precision", "time_backends"]
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -180,8 +182,17 @@ class Precision:
         """The backend this Precision runs on ``device`` (see :meth:`choose_backend`)."""
         return self.choose_backend(device).backend
 
-    def setup(self, model: nn.Module, optimizer=None):
-        """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both."""
+    def setup(self, model: nn.Module, optimizer=None, *, example=None,
+              choice: BackendChoice | None = None):
+        """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both.
+
+        ``example``: a sample batch (a tensor, or a tuple of the forward's arguments). Where
+        ``auto`` would run natively by the device's facts, a few training steps of copies of
+        the model are then timed under both backends and native is kept unless clearly slower
+        (:mod:`lowprec.training.backends.probe`; :attr:`backend_choice` says what was measured).
+        The timing can differ between calls: to reproduce a run, store
+        :attr:`backend_choice` and give it back as ``choice`` (a choice made before, checked
+        against the policy)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"setup() takes a torch.nn.Module, got {type(model).__name__}")
         if self.model is not None:
@@ -189,10 +200,20 @@ class Precision:
         if model in _SET_UP:
             raise RuntimeError("this model is already set up by another Precision (their "
                                "roundings would stack); build a fresh model per Precision")
+        if choice is not None and example is not None:
+            raise ValueError("give example= (time the backends) or choice= (a choice made "
+                             "before), not both")
+        device = _device_of(model)
+        facts = device_facts(device)
+        if choice is not None:
+            choice = self._check_choice(choice, facts)
+        else:
+            choice = choose_backend(self.policy, facts, overrides=bool(self.overrides))
+            if example is not None and choice.automatic and choice.backend is Backend.NATIVE:
+                choice = decide(choice, time_backends(model, self.policy, example,
+                                                      compile=self.compile))
         _SET_UP.add(model)
-        self.device = _device_of(model)
-        facts = device_facts(self.device)
-        choice = choose_backend(self.policy, facts, overrides=bool(self.overrides))
+        self.device = device
         announce(self.policy, choice, facts, stacklevel=2)  # once per process and policy
         self.backend_choice, self.backend = choice, choice.backend
         self._backend = backend_class(choice.backend)(
@@ -213,6 +234,19 @@ class Precision:
             optimizer = self.setup_optimizer(optimizer)
         self.optimizer = optimizer
         return model, optimizer
+
+    def _check_choice(self, choice: BackendChoice, facts) -> BackendChoice:
+        """A choice made before (stored with a run), if this Precision can run it."""
+        if not isinstance(choice, BackendChoice):
+            raise TypeError(f"choice={choice!r:.40} ({type(choice).__name__}) must be a "
+                            "BackendChoice (Precision.backend_choice of an earlier set-up)")
+        own = choose_backend(self.policy, facts, overrides=bool(self.overrides))
+        if choice.backend is own.backend:
+            return choice
+        if not own.automatic:  # the policy, its formats or the overrides decide
+            raise ValueError(f"choice={choice.backend} conflicts with this Precision: it runs "
+                             f"{own.backend} ({own.reason})")
+        return choice
 
     def setup_optimizer(self, optimizer):
         """Configure or wrap one more optimizer of the model ``setup`` converted (a second
@@ -563,4 +597,35 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"Precision({self.policy}, backend={self.backend}, loss_scale={self.loss_scale})"
+
+
+def time_backends(model: nn.Module | Callable[[], nn.Module], policy: str | Policy, example, *,
+                  target=None, loss_fn=None, rounds: int = 3, compile: bool = False
+                  ) -> BackendTiming:
+    """Seconds per training step of ``model`` (a module, deep-copied, or a function building
+    one) under ``policy`` natively and emulated (``compile``: the emulated model compiled), each
+    copy set up by its own :class:`Precision` with lowprec's SGD: ``example`` is a batch (a
+    tensor, or a tuple of the forward's arguments) and the loss ``loss_fn(output, target)``
+    (default: the mean square of the output). Nothing of the caller's changes: copies are
+    trained and torch's random state is restored (:func:`lowprec.training.backends.probe.
+    time_steps`). What ``Precision.setup(model, example=...)`` decides ``auto`` by."""
+    policy = parse_policy(policy)
+    args = example if isinstance(example, tuple) else (example,)
+    cuda = any(torch.is_tensor(a) and a.is_cuda for a in args)
+
+    def make_step(net: nn.Module, pol: Policy):
+        prec = Precision(pol, seed=0, compile=compile and pol.backend is Backend.EMULATED)
+        net, opt = prec.setup(net, SGD(net.parameters(), lr=1e-6))
+        net.train()
+
+        def step() -> None:
+            opt.zero_grad()
+            with prec.autocast():
+                loss = loss_of(net(*args), target, loss_fn)
+            prec.backward(loss)
+            prec.step(opt)
+        return step
+
+    return time_steps(build_copies(model), policy, make_step, rounds=rounds,
+                      device_sync=torch.cuda.synchronize if cuda else (lambda: None))
 
