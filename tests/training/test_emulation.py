@@ -494,3 +494,36 @@ def test_uninitialised_buffers_are_neither_rounded_nor_observed_and_their_writer
     assert seen.count("uniform_") == 1 and seen.count("bernoulli_") == 1, seen
     assert on_grid(filled) and not on_grid(torch.rand(1000, generator=torch.Generator()))
     assert set(mask.flatten().tolist()) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("policy,fmt,lo,hi,grid", [
+    ("16-true", "fp16", 0.0, 6.0, True), ("16-true", "fp16", -1.0, 1.0, True),
+    ("16-true", "fp16", 0.0, 0.1, False),  # 0.1 is no fp16 value
+    ("p=q2.6,c=q2.6,g=q2.6", "q2.6", 0.0, 6.0, False),  # 6 beyond q2.6's 1.98: saturated
+    ("p=q2.6,c=q2.6,g=q2.6", "q2.6", -1.0, 1.5, True),
+], ids=["relu6", "unit", "off_grid_bound", "bound_out_of_range", "fixed"])
+def test_a_clamp_is_rounded_only_when_a_bound_is_off_the_grid(monkeypatch, policy, fmt, lo, hi,
+                                                             grid):
+    """hardtanh (ReLU6) and clamp map grid values onto the grid when both bounds are on it:
+    their output is then not rounded; with a bound off the grid it is, and every form gives
+    what rounding the clamped values gives."""
+    from lowprec import quantize
+    from lowprec.training.emulation import engine
+
+    rounded = []
+    real = engine.Emulation.round
+    monkeypatch.setattr(engine.Emulation, "round",
+                        lambda self, t, *a, **k: rounded.append(1) or real(self, t, *a, **k))
+    x = quantize(torch.randn(256, generator=torch.Generator().manual_seed(0)) * 4, fmt)
+    want = quantize(x.clamp(lo, hi), fmt)
+    with emulated(policy):
+        x = x + 0  # an op's output: rounded, and known to be on the grid
+        rounded.clear()
+        outs = [F.hardtanh(x, lo, hi), x.clamp(lo, hi), torch.clamp(x, min=lo, max=hi),
+                torch.clip(x, lo, hi), F.hardtanh(x.clone(), lo, hi, inplace=True),
+                x.clone().clamp_(lo, hi)]
+        if (lo, hi) == (0.0, 6.0):
+            outs += [F.relu6(x), nn.ReLU6()(x)]
+    for o in outs:
+        assert_same_bits(o, want, f"{policy} [{lo}, {hi}]")
+    assert (len(rounded) == 0) is grid, len(rounded)

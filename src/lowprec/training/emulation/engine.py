@@ -179,6 +179,48 @@ def _mark(t: torch.Tensor, fmt: Format) -> None:
         pass
 
 
+# clamping ops -> (position and name of the lower bound, of the upper bound, their defaults):
+# the output is on the input's grid when both bounds are (ReLU6 is hardtanh(x, 0, 6))
+_BOUNDED = {
+    "hardtanh": (1, "min_val", 2, "max_val", -1.0, 1.0),
+    "hardtanh_": (1, "min_val", 2, "max_val", -1.0, 1.0),
+    "clamp": (1, "min", 2, "max", None, None), "clamp_": (1, "min", 2, "max", None, None),
+    "clip": (1, "min", 2, "max", None, None), "clip_": (1, "min", 2, "max", None, None),
+}
+_ON_GRID: dict = {}  # (format, bound) -> whether the bound is a value of the format
+
+
+def _bound_on_grid(b, fmt: Format) -> bool:
+    if b is None:
+        return True
+    if not isinstance(b, (int, float)) or isinstance(b, bool):
+        return False  # a tensor bound: not checked
+    key = (fmt, float(b))
+    hit = _ON_GRID.get(key)
+    if hit is None:
+        with torch._C.DisableTorchFunction():
+            t = torch.tensor([float(b)], dtype=torch.float32)
+            hit = float(t) == float(b) and torch.equal(quantize(t, fmt), t)
+        if len(_ON_GRID) < 4096:
+            _ON_GRID[key] = hit
+    return hit
+
+
+def _grid_op(name: str, args, kwargs, fmt: Format) -> bool:
+    """Whether ``name`` maps values of ``fmt``'s grid onto it: the ops of GRID_OPS, and a clamp
+    whose bounds are on an element format's grid (no rounding of its output needed)."""
+    if name in GRID_OPS:
+        return True
+    spec = _BOUNDED.get(name)
+    if spec is None or isinstance(fmt, BlockFormat) or getattr(fmt, "dynamic", False):
+        return False
+    lo_pos, lo_kw, hi_pos, hi_kw, lo_default, hi_default = spec
+    kwargs = kwargs or {}
+    lo = args[lo_pos] if len(args) > lo_pos else kwargs.get(lo_kw, lo_default)
+    hi = args[hi_pos] if len(args) > hi_pos else kwargs.get(hi_kw, hi_default)
+    return _bound_on_grid(lo, fmt) and _bound_on_grid(hi, fmt)
+
+
 def _floating(t) -> bool:
     return torch.is_tensor(t) and t.dtype in _ROUNDABLE
 
@@ -917,7 +959,7 @@ class Emulation:
         (see :mod:`.dtypes`)."""
         key = self.module_name()
         fmt = rule.compute
-        grid = name in GRID_OPS
+        grid = _grid_op(name, args, kwargs, fmt)
         inplace = is_inplace(name)
         if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
             out = func(*args, **kwargs)
@@ -1094,12 +1136,12 @@ class Emulation:
         out = func(*args, **kwargs)
         if inplace:
             t = args[0] if args else None
-            if _floating(t) and _marked(t, fmt) and name not in GRID_OPS:
+            if _floating(t) and _marked(t, fmt) and not _grid_op(name, args, kwargs, fmt):
                 self.round_(t, rule, okey)
             return out
         if not lowp:
             return out
-        grid = name in GRID_OPS
+        grid = _grid_op(name, args, kwargs, fmt)
 
         def rout(o):
             if not _floating(o) or any(o is a for a in inputs):
