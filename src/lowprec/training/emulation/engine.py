@@ -52,7 +52,7 @@ from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role, Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
-from .gradmarks import note_rounded, rounded_already
+from .gradmarks import note_rounded, pass_through, rounded_already
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
@@ -188,6 +188,8 @@ _BOUNDED = {
     "clip": (1, "min", 2, "max", None, None), "clip_": (1, "min", 2, "max", None, None),
 }
 _ON_GRID: dict = {}  # (format, bound) -> whether the bound is a value of the format
+# grid ops whose backward keeps or zeroes each gradient value (gradmarks.pass_through)
+_MASKS = frozenset({"relu", "relu_", "relu6", *_BOUNDED})
 
 
 def _bound_on_grid(b, fmt: Format) -> bool:
@@ -1084,6 +1086,8 @@ class Emulation:
                 return o
             if on_grid:
                 _mark(o, fmt)
+                if name in _MASKS and o.requires_grad:
+                    pass_through(o)
                 return o
             if grid and o._is_view():  # a view of an off-grid tensor stays a view
                 return o

@@ -15,7 +15,7 @@ import torch
 from ...numerics.formats import FixedFormat, FloatFormat
 from ...numerics.quantize import emits_graph_ops, quantize
 
-__all__ = ["GRAD_MARK", "note_rounded", "rounded_already", "rounded_grad"]
+__all__ = ["GRAD_MARK", "note_rounded", "rounded_already", "rounded_grad", "pass_through"]
 
 GRAD_MARK = "_lowprec_grad_grid"  # a gradient's (format, version) when rounded
 
@@ -45,3 +45,24 @@ def rounded_grad(t: torch.Tensor, fmt) -> torch.Tensor:
     out = quantize(t, fmt)
     note_rounded(out, fmt)
     return out
+
+
+def _pass_note(grad_inputs, grad_outputs) -> None:
+    go = grad_outputs[0] if grad_outputs else None
+    m = getattr(go, GRAD_MARK, None) if go is not None else None
+    if m is None or m[1] != go._version or emits_graph_ops():
+        return
+    for gi in grad_inputs:
+        if gi is not None and gi is not go:
+            note_rounded(gi, m[0])
+
+
+def pass_through(out: torch.Tensor) -> None:
+    """``out`` came from an elementwise mask (ReLU, hardtanh, clamp), whose backward keeps or
+    zeroes each gradient value (``where(mask, g, 0)``): a gradient on a grid gives one on that
+    grid, so its note is passed on to the input's gradient (a node hook), and the rounding
+    that meets it next (the producer's ``_Round``) is skipped. Eagerly only."""
+    fn = out.grad_fn
+    if fn is not None and not emits_graph_ops():
+        fn.register_hook(_pass_note)
+
