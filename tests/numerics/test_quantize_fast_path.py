@@ -48,10 +48,11 @@ def test_the_second_call_takes_the_fast_path_with_the_same_bits(fmt, rounding, m
 
 
 def _layouts(x: torch.Tensor):
-    """``x`` (4-d) laid out channels-last, as a permuted view, and as a transposed matrix."""
+    """``x`` (4-d) laid out channels-last, as a transposed matrix, and with its middle
+    dimensions swapped in memory (no batched transpose: a stochastic rounding copies)."""
     yield "channels_last", x.contiguous(memory_format=torch.channels_last)
-    yield "permuted", x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     yield "transposed", x.reshape(x.shape[0], -1).t()
+    yield "middle_swapped", x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
 
 def _args(rounding: str, keys) -> dict:
@@ -62,15 +63,16 @@ def _args(rounding: str, keys) -> dict:
     return {"seed": keys} if keys is not None else {"generator": torch.Generator().manual_seed(5)}
 
 
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 37, 9, 11)])  # tiles of 16 x 64, cut
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
-def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding):
+def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):
     """A deterministic rounding runs over a dense tensor in its memory order (no row-major copy);
     a stochastic one over a row-major copy, since its random bits follow each element's
     row-major index: either way the bits of the contiguous tensor's rounding, whatever the path
     (fast after a first call, full, in place; keys or a generator), in the input's layout."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 6, 5, 7, generator=g) * torch.logspace(-9, 9, 7)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-9, 9, shape[-1])
     for name, v in _layouts(x):
         c = v.contiguous()
         for keys in ((11, 12), None):
@@ -85,6 +87,24 @@ def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rou
             assert_same_bits(inplace.contiguous(), quantize(c, fmt, rounding,
                                                             **_args(rounding, keys)),
                              f"{name} {fmt} {rounding} in place")
+
+
+def test_a_channels_last_tensor_is_rounded_stochastically_without_a_copy(monkeypatch):
+    """Stochastic rounding of a channels-last tensor goes to the batched-transpose kernel
+    (tiles gathered into logical order), not to a row-major copy."""
+    if not kernel.transposed_available():
+        pytest.skip("the loaded kernel has no lp_quantize_f32_bt")
+    calls = []
+    real = kernel.quantize_transposed
+    monkeypatch.setattr(kernel, "quantize_transposed",
+                        lambda x, out, *a: calls.append((x.shape, a[:3])) or real(x, out, *a))
+    x = torch.randn(2, 5, 3, 4).contiguous(memory_format=torch.channels_last)
+    quantize(x, "fp16", "stochastic", seed=(1, 2))
+    quantize(x, "fp16", "stochastic", seed=(1, 2))  # prepared: the fast path
+    quantize(x, "q6.10", "stochastic", generator=torch.Generator().manual_seed(0))
+    assert calls == [((2, 3, 4, 5), (2, 12, 5))] * 3
+    assert qmod.batched_transpose(x, qmod.memory_order(x)) == (2, 12, 5)
+    assert qmod.batched_transpose(x.transpose(1, 2), (0, 1, 2, 3)) is None
 
 
 def test_memory_order_finds_dense_layouts_only():

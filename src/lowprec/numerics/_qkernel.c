@@ -396,6 +396,14 @@ LP_CLONES static void bf16_ne(const uint32_t *in, uint32_t *out, int64_t n) {
     }
 }
 
+/* The loop run_range uses for these parameters (no float16/bfloat16 shortcut). */
+static loop_fn loop_for(const lp_params *p) {
+    if (p->rounding == R_SR && p->rmask == 0xffffffffu && p->bemin >= 255 && p->qsub >= -126 &&
+        p->qsub <= 100)
+        return loop_sr_fixed;
+    return pick_loop(p->rounding);
+}
+
 /* Elements [begin, end) of the logical tensor; the random counter's high word changes only at
  * 2**32 boundaries, so a range is split there. */
 static void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
@@ -410,10 +418,7 @@ static void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t 
         bf16_ne(in + begin, out + begin, end - begin);
         return;
     }
-    loop_fn f = pick_loop(p->rounding);
-    if (p->rounding == R_SR && p->rmask == 0xffffffffu && p->bemin >= 255 && p->qsub >= -126 &&
-        p->qsub <= 100)
-        f = loop_sr_fixed; /* fixed point, 32 random bits (fixed_sr_one) */
+    loop_fn f = loop_for(p); /* fixed point with 32 random bits: fixed_sr_one's loop */
     while (begin < end) {
         int64_t stop = (int64_t)(((uint64_t)begin | 0xffffffffULL) + 1ULL);
         if (stop > end) stop = end;
@@ -522,6 +527,44 @@ static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nth
     }
 }
 #endif
+
+/* A batched transpose: the memory holds (batch, rows, cols) row-major, the logical tensor is
+ * (batch, cols, rows) (a channels-last activation: rows = H*W, cols = C; a transposed matrix:
+ * batch 1). Every element is rounded with the random word of its LOGICAL index
+ * n*cols*rows + c*rows + r, as the row-major copy would be, with no copy: tiles of LP_BT_C
+ * columns x LP_BT_R rows are gathered into logical order on the stack, rounded a logical row at
+ * a time, and scattered back. The caller keeps the logical size below 2**32 (one high word). */
+#define LP_BT_R 512
+#define LP_BT_C 16
+static void bt_unit(const uint32_t *in, uint32_t *out, int64_t rows, int64_t cols, int64_t n,
+                    int64_t r0, const lp_params *p, loop_fn f) {
+    uint32_t tin[LP_BT_C][LP_BT_R], tout[LP_BT_C][LP_BT_R];
+    const int64_t rn = rows - r0 < LP_BT_R ? rows - r0 : LP_BT_R;
+    const uint32_t *src = in + (n * rows + r0) * cols;
+    uint32_t *dst = out + (n * rows + r0) * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += LP_BT_C) {
+        const int64_t cn = cols - c0 < LP_BT_C ? cols - c0 : LP_BT_C;
+        for (int64_t r = 0; r < rn; ++r)
+            for (int64_t c = 0; c < cn; ++c) tin[c][r] = src[r * cols + c0 + c];
+        for (int64_t c = 0; c < cn; ++c)
+            f(tin[c], tout[c], rn, (uint64_t)((n * cols + c0 + c) * rows + r0), 0, p);
+        for (int64_t r = 0; r < rn; ++r)
+            for (int64_t c = 0; c < cn; ++c) dst[r * cols + c0 + c] = tout[c][r];
+    }
+}
+
+void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
+                        int64_t cols, const lp_params *p, int nthreads) {
+    const loop_fn f = loop_for(p);
+    const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
+    int nt = lp_threads_for(batch * rows * cols, nthreads);
+    if (nt > units) nt = units < 1 ? 1 : (int)units;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static)
+#endif
+    for (int64_t u = 0; u < units; ++u)
+        bt_unit(in, out, rows, cols, u / rblocks, (u % rblocks) * LP_BT_R, p, f);
+}
 
 /* Public entry points (called through ctypes). in may equal out. */
 void lp_quantize_f32(const uint32_t *in, uint32_t *out, int64_t n, const lp_params *p,

@@ -16,7 +16,7 @@ import torch
 from .params import ElementParams
 
 __all__ = ["available", "open_kernel", "quantize_f32", "quantize_blocks_f32", "LPParams",
-           "gemm_acc", "gemm_acc_available"]
+           "gemm_acc", "gemm_acc_available", "quantize_transposed", "transposed_available"]
 
 
 class LPParams(ctypes.Structure):
@@ -119,6 +119,10 @@ def open_kernel(path: str):
         for f in (lib.lp_lstm_gates, lib.lp_lstm_fwd, lib.lp_lstm_fwd2, lib.lp_lstm_bwd,
                   lib.lp_round_add2):
             f.restype = None
+    if hasattr(lib, "lp_quantize_f32_bt"):
+        lib.lp_quantize_f32_bt.argtypes = [p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.POINTER(LPParams), ctypes.c_int]
+        lib.lp_quantize_f32_bt.restype = None
     if hasattr(lib, "lp_gemm_acc"):
         lib.lp_gemm_acc.argtypes = [p, p, p, ctypes.POINTER(LPAccGemm), ctypes.POINTER(LPAccFmt),
                                     ctypes.POINTER(LPAccFmt), ctypes.c_int]
@@ -153,6 +157,22 @@ def quantize_prepared(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> None
     ``x`` and ``out`` of its size (unchecked: the caller checked)."""
     _lib().lp_quantize_f32(x.data_ptr(), out.data_ptr(), x.numel(), ctypes.byref(prm),
                            torch.get_num_threads())
+
+
+def transposed_available() -> bool:
+    """True when the loaded kernel rounds a batched transpose in logical order."""
+    lib = _lib()
+    return lib is not None and hasattr(lib, "lp_quantize_f32_bt")
+
+
+def quantize_transposed(x: torch.Tensor, out: torch.Tensor, batch: int, rows: int, cols: int,
+                        prm: LPParams) -> None:
+    """Round ``x``, contiguous float32 (batch, rows, cols) in memory, whose logical tensor is
+    (batch, cols, rows), into ``out`` of the same layout: each element with the random bits of
+    its logical row-major index (lp_quantize_f32_bt; a channels-last activation: rows = H*W,
+    cols = C). Below 2**32 elements (unchecked: the caller checked)."""
+    _lib().lp_quantize_f32_bt(x.data_ptr(), out.data_ptr(), batch, rows, cols,
+                              ctypes.byref(prm), torch.get_num_threads())
 
 
 def quantize_f32(x: torch.Tensor, out: torch.Tensor, ep: ElementParams, rounding: int,

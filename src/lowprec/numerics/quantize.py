@@ -21,6 +21,7 @@ outside the graph (one graph break; ``fullgraph=True`` refuses it).
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import threading
 from typing import Literal
@@ -33,7 +34,7 @@ from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format
 from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph",
-           "memory_order",
+           "memory_order", "batched_transpose",
            "emits_graph_ops"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -214,18 +215,45 @@ def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     return perm if x.permute(perm).is_contiguous() else None
 
 
+def batched_transpose(x: torch.Tensor, perm: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """(batch, rows, cols) where ``x``'s memory order ``perm`` (:func:`memory_order`) holds
+    ``x`` as (batch, rows, cols) row-major while ``x`` itself is (batch, cols, rows): the first
+    dimensions in place, then the last group before a middle group (channels-last
+    (N, C, H, W): batch N, rows H*W, cols C; a transposed matrix: batch 1). None otherwise."""
+    d = len(perm)
+    k = 0
+    while k < d and perm[k] == k:
+        k += 1
+    for b in range(1, d - k):  # logical dims k..k+b-1 (cols) stored last
+        if perm[k:] == tuple(range(k + b, d)) + tuple(range(k, k + b)):
+            shape = x.shape
+            return (math.prod(shape[:k]), math.prod(shape[k + b:]), math.prod(shape[k:k + b]))
+    return None
+
+
 def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
                  out: torch.Tensor | None) -> torch.Tensor:
     ep = element_params(fmt)
     if _use_kernel(xf, impl):
-        # a stochastic rounding's bits depend on each element's row-major index: it rounds a
-        # row-major copy; a deterministic one rounds a dense tensor in its memory order
-        perm = None if code == _STOCHASTIC_CODE else memory_order(xf)
+        # a deterministic rounding runs over a dense tensor in its memory order; a stochastic
+        # one draws each element's random bits from its row-major index: over a batched
+        # transpose (channels-last) in tiles put in logical order, else over a row-major copy
+        perm = memory_order(xf)
         if perm is not None and (out is None or out.stride() == xf.stride()):
-            if out is None:
-                out = torch.empty_like(xf)  # the same strides: xf is dense
-            _kernel.quantize_f32(xf.permute(perm), out.permute(perm), ep, code, rmask, seed)
-            return out
+            if code != _STOCHASTIC_CODE:
+                if out is None:
+                    out = torch.empty_like(xf)  # the same strides: xf is dense
+                _kernel.quantize_f32(xf.permute(perm), out.permute(perm), ep, code, rmask,
+                                     seed)
+                return out
+            bt = batched_transpose(xf, perm) if xf.numel() < 2**32 and \
+                _kernel.transposed_available() else None
+            if bt is not None:
+                if out is None:
+                    out = torch.empty_like(xf)
+                prm = _kernel.with_keys(_kernel.prepare(ep, code, rmask), *seed)
+                _kernel.quantize_transposed(xf.permute(perm), out.permute(perm), *bt, prm)
+                return out
         xc = xf.contiguous()
         if out is None:
             out = torch.empty_like(xc, memory_format=torch.contiguous_format)
@@ -366,10 +394,17 @@ def quantize(
                 out = torch.empty_like(x)
                 _kernel.quantize_prepared(x, out, prm)
                 return out
-            perm = None if keyed else memory_order(x)  # see _elementwise
-            if perm is not None:
+            perm = memory_order(x)  # see _elementwise
+            if perm is not None and not keyed:
                 out = torch.empty_like(x)
                 _kernel.quantize_prepared(x.permute(perm), out.permute(perm), prm)
+                return out
+            bt = batched_transpose(x, perm) if perm is not None and x.numel() < 2**32 and \
+                _kernel.transposed_available() else None
+            if bt is not None:
+                out = torch.empty_like(x)
+                _kernel.quantize_transposed(x.permute(perm), out.permute(perm), *bt,
+                                            _kernel.with_keys(prm, *_keys_of(seed)))
                 return out
     if (emits_graph_ops() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
