@@ -5,7 +5,8 @@ small pre-norm transformer (2 layers, d=128, 4 heads, 64 tokens, vocabulary 256)
 are measured in interleaved rounds (every policy once per round, the median over rounds), so a
 slow moment of the machine hits all of them alike.
 
-    python benchmarks/train_step.py [--batch 256] [--rounds 7] [--steps 10]
+    python benchmarks/train_step.py [--batch 256] [--rounds 7] [--steps 10] \
+        [--layout runner|contiguous]
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ def zoo(name: str):
 
 
 class Runner:
-    def __init__(self, make, policy: str, batch: int) -> None:
+    def __init__(self, make, policy: str, batch: int, layout: str = "runner") -> None:
+        from lowprec.experiments.models import channels_last
+
         torch.manual_seed(0)
         model = make()
+        if layout == "runner":  # convolutional models channels-last, as lowprec compare
+            channels_last(model)
         self.prec = Precision(policy, seed=0)
         self.model, self.opt = self.prec.setup(model, SGD(model.parameters(), lr=0.01,
                                                           momentum=0.9))
@@ -118,6 +123,9 @@ def main() -> None:
                     help="comma-separated policies (default: every named policy)")
     ap.add_argument("--models", default="cnn,mlp,transformer",
                     help="comma-separated: cnn, mlp, transformer, resnet20, mobilenet, lstm")
+    ap.add_argument("--layout", choices=("runner", "contiguous"), default="runner",
+                    help="runner (default): models with 2-d convolutions channels-last, as "
+                         "lowprec compare trains them; contiguous: as built")
     args = ap.parse_args()
     from lowprec.experiments.config import split_policies
     from lowprec.experiments.system import tune_cpu_allocator
@@ -134,12 +142,13 @@ def main() -> None:
               if m[2] in args.models.split(",")]
     print(f"lowprec {lowprec.__version__}, torch {torch.__version__}, "
           f"{platform.machine()}, {torch.get_num_threads()} threads, batch {args.batch}, "
-          f"median of {args.rounds} interleaved rounds of {args.steps} steps")
+          f"median of {args.rounds} interleaved rounds of {args.steps} steps, layout "
+          f"{args.layout}")
     for model_name, make, _ in models:
         runners, failed = {}, {}
         for name in names:
             try:
-                r = Runner(make, name, args.batch)
+                r = Runner(make, name, args.batch, args.layout)
                 r.time(3)  # warm-up: oneDNN primitives, allocator
                 runners[name] = r
             except Exception as err:  # noqa: BLE001 (e.g. oneDNN has no bf16 LSTM on AVX2)
