@@ -245,3 +245,31 @@ def test_resume_before_the_first_checkpoint_redoes_the_run_in_place(tmp_path):
     run_compare(replace(cfg, resume=True))
     rows_after, started_after = _final(out / "results.db")
     assert rows_after == rows and started_after == started
+
+
+def test_built_in_cnns_train_channels_last_and_a_user_model_as_built(tmp_path, monkeypatch):
+    """The runner lays its own convolutional models out channels-last (recorded per run); a
+    user's model keeps its layout: its forward may .view() a convolution's output, which
+    NHWC refuses."""
+    (tmp_path / "viewnet.py").write_text(
+        "import torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, classes):\n"
+        "        super().__init__()\n"
+        "        self.conv, self.fc = nn.Conv2d(1, 4, 3), nn.Linear(4 * 6 * 6, classes)\n"
+        "    def forward(self, x):\n"
+        "        h = self.conv(x)\n"
+        "        return self.fc(h.view(h.size(0), -1))\n"
+        "def net(shape, classes):\n"
+        "    return Net(classes)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        for model, layout in (("lenet5", "channels_last"), ("viewnet:net", "contiguous")):
+            out = run_compare(small(tmp_path / model.replace(":", "_"), model=model,
+                                    policies=("32-true",), epochs=1))
+            db = ResultsDB(out / "results.db", create=False)
+            runs = db.runs()
+            assert [r["status"] for r in runs] == ["finished"], runs[0].get("error")
+            assert runs[0]["hardware"]["layout"] == layout, model
+    finally:
+        sys.modules.pop("viewnet", None)

@@ -63,7 +63,8 @@ def _args(rounding: str, keys) -> dict:
     return {"seed": keys} if keys is not None else {"generator": torch.Generator().manual_seed(5)}
 
 
-@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 37, 9, 11)])  # tiles of 16 x 64, cut
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 37, 9, 11), (2, 20, 30, 30)])  # tiles of
+# 16 columns x 512 rows, cut at both edges (900 rows: two row blocks)
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
 def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):

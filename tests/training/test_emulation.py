@@ -6,6 +6,7 @@ References: torch's own fp16/bf16 casts and kernels (``model.half()`` on this CP
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 import warnings
@@ -561,7 +562,8 @@ def test_uninitialised_buffers_are_neither_rounded_nor_observed_and_their_writer
     ("16-true", "fp16", 0.0, 0.1, False),  # 0.1 is no fp16 value
     ("p=q2.6,c=q2.6,g=q2.6", "q2.6", 0.0, 6.0, False),  # 6 beyond q2.6's 1.98: saturated
     ("p=q2.6,c=q2.6,g=q2.6", "q2.6", -1.0, 1.5, True),
-], ids=["relu6", "unit", "off_grid_bound", "bound_out_of_range", "fixed"])
+    ("16-true", "fp16", float("-inf"), 0.5, True),
+], ids=["relu6", "unit", "off_grid_bound", "bound_out_of_range", "fixed", "infinite_bound"])
 def test_a_clamp_is_rounded_only_when_a_bound_is_off_the_grid(monkeypatch, policy, fmt, lo, hi,
                                                              grid):
     """hardtanh (ReLU6) and clamp map grid values onto the grid when both bounds are on it:
@@ -587,3 +589,56 @@ def test_a_clamp_is_rounded_only_when_a_bound_is_off_the_grid(monkeypatch, polic
     for o in outs:
         assert_same_bits(o, want, f"{policy} [{lo}, {hi}]")
     assert (len(rounded) == 0) is grid, len(rounded)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "e4m3fn", "e5m2", "e2m1", "q6.10", "q2.6",
+                                 "q13.12", "e3m2"])
+def test_a_bound_is_on_the_grid_exactly_when_rounding_keeps_it(fmt):
+    """The clamp rule decides from the format's fields (no tensor: it runs while compiled
+    emulation traces with fake tensors); it agrees with rounding the bound, and refuses -0.0
+    (a format may have no -0) and numbers float32 cannot hold."""
+    import struct
+
+    from lowprec import quantize
+    from lowprec.numerics.formats import parse_format
+    from lowprec.training.emulation.engine import _representable
+
+    f = parse_format(fmt)
+    g = torch.Generator().manual_seed(0)
+    cands = [0.0, 1, 6, 6.0, 0.1, 0.25, 448.0, 65504.0, 65520.0, 1e-7, 2.0 ** -24, 2.0 ** -25,
+             3 * 2.0 ** -24, 1.0 + 2.0 ** -10, 1.0 + 2.0 ** -11, 2.0 ** 15, 1e40, True,
+             f.max, -f.max, f.min_normal, f.min_subnormal, f.min_subnormal / 2]
+    cands += (torch.randn(300, generator=g) * 10.0 ** torch.randint(-8, 6, (300,),
+                                                                    generator=g)).tolist()
+    cands += quantize(torch.randn(300, generator=g) * 8, f).tolist()
+    for b in cands:
+        if not math.isfinite(b):
+            continue  # an infinite bound clamps nothing: on the grid (the clamp test)
+        b = float(b) if not isinstance(b, bool) else b
+        try:
+            b32 = struct.unpack("<f", struct.pack("<f", float(b)))[0]
+        except OverflowError:
+            b32 = None
+        t = torch.tensor([float(b)])
+        want = (not isinstance(b, bool) and b32 == b and b != 0.0 or b == 0.0) and \
+            torch.equal(quantize(t, f), t)
+        if b == 0.0:
+            want = math.copysign(1.0, b) > 0  # -0.0 refused
+        assert _representable(b, f) == want, (fmt, b)
+    assert not _representable(-0.0, f) and _representable(0.0, f)
+    assert not _representable(1.0 + 1e-12, parse_format("fp16"))  # not a float32
+    assert not _representable(torch.tensor(1.0), f)
+    assert not _representable(float("inf"), f) and not _representable(float("nan"), f)
+
+
+def test_a_clamp_of_an_unrounded_input_rounds_it_first_as_before():
+    """A parameter stored in fp32 reaches a clamp unrounded under p=fp32,c=fp16: it is rounded
+    to fp16 first, as any op's input, so the backward's mask is fp16's (1.0002 -> 1.0, inside
+    [-1, 1]: gradient 1, as with native fp16)."""
+    w = nn.Parameter(torch.tensor([1.0002, 0.5]))
+    with emulated("p=fp32,c=fp16,g=fp16,s=all,b=emulated"):
+        (torch.ones(2) * w.clamp(-1, 1)).sum().backward()
+    assert w.grad.tolist() == [1.0, 1.0]
+    native = nn.Parameter(torch.tensor([1.0002, 0.5]).half())
+    (torch.ones(2).half() * native.clamp(-1, 1)).sum().backward()
+    assert native.grad.float().tolist() == [1.0, 1.0]

@@ -314,7 +314,9 @@ def _to_channels_last(t: torch.Tensor) -> torch.Tensor:
 def channels_last(model: nn.Module) -> bool:
     """Lay a model with 2-d convolutions out channels-last (NHWC), its 4-d floating inputs
     too (a forward pre-hook), as PyTorch's CPU performance guide advises: oneDNN's CPU
-    convolutions run NHWC without reordering. Measured on an AMD EPYC with AVX512-BF16 (2
+    convolutions run NHWC without reordering. The runner applies it to the built-in models
+    only: a user's model may ``.view()`` a convolution's output, which NHWC refuses. Measured
+    on an AMD EPYC with AVX512-BF16 (2
     threads, batch 256, fp32 training steps): ResNet-20 410-458 -> 319-323 ms, the MobileNet
     510-538 -> 291-304 ms, the VGG 228-232 -> 202-239 ms. Every policy of a comparison trains
     the same layout; the emulated backend rounds channels-last tensors in place of their
@@ -323,6 +325,9 @@ def channels_last(model: nn.Module) -> bool:
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return False
     model.to(memory_format=torch.channels_last)
+    if getattr(model, "_lowprec_channels_last", False):
+        return True  # its inputs are converted already
+    model._lowprec_channels_last = True
     model.register_forward_pre_hook(
         lambda m, args, kwargs: (map_floating(args, _to_channels_last),
                                  map_floating(kwargs, _to_channels_last)), with_kwargs=True)

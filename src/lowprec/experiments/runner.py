@@ -32,7 +32,7 @@ from .checkpoints import atomic_save, checkpoint_path, resumable, run_id_of
 from .config import CompareConfig, RunError, lr_at
 from .data import Dataset, load_checked_dataset
 from .environment import environment
-from .models import build_checked_model, channels_last, layout_of
+from .models import MODELS, build_checked_model, channels_last, layout_of
 from .progress import Progress
 from .report import write_report
 from .results import NOT_REQUESTED, ResultsDB, is_blank
@@ -153,7 +153,8 @@ def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int):
     """The model, optimizer, Precision and training split of a run, as every run builds them."""
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
-    channels_last(model)  # oneDNN's fast CPU layout for convolutions, for every policy
+    if cfg.model in MODELS:  # a user's model keeps its layout (its code may .view() NCHW)
+        channels_last(model)  # oneDNN's fast CPU layout for convolutions, for every policy
     opt = _make_optimizer(cfg, model)
     compiled = cfg.compile and \
         Precision(policy).resolve_backend(torch.device("cpu")) == Backend.EMULATED

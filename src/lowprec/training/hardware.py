@@ -21,7 +21,7 @@ Arm's HWCAPs; ``torch.backends.cpu.get_cpu_capability()``; ``torch.cuda.get_devi
 never from a CPU's name, and not from a timing by default: a micro-benchmark on a loaded
 machine could choose differently from one run to the next, and the backend changes a run's
 bits. A caller holding a sample batch may have the choice checked by timing the model's own
-steps (``Precision.setup(model, example=batch)``, :mod:`lowprec.training.backends.probe`).
+steps (``Precision.setup(model, example=inputs)``, :mod:`lowprec.training.backends.probe`).
 :func:`native_speed` takes the facts as data, so every rule is testable on any machine.
 """
 

@@ -186,7 +186,8 @@ class Precision:
               choice: BackendChoice | None = None):
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both.
 
-        ``example``: a sample batch (a tensor, or a tuple of the forward's arguments). Where
+        ``example``: the forward's input for a sample batch (a tensor, or a tuple of the
+        forward's positional arguments; not an (inputs, targets) pair). Where
         ``auto`` would run natively by the device's facts, a few training steps of copies of
         the model are then timed under both backends and native is kept unless clearly slower
         (:mod:`lowprec.training.backends.probe`; :attr:`backend_choice` says what was measured).
@@ -604,14 +605,15 @@ def time_backends(model: nn.Module | Callable[[], nn.Module], policy: str | Poli
                   ) -> BackendTiming:
     """Seconds per training step of ``model`` (a module, deep-copied, or a function building
     one) under ``policy`` natively and emulated (``compile``: the emulated model compiled), each
-    copy set up by its own :class:`Precision` with lowprec's SGD: ``example`` is a batch (a
-    tensor, or a tuple of the forward's arguments) and the loss ``loss_fn(output, target)``
+    copy set up by its own :class:`Precision` with lowprec's SGD: ``example`` is the forward's
+    input (a tensor, or a tuple of its positional arguments) and the loss ``loss_fn(output,
+    target)``
     (default: the mean square of the output). Nothing of the caller's changes: copies are
     trained and torch's random state is restored (:func:`lowprec.training.backends.probe.
     time_steps`). What ``Precision.setup(model, example=...)`` decides ``auto`` by."""
     policy = parse_policy(policy)
     args = example if isinstance(example, tuple) else (example,)
-    cuda = any(torch.is_tensor(a) and a.is_cuda for a in args)
+    cuda = sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
 
     def make_step(net: nn.Module, pol: Policy):
         prec = Precision(pol, seed=0, compile=compile and pol.backend is Backend.EMULATED)
@@ -627,5 +629,6 @@ def time_backends(model: nn.Module | Callable[[], nn.Module], policy: str | Poli
         return step
 
     return time_steps(build_copies(model), policy, make_step, rounds=rounds,
-                      device_sync=torch.cuda.synchronize if cuda else (lambda: None))
+                      device_sync=torch.cuda.synchronize if cuda else (lambda: None),
+                      devices=tuple(cuda))
 

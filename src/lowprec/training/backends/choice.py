@@ -107,7 +107,7 @@ def announce(policy: Policy, choice: BackendChoice, facts: DeviceFacts, stacklev
     announced)."""
     if not choice.automatic:
         return False
-    key = (policy.spec, facts, choice)
+    key = (policy.spec, facts, choice.backend)  # a timed choice's reason varies
     if key in _ANNOUNCED:
         return False
     _ANNOUNCED.add(key)

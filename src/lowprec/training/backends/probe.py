@@ -5,7 +5,7 @@ format, not whether this model's ops reach them: on an AMD EPYC with AVX512-BF16
 transformer's native bf16 step takes 2.1-2.5x its fp32 step (torch's bf16 attention backward
 is most of it), while its ResNet-20 takes 0.43x. So a caller holding a sample batch may time a
 few training steps of the model under both backends where the facts say native, and keep the
-faster: ``Precision.setup(model, example=batch)``, through
+faster: ``Precision.setup(model, example=inputs)``, through
 :func:`lowprec.training.precision.time_backends`; this module holds the timing loop and the
 rule (:func:`decide`). Native stays unless clearly slower (:data:`SLOWER`): for that
 transformer emulated bf16 was as slow (1.00-1.02x native's step), and native was kept.
@@ -69,16 +69,16 @@ def loss_of(out, target, loss_fn) -> torch.Tensor:
 
 def time_steps(build: Callable[[], nn.Module], policy: Policy,
                make_step: Callable[[nn.Module, Policy], Callable[[], None]], *,
-               rounds: int = 3, device_sync: Callable[[], None] = lambda: None
-               ) -> BackendTiming:
+               rounds: int = 3, device_sync: Callable[[], None] = lambda: None,
+               devices: tuple = ()) -> BackendTiming:
     """Seconds per training step under ``policy`` run natively and emulated: ``make_step(model,
     policy)`` sets a model ``build()`` returned up under the policy (its backend named) and
     returns one training step. One warm-up step each, then ``rounds`` of each, interleaved so
     that a load on the machine hits both; the fastest of each is kept. torch's random state is
-    restored (a dropout's draws are the copies')."""
+    restored, the CPU's and that of the CUDA ``devices`` (a dropout's draws are the copies')."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be at least 1")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=list(devices)):
         steps = {b: make_step(build(), policy.with_(backend=b))
                  for b in (Backend.NATIVE, Backend.EMULATED)}
         for step in steps.values():

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
+import struct
 import types
 import warnings
 from dataclasses import dataclass, replace
@@ -41,7 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...numerics.formats import FP32, BlockFormat, Format
+from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
 from ...numerics.keys import derive_keys
 from ...numerics.quantize import draw_seed, quantize, quantize_
 from ...numerics import accumulation_ops, summation
@@ -187,40 +189,60 @@ _BOUNDED = {
     "clamp": (1, "min", 2, "max", None, None), "clamp_": (1, "min", 2, "max", None, None),
     "clip": (1, "min", 2, "max", None, None), "clip_": (1, "min", 2, "max", None, None),
 }
-_ON_GRID: dict = {}  # (format, bound) -> whether the bound is a value of the format
 # grid ops whose backward keeps or zeroes each gradient value (gradmarks.pass_through)
 _MASKS = frozenset({"relu", "relu_", "relu6", *_BOUNDED})
 
 
-def _bound_on_grid(b, fmt: Format) -> bool:
-    if b is None:
-        return True
+def _representable(b, fmt: Format) -> bool:
+    """Whether the finite Python number ``b`` is a value of the element format ``fmt`` (and of
+    float32, which carries it), decided from the format's fields: no tensor, so that it can run
+    while compiled emulation traces with fake tensors. -0.0 is refused (a format may have no
+    -0), and so are infinities and NaN."""
     if not isinstance(b, (int, float)) or isinstance(b, bool):
         return False  # a tensor bound: not checked
-    key = (fmt, float(b))
-    hit = _ON_GRID.get(key)
-    if hit is None:
-        with torch._C.DisableTorchFunction():
-            t = torch.tensor([float(b)], dtype=torch.float32)
-            hit = float(t) == float(b) and torch.equal(quantize(t, fmt), t)
-        if len(_ON_GRID) < 4096:
-            _ON_GRID[key] = hit
-    return hit
+    b = float(b)
+    if not math.isfinite(b):
+        return False
+    if b == 0.0:
+        return math.copysign(1.0, b) > 0
+    try:
+        if struct.unpack("<f", struct.pack("<f", b))[0] != b:
+            return False  # torch would clamp at b rounded to float32
+    except OverflowError:
+        return False
+    if getattr(fmt, "dynamic", False):
+        return False
+    if isinstance(fmt, FixedFormat):
+        return fmt.min <= b <= fmt.max and (b / fmt.step).is_integer()
+    if isinstance(fmt, FloatFormat):
+        a = abs(b)
+        if a > fmt.max:
+            return False
+        if a >= fmt.min_normal:
+            return (a * 2.0 ** (fmt.man_bits - (math.frexp(a)[1] - 1))).is_integer()
+        return fmt.subnormals and (a / fmt.min_subnormal).is_integer()
+    return False
 
 
 def _grid_op(name: str, args, kwargs, fmt: Format) -> bool:
     """Whether ``name`` maps values of ``fmt``'s grid onto it: the ops of GRID_OPS, and a clamp
-    whose bounds are on an element format's grid (no rounding of its output needed)."""
+    of a tensor on the grid (marked: an input off it is rounded first, as any op's) whose bounds
+    are values of an element format (then its output needs no rounding)."""
     if name in GRID_OPS:
         return True
     spec = _BOUNDED.get(name)
-    if spec is None or isinstance(fmt, BlockFormat) or getattr(fmt, "dynamic", False):
+    if spec is None or not args or not _floating(args[0]) or not _marked(args[0], fmt):
         return False
     lo_pos, lo_kw, hi_pos, hi_kw, lo_default, hi_default = spec
     kwargs = kwargs or {}
     lo = args[lo_pos] if len(args) > lo_pos else kwargs.get(lo_kw, lo_default)
     hi = args[hi_pos] if len(args) > hi_pos else kwargs.get(hi_kw, hi_default)
-    return _bound_on_grid(lo, fmt) and _bound_on_grid(hi, fmt)
+    return _bound_ok(lo, fmt) and _bound_ok(hi, fmt)
+
+
+def _bound_ok(b, fmt: Format) -> bool:
+    """No bound, an infinite one (no clamping on that side) or a value of the format."""
+    return b is None or (isinstance(b, float) and math.isinf(b)) or _representable(b, fmt)
 
 
 def _floating(t) -> bool:
@@ -1076,6 +1098,8 @@ class Emulation:
             t = args[0] if args else None
             if _floating(t) and not (grid and _marked(t, fmt)):
                 self.round_(t, rule, key)
+            elif name in _MASKS and _floating(t) and t.requires_grad:
+                pass_through(t)  # relu_, hardtanh_, clamp_: the node that wrote t
             return out
         inputs = tensors_in(args, tensors_in(kwargs, []))
         on_grid = grid and all(_marked(a, fmt) for a in inputs if _floating(a))
