@@ -215,3 +215,22 @@ def test_format_options_given_twice_or_not_decimal_are_refused(bad, why):
         parse_format(bad)
     msg = str(err.value)
     assert repr(bad) in msg and why in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("spec", ["e4m3fn", "e5m2", "e2m1", "e3m2", "e4m3fnuz", "e3m2-nosub",
+                                  "fp16", "q6.10", "q2.6", "q4.4-sym", "uq3.5"])
+def test_represents_holds_exactly_the_enumerated_values(spec):
+    """``represents`` (from the fields alone) is true on every value ``values()`` lists, with
+    either sign where the format is signed, and false halfway between neighbours and beyond."""
+    import numpy as np
+
+    fmt = parse_format(spec)
+    vals = fmt.values()
+    assert all(fmt.represents(float(v)) for v in vals)
+    mids = (vals[1:] + vals[:-1]) / 2
+    assert not any(fmt.represents(float(m)) for m in mids)
+    assert not fmt.represents(float(vals[-1]) * 2 + 1)
+    signed = getattr(fmt, "signed", True)
+    if signed:
+        neg = [-float(v) for v in vals if v and -float(v) >= getattr(fmt, "min", -np.inf)]
+        assert all(fmt.represents(v) for v in neg)

@@ -316,9 +316,8 @@ def channels_last(model: nn.Module) -> bool:
     too (a forward pre-hook), as PyTorch's CPU performance guide advises: oneDNN's CPU
     convolutions run NHWC without reordering. The runner applies it to the built-in models
     only: a user's model may ``.view()`` a convolution's output, which NHWC refuses. Measured
-    on an AMD EPYC with AVX512-BF16 (2
-    threads, batch 256, fp32 training steps): ResNet-20 410-458 -> 319-323 ms, the MobileNet
-    510-538 -> 291-304 ms, the VGG 228-232 -> 202-239 ms. Every policy of a comparison trains
+    on an AMD EPYC with AVX512-BF16 (2 threads, batch 256, fp32 training steps): ResNet-20
+    410-458 -> 319-323 ms, the MobileNet 510-538 -> 291-304 ms, the VGG 228-232 -> 202-239 ms. Every policy of a comparison trains
     the same layout; the emulated backend rounds channels-last tensors in place of their
     layout (:func:`lowprec.numerics.quantize.memory_order`). Returns whether it changed the
     model (False without ``nn.Conv2d``)."""
@@ -341,4 +340,3 @@ def layout_of(model: nn.Module) -> str:
     cl = [p for p in four if not p.is_contiguous()
           and p.is_contiguous(memory_format=torch.channels_last)]
     return "channels_last" if cl else "contiguous"
-

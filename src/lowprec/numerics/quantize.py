@@ -21,8 +21,8 @@ outside the graph (one graph break; ``fullgraph=True`` refuses it).
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
+import math
 import threading
 from typing import Literal
 
@@ -231,29 +231,40 @@ def batched_transpose(x: torch.Tensor, perm: tuple[int, ...]) -> tuple[int, int,
     return None
 
 
+def _in_layout(x: torch.Tensor, out: torch.Tensor | None, prm, stochastic: bool
+               ) -> torch.Tensor | None:
+    """The kernel's rounding (parameters ``prm``) of a dense float32 CPU tensor that is not
+    contiguous, into ``out`` or a new tensor of ``x``'s strides, with no row-major copy; None
+    where the layout needs one. A deterministic rounding runs over the memory in its order; a
+    stochastic one draws each element's random bits from its row-major index, so only a
+    batched transpose (channels-last, a transposed matrix) is rounded in place of its layout,
+    in tiles put into logical order (``lp_quantize_f32_bt``)."""
+    perm = memory_order(x)
+    if perm is None or (out is not None and out.stride() != x.stride()):
+        return None
+    bt = None
+    if stochastic:
+        bt = batched_transpose(x, perm) if x.numel() < 2**32 and \
+            _kernel.transposed_available() else None
+        if bt is None:
+            return None
+    out = torch.empty_like(x) if out is None else out  # x's strides: x is dense
+    if bt is None:
+        _kernel.quantize_prepared(x.permute(perm), out.permute(perm), prm)
+    else:
+        _kernel.quantize_transposed(x.permute(perm), out.permute(perm), *bt, prm)
+    return out
+
+
 def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
                  out: torch.Tensor | None) -> torch.Tensor:
     ep = element_params(fmt)
     if _use_kernel(xf, impl):
-        # a deterministic rounding runs over a dense tensor in its memory order; a stochastic
-        # one draws each element's random bits from its row-major index: over a batched
-        # transpose (channels-last) in tiles put in logical order, else over a row-major copy
-        perm = memory_order(xf)
-        if perm is not None and (out is None or out.stride() == xf.stride()):
-            if code != _STOCHASTIC_CODE:
-                if out is None:
-                    out = torch.empty_like(xf)  # the same strides: xf is dense
-                _kernel.quantize_f32(xf.permute(perm), out.permute(perm), ep, code, rmask,
-                                     seed)
-                return out
-            bt = batched_transpose(xf, perm) if xf.numel() < 2**32 and \
-                _kernel.transposed_available() else None
-            if bt is not None:
-                if out is None:
-                    out = torch.empty_like(xf)
-                prm = _kernel.with_keys(_kernel.prepare(ep, code, rmask), *seed)
-                _kernel.quantize_transposed(xf.permute(perm), out.permute(perm), *bt, prm)
-                return out
+        if not xf.is_contiguous():
+            prm = _kernel.with_keys(_kernel.prepare(ep, code, rmask), *seed)
+            done = _in_layout(xf, out, prm, code == _STOCHASTIC_CODE)
+            if done is not None:
+                return done
         xc = xf.contiguous()
         if out is None:
             out = torch.empty_like(xc, memory_format=torch.contiguous_format)
@@ -388,23 +399,14 @@ def quantize(
         except TypeError:  # an unhashable argument: the checks below say what is wrong
             prm = None
         if prm is not None and x.numel() and not emits_graph_ops():
+            if keyed:  # (refused as the full path refuses them: a bad pair raises here)
+                prm = _kernel.with_keys(prm, *_keys_of(seed))
             if x.is_contiguous():
-                if keyed:  # (refused as the full path refuses them: a bad pair raises here)
-                    prm = _kernel.with_keys(prm, *_keys_of(seed))
                 out = torch.empty_like(x)
                 _kernel.quantize_prepared(x, out, prm)
                 return out
-            perm = memory_order(x)  # see _elementwise
-            if perm is not None and not keyed:
-                out = torch.empty_like(x)
-                _kernel.quantize_prepared(x.permute(perm), out.permute(perm), prm)
-                return out
-            bt = batched_transpose(x, perm) if perm is not None and x.numel() < 2**32 and \
-                _kernel.transposed_available() else None
-            if bt is not None:
-                out = torch.empty_like(x)
-                _kernel.quantize_transposed(x.permute(perm), out.permute(perm), *bt,
-                                            _kernel.with_keys(prm, *_keys_of(seed)))
+            out = _in_layout(x, None, prm, keyed)
+            if out is not None:
                 return out
     if (emits_graph_ops() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)

@@ -187,9 +187,9 @@ class Precision:
         """Convert ``model`` (in place) and wrap or configure ``optimizer``; returns both.
 
         ``example``: the forward's input for a sample batch (a tensor, or a tuple of the
-        forward's positional arguments; not an (inputs, targets) pair). Where
-        ``auto`` would run natively by the device's facts, a few training steps of copies of
-        the model are then timed under both backends and native is kept unless clearly slower
+        forward's positional arguments; not an (inputs, targets) pair). Where ``auto`` would
+        run natively by the device's facts, a few training steps of copies of the model are
+        then timed under both backends and native is kept unless clearly slower
         (:mod:`lowprec.training.backends.probe`; :attr:`backend_choice` says what was measured).
         The timing can differ between calls: to reproduce a run, store
         :attr:`backend_choice` and give it back as ``choice`` (a choice made before, checked
@@ -607,8 +607,7 @@ def time_backends(model: nn.Module | Callable[[], nn.Module], policy: str | Poli
     one) under ``policy`` natively and emulated (``compile``: the emulated model compiled), each
     copy set up by its own :class:`Precision` with lowprec's SGD: ``example`` is the forward's
     input (a tensor, or a tuple of its positional arguments) and the loss ``loss_fn(output,
-    target)``
-    (default: the mean square of the output). Nothing of the caller's changes: copies are
+    target)`` (default: the mean square of the output). Nothing of the caller's changes: copies are
     trained and torch's random state is restored (:func:`lowprec.training.backends.probe.
     time_steps`). What ``Precision.setup(model, example=...)`` decides ``auto`` by."""
     policy = parse_policy(policy)
@@ -631,4 +630,3 @@ def time_backends(model: nn.Module | Callable[[], nn.Module], policy: str | Poli
     return time_steps(build_copies(model), policy, make_step, rounds=rounds,
                       device_sync=torch.cuda.synchronize if cuda else (lambda: None),
                       devices=tuple(cuda))
-

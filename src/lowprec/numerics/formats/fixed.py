@@ -86,6 +86,11 @@ class FixedFormat:
         """Exponent of the largest power of two not above ``max`` (used for block scales)."""
         return math.floor(math.log2(self.max))
 
+    def represents(self, value: float) -> bool:
+        """Whether the finite number ``value`` is one of the format's values, from the fields
+        alone: a multiple of the step within [min, max]."""
+        return self.min <= value <= self.max and (value / self.step).is_integer()
+
     def values(self) -> np.ndarray:
         """Every non-negative value, ascending, as float64."""
         n = round(self.max / self.step)

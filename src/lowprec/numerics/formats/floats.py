@@ -15,6 +15,7 @@ Float styles (the bit layouts of the standards):
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -156,6 +157,18 @@ class FloatFormat:
     def eps(self) -> float:
         """Distance from 1.0 to the next larger value."""
         return 2.0**-self.man_bits
+
+    def represents(self, value: float) -> bool:
+        """Whether the finite number ``value`` is one of the format's values (zero's sign
+        aside), from the fields alone: no tensor, no table."""
+        a = abs(value)
+        if a == 0.0:
+            return True
+        if a > self.max:
+            return False
+        if a >= self.min_normal:  # man_bits fraction bits below the leading one
+            return (a * 2.0 ** (self.man_bits - (math.frexp(a)[1] - 1))).is_integer()
+        return self.subnormals and (a / self.min_subnormal).is_integer()
 
     def values(self) -> np.ndarray:
         """Every finite non-negative value of the format, ascending, as float64."""

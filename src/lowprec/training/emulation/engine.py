@@ -194,10 +194,10 @@ _MASKS = frozenset({"relu", "relu_", "relu6", *_BOUNDED})
 
 
 def _representable(b, fmt: Format) -> bool:
-    """Whether the finite Python number ``b`` is a value of the element format ``fmt`` (and of
-    float32, which carries it), decided from the format's fields: no tensor, so that it can run
-    while compiled emulation traces with fake tensors. -0.0 is refused (a format may have no
-    -0), and so are infinities and NaN."""
+    """Whether the finite Python number ``b`` is a value of the static element format ``fmt``
+    (``fmt.represents``, decided from the format's fields: no tensor, so that it can run while
+    compiled emulation traces with fake tensors) and of float32, which carries it. -0.0 is
+    refused (a format may have no -0), and so are infinities and NaN."""
     if not isinstance(b, (int, float)) or isinstance(b, bool):
         return False  # a tensor bound: not checked
     b = float(b)
@@ -210,18 +210,9 @@ def _representable(b, fmt: Format) -> bool:
             return False  # torch would clamp at b rounded to float32
     except OverflowError:
         return False
-    if getattr(fmt, "dynamic", False):
+    if getattr(fmt, "dynamic", False) or not isinstance(fmt, (FixedFormat, FloatFormat)):
         return False
-    if isinstance(fmt, FixedFormat):
-        return fmt.min <= b <= fmt.max and (b / fmt.step).is_integer()
-    if isinstance(fmt, FloatFormat):
-        a = abs(b)
-        if a > fmt.max:
-            return False
-        if a >= fmt.min_normal:
-            return (a * 2.0 ** (fmt.man_bits - (math.frexp(a)[1] - 1))).is_integer()
-        return fmt.subnormals and (a / fmt.min_subnormal).is_integer()
-    return False
+    return fmt.represents(b)
 
 
 def _grid_op(name: str, args, kwargs, fmt: Format) -> bool:

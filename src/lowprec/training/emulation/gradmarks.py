@@ -65,4 +65,3 @@ def pass_through(out: torch.Tensor) -> None:
     fn = out.grad_fn
     if fn is not None and not emits_graph_ops():
         fn.register_hook(_pass_note)
-
