@@ -168,6 +168,34 @@ def test_layer_norm_backward_matches_the_native_16_bit_kernel(policy):
     assert torch.equal(emu[1], native[1]) and torch.equal(emu[2], native[2])
 
 
+@pytest.mark.parametrize("policy", list(DTYPES))
+def test_layer_norm_backward_beyond_the_sequential_rows_sums_in_fp32(policy):
+    """Past 256 rows a thread, the weight and bias gradients are the exact sums rounded once
+    (float64 reference, within one unit of the 16-bit result) and the input gradient stays
+    within one unit, at the gradient's scale, of the native kernel's (where dX cancels to near
+    zero its fp32 sums in another order move it by a few of its own units)."""
+    dtype = DTYPES[policy]
+    g = torch.Generator().manual_seed(4)
+    rows = 300 * torch.get_num_threads() + 7
+    x, dy = (torch.randn(rows, 40, generator=g).to(dtype) for _ in range(2))
+    w, b = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype), (0.1 * torch.randn(40)).to(dtype)
+    ts = [t.float().requires_grad_() for t in (x, w, b)]
+    with emulated(policy):
+        y = F.layer_norm(ts[0], (40,), ts[1], ts[2])
+    y.backward(dy.float())
+    xn = x.detach().requires_grad_()
+    F.layer_norm(xn, (40,), w, b).backward(dy)
+    assert scale_distance(ts[0].grad, xn.grad.float(), dtype) <= 1
+    # the reference from the 16-bit statistics, as the kernel saves them
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [40], w, b, 1e-5)
+    xhat = (x.double() - mean.double()) * rstd.double()
+    exact_w = (dy.double() * xhat).sum(0).to(dtype).float()
+    exact_b = dy.double().sum(0).to(dtype).float()
+    assert ulp_distance(ts[1].grad, exact_w, dtype) <= 1
+    assert ulp_distance(ts[2].grad, exact_b, dtype) <= 1
+    assert torch.equal(ts[1].grad, ts[1].grad.to(dtype).float())
+
+
 def test_the_op_table_is_large_enough():
     assert len(OPS) >= 30
 

@@ -175,10 +175,12 @@ def _opaque_ops() -> dict:
 
     @torch.library.custom_op("lowprec_compiled::layer_norm_backward", mutates_args=())
     def layer_norm_bw_(g: torch.Tensor, x: torch.Tensor, shape: list[int], mean: torch.Tensor,
-                       rstd: torch.Tensor, w: torch.Tensor, b: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return aten.native_layer_norm_backward.default(g, x, shape, mean, rstd, w, b,
-                                                       [True, True, True])
+                       rstd: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+                       mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # an output not asked for (None in the traced graph, which has no user of it) is an
+        # empty tensor: a custom op returns tensors only
+        out = aten.native_layer_norm_backward.default(g, x, shape, mean, rstd, w, b, mask)
+        return tuple(x.new_empty(0) if t is None else t for t in out)
 
     # batch norm: the engine's 16-bit replay takes its statistics and backward from these fp32
     # kernels (kernels.batch_norm), and fp32 islands run them; Inductor's decompositions sum in
@@ -239,8 +241,8 @@ def _opaque_ops() -> dict:
     softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
     layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
         x, shape, w, b, eps))
-    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b: (
-        torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)))
+    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b, mask: tuple(
+        torch.empty_like(t) if want else x.new_empty(0) for t, want in zip((x, w, b), mask)))
     mm_.register_fake(lambda a, b: aten.mm.default(a, b))
     bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
     addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
@@ -289,8 +291,9 @@ def _opaque_ops() -> dict:
                                          lambda a, kw: None if kw else tuple(a)),
         aten.native_layer_norm_backward.default: (
             lc.layer_norm_backward.default,
-            lambda a, kw: tuple(a[:7]) if not kw and list(a[7]) == [True] * 3
-            and a[5] is not None and a[6] is not None else None),
+            lambda a, kw: (*a[:7], [bool(m) for m in a[7]]) if not kw and len(a) == 8
+            and (a[5] is not None or not a[7][1]) and (a[6] is not None or not a[7][2])
+            else None),
         aten._native_batch_norm_legit_functional.default: (
             lc.batch_norm.default, lambda a, kw: None if kw else tuple(a)),
         aten._native_batch_norm_legit.no_stats: (
