@@ -628,3 +628,56 @@ def test_a_clamp_of_an_unrounded_input_rounds_it_first_as_before():
     native = nn.Parameter(torch.tensor([1.0002, 0.5]).half())
     (torch.ones(2).half() * native.clamp(-1, 1)).sum().backward()
     assert native.grad.float().tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_batch_norm_of_non_plain_formats_against_float64(layout):
+    """Batch norm under a format no 16-bit kernel stands for (here stochastic rounding): the
+    batch statistics rounded by the engine, y = x * a + b' from them, the backward of batch
+    norm evaluated at the rounded statistics and the running statistics' momentum update, each
+    against the same formulas in float64."""
+    from types import SimpleNamespace
+
+    from lowprec.numerics.formats import FP16
+    from lowprec.numerics.rounding import Rounding
+    from lowprec.training.emulation import kernels
+
+    rule = SimpleNamespace(compute=FP16, grads=FP16, params=FP16,
+                           rounding=Rounding.STOCHASTIC, grad_rounding=Rounding.STOCHASTIC)
+    assert not kernels.plain_formats(rule)
+    rounded = []
+
+    class Engine:  # the stats rounded to nearest fp16, as a stand-in for the engine's rounding
+        def round(self, t, rule_, key, grads=True):
+            assert key == "bn.stats" and not grads and rule_ is rule
+            rounded.append(t.clone())
+            return t.half().float()
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 5, 4, 3, generator=g) * 3 + 1
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(5, generator=g) * 0.5 + 1, torch.randn(5, generator=g) * 0.1
+    rm0, rv0 = torch.randn(5, generator=g) * 0.1, torch.rand(5, generator=g) + 0.5
+    rm, rv = rm0.clone(), rv0.clone()
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    y = kernels.batch_norm(Engine(), rule, "bn", xs, ws, bs, rm, rv, True, 0.1, 1e-5)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+
+    X, W, B, G = (t.double() for t in (x, w, b, dy))
+    dims, n = (0, 2, 3), x.numel() // 5
+    mean, var = X.mean(dims), X.var(dims, unbiased=False)
+    assert torch.allclose(rounded[0].double(), mean, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(rounded[1].double(), 1 / torch.sqrt(var + 1e-5), rtol=1e-6)
+    m_q, r_q = (t.half().double().view(1, -1, 1, 1) for t in (mean, 1 / torch.sqrt(var + 1e-5)))
+    a = r_q * W.view(1, -1, 1, 1)
+    assert torch.allclose(y.double(), X * a + B.view(1, -1, 1, 1) - m_q * a, rtol=1e-6,
+                          atol=1e-6)
+    xhat = (X - m_q) * r_q
+    dx = a * (G - G.mean(dims, keepdim=True) - xhat * (G * xhat).mean(dims, keepdim=True))
+    assert torch.allclose(xs.grad.double(), dx, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ws.grad.double(), (G * xhat).sum(dims), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(bs.grad.double(), G.sum(dims), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(rm.double(), 0.9 * rm0.double() + 0.1 * mean, rtol=1e-6)
+    assert torch.allclose(rv.double(), 0.9 * rv0.double() + 0.1 * var * n / (n - 1), rtol=1e-6)
