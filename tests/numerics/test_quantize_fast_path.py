@@ -63,14 +63,14 @@ def _args(rounding: str, keys) -> dict:
     return {"seed": keys} if keys is not None else {"generator": torch.Generator().manual_seed(5)}
 
 
-@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 37, 9, 11), (2, 20, 30, 30)])  # tiles of
-# 16 columns x 512 rows, cut at both edges (900 rows: two row blocks)
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 37, 9, 11), (2, 300, 30, 30)])  # channels
+# below, at and past one 256-element tile of the kernel's loop (300: a tile and a tail)
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
 def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):
     """A deterministic rounding runs over a dense tensor in its memory order (no row-major copy);
-    a stochastic one over a row-major copy, since its random bits follow each element's
-    row-major index: either way the bits of the contiguous tensor's rounding, whatever the path
+    a stochastic one draws each element's random bits from its row-major index (a batched
+    transpose in memory order, other layouts through a row-major copy): either way the bits of the contiguous tensor's rounding, whatever the path
     (fast after a first call, full, in place; keys or a generator), in the input's layout."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(*shape, generator=g) * torch.logspace(-9, 9, shape[-1])

@@ -248,10 +248,13 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
 
 #define R_SRFX 6
 #define LP_BASE(MODE) ((MODE) == R_SRFX ? R_SR : (MODE))
+/* the random counter of element j of a tile: logical indices lo0, lo0 + st, ... */
+#define LP_CTR(j) (lo0 + (uint32_t)(j) * st)
 
 #define LP_DEFINE_LOOP(NAME, MODE)                                                               \
     LP_CLONES static void NAME##_tile(const uint32_t *in, uint32_t *out, int64_t n, uint32_t lo0, \
-                                      uint32_t k0, uint32_t k1, const lp_inv *pp) {              \
+                                      uint32_t st, uint32_t k0, uint32_t k1,                     \
+                                      const lp_inv *pp) {                                        \
         const lp_inv p = *pp;                                                                     \
         int64_t i = 0;                                                                            \
         const int fast = (MODE == R_NE && (p.fast || p.fixed_ne)) ||                            \
@@ -266,10 +269,10 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
                     const int32_t field = (int32_t)(a >> 23);                                     \
                     uint32_t add, rf;                                                             \
                     if (MODE == R_SRFX) {                                                         \
-                        rf = fixed_sr_one(a, field, lp_rand(lo0 + (uint32_t)(i + l), k0, k1), &p);\
+                        rf = fixed_sr_one(a, field, lp_rand(LP_CTR(i + l), k0, k1), &p);         \
                     } else {                                                                      \
                         if (MODE == R_NE) add = p.fhalf + (((a >> p.fshift) | p.fodd) & 1u);      \
-                        else add = lp_rand(lo0 + (uint32_t)(i + l), k0, k1) >> (32 - p.fshift);   \
+                        else add = lp_rand(LP_CTR(i + l), k0, k1) >> (32 - p.fshift);            \
                         rf = (a + add) & ~p.fmask;                                                \
                     }                                                                             \
                     const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
@@ -289,7 +292,7 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
                 if (bad) {                                                                        \
                     for (int l = 0; l < LP_CHUNK; ++l) {                                          \
                         uint32_t r = 0;                                                           \
-                        if (LP_BASE(MODE) == R_SR) r = lp_rand(lo0 + (uint32_t)(i + l), k0, k1);  \
+                        if (LP_BASE(MODE) == R_SR) r = lp_rand(LP_CTR(i + l), k0, k1);           \
                         out[i + l] = quantize_one(in[i + l], r, &p, LP_BASE(MODE));               \
                     }                                                                             \
                 } else {                                                                          \
@@ -299,7 +302,7 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
         }                                                                                         \
         for (; i < n; ++i) {                                                                      \
             uint32_t r = 0;                                                                       \
-            if (LP_BASE(MODE) == R_SR) r = lp_rand(lo0 + (uint32_t)i, k0, k1);                    \
+            if (LP_BASE(MODE) == R_SR) r = lp_rand(LP_CTR(i), k0, k1);                           \
             out[i] = quantize_one(in[i], r, &p, LP_BASE(MODE));                                   \
         }                                                                                         \
     }                                                                                             \
@@ -310,7 +313,7 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
         for (int64_t t0 = 0; t0 < n; t0 += LP_TILE) {                                             \
             const int64_t len = n - t0 < LP_TILE ? n - t0 : LP_TILE;                              \
             if (t0 + LP_AHEAD < n) lp_prefetch(in, out, t0 + LP_AHEAD, n);                        \
-            NAME##_tile(in + t0, out + t0, len, (uint32_t)off + (uint32_t)t0, k0, k1, &p);        \
+            NAME##_tile(in + t0, out + t0, len, (uint32_t)off + (uint32_t)t0, 1u, k0, k1, &p);    \
         }                                                                                         \
     }
 
@@ -528,42 +531,46 @@ static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nth
 }
 #endif
 
+typedef void (*tile_fn)(const uint32_t *, uint32_t *, int64_t, uint32_t, uint32_t, uint32_t,
+                        uint32_t, const lp_inv *);
+
+static tile_fn tile_of(loop_fn f) {
+    if (f == loop_ne) return loop_ne_tile;
+    if (f == loop_na) return loop_na_tile;
+    if (f == loop_z) return loop_z_tile;
+    if (f == loop_up) return loop_up_tile;
+    if (f == loop_down) return loop_down_tile;
+    if (f == loop_sr_fixed) return loop_sr_fixed_tile;
+    return loop_sr_tile;
+}
+
 /* A batched transpose: the memory holds (batch, rows, cols) row-major, the logical tensor is
  * (batch, cols, rows) (a channels-last activation: rows = H*W, cols = C; a transposed matrix:
  * batch 1). Every element is rounded with the random word of its LOGICAL index
- * n*cols*rows + c*rows + r, as the row-major copy would be, with no copy: tiles of LP_BT_C
- * columns x LP_BT_R rows are gathered into logical order on the stack, rounded a logical row at
- * a time, and scattered back. The caller keeps the logical size below 2**32 (one high word). */
-#define LP_BT_R 512
-#define LP_BT_C 16
-static void bt_unit(const uint32_t *in, uint32_t *out, int64_t rows, int64_t cols, int64_t n,
-                    int64_t r0, const lp_params *p, loop_fn f) {
-    uint32_t tin[LP_BT_C][LP_BT_R], tout[LP_BT_C][LP_BT_R];
-    const int64_t rn = rows - r0 < LP_BT_R ? rows - r0 : LP_BT_R;
-    const uint32_t *src = in + (n * rows + r0) * cols;
-    uint32_t *dst = out + (n * rows + r0) * cols;
-    for (int64_t c0 = 0; c0 < cols; c0 += LP_BT_C) {
-        const int64_t cn = cols - c0 < LP_BT_C ? cols - c0 : LP_BT_C;
-        for (int64_t r = 0; r < rn; ++r)
-            for (int64_t c = 0; c < cn; ++c) tin[c][r] = src[r * cols + c0 + c];
-        for (int64_t c = 0; c < cn; ++c)
-            f(tin[c], tout[c], rn, (uint64_t)((n * cols + c0 + c) * rows + r0), 0, p);
-        for (int64_t r = 0; r < rn; ++r)
-            for (int64_t c = 0; c < cn; ++c) dst[r * cols + c0 + c] = tout[c][r];
-    }
-}
-
+ * n*cols*rows + c*rows + r, as the row-major copy would be, in memory order and with no copy:
+ * each memory row (the C values of one position) is one run of the mode's tile whose random
+ * counter starts at its first value's logical index and steps by `rows`. The caller keeps the
+ * logical size below 2**32 (one high word of the counter). */
 void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
                         int64_t cols, const lp_params *p, int nthreads) {
-    const loop_fn f = loop_for(p);
-    const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
-    int nt = lp_threads_for(batch * rows * cols, nthreads);
+    const tile_fn t = tile_of(loop_for(p));
+    const lp_inv inv = make_inv(p, 0);
+    const uint32_t k0 = p->k0, k1 = p->k1 ^ mix32(0u);
+    const int64_t units = batch * rows;
+    int nt = lp_threads_for(units * cols, nthreads);
     if (nt > units) nt = units < 1 ? 1 : (int)units;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
-    for (int64_t u = 0; u < units; ++u)
-        bt_unit(in, out, rows, cols, u / rblocks, (u % rblocks) * LP_BT_R, p, f);
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n = u / rows, r = u % rows;
+        const uint32_t lo = (uint32_t)(n * cols * rows + r);
+        for (int64_t c0 = 0; c0 < cols; c0 += LP_TILE) {
+            const int64_t len = cols - c0 < LP_TILE ? cols - c0 : LP_TILE;
+            t(in + u * cols + c0, out + u * cols + c0, len, lo + (uint32_t)(c0 * rows),
+              (uint32_t)rows, k0, k1, &inv);
+        }
+    }
 }
 
 /* Public entry points (called through ctypes). in may equal out. */
@@ -694,7 +701,7 @@ LP_CLONES static void round_tile_bf16(const uint32_t *a, uint32_t *q, int n) {
 
 static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si, int is_bf16) {
     if (is_bf16) round_tile_bf16(a, q, n);
-    else loop_ne_tile(a, q, n, 0, 0, 0, si);
+    else loop_ne_tile(a, q, n, 0, 1u, 0, 0, si);
 }
 
 /* The arithmetic loops use fmaf(): compiled for FMA hardware (the x86-64-v3 clone, AVX2 + FMA,
@@ -776,7 +783,7 @@ LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t 
                 a[l] = f2u(w[l] + (o.neg_step * u2f(q1[l])) / (s2[l] / o.bc2_sqrt + o.eps));
         }
         if (sr)
-            loop_sr_tile(a, q1, n, (uint32_t)t0, k0, k1, &pi);
+            loop_sr_tile(a, q1, n, (uint32_t)t0, 1u, k0, k1, &pi);
         else
             round_state(a, q1, n, &pi, o.p_is_bf16);
         store_tile(j->p, q1, o.p_dtype, t0, n);
