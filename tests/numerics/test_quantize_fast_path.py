@@ -63,8 +63,10 @@ def _args(rounding: str, keys) -> dict:
     return {"seed": keys} if keys is not None else {"generator": torch.Generator().manual_seed(5)}
 
 
-@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (3, 37, 9, 11), (2, 300, 30, 30)])  # channels
-# below, at and past one 256-element tile of the kernel's loop (300: a tile and a tail)
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (2, 6, 30, 30), (3, 37, 9, 11),
+                                   (2, 300, 30, 30)])
+# stochastic rounding of channels-last: below 16 channels, tiles of 16 columns x 512 rows (900
+# rows: two row blocks); from 16, runs of the C values (300: one 256-element tile and a tail)
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
 def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):
