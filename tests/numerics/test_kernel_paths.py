@@ -113,11 +113,17 @@ def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
         assert_same_bits(got, want, f"{fmt} {mode}")
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (50, 14), (30, 45)])  # whole blocks; rows shorter
+# than a block (a channels-last activation's W = 14) and than a chunk of 16; a last partial block
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "mxint8"])
-def test_mx_blocks_give_the_torch_paths_bits(on_path, fmt):
-    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(2))
+def test_mx_blocks_give_the_torch_paths_bits(on_path, fmt, shape):
+    """The kernel's scale exponents and rounding against the torch ops' (block_shifts in torch
+    ops, the reference rounding), NaN and Inf blocks, all-zero and subnormal-range blocks."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     x[3, :40] *= 1e-30  # a block of subnormal-range values
-    for mode in ("nearest", "stochastic"):
+    x[4] = 0.0
+    x[5, 2], x[7, 1] = float("nan"), -float("inf")
+    for mode in ("nearest", "stochastic", "sr4", "toward_zero"):
         got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(3))
         want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(3))
         assert_same_bits(got, want, f"{fmt} {mode}")

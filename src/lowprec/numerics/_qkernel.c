@@ -261,11 +261,20 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
                          (MODE == R_SR && p.rmask == 0xffffffffu && p.fast) ||                    \
                          (MODE == R_SRFX && p.rmask == 0xffffffffu && p.fixed_sr);               \
         if (fast) {                                                                        \
-            for (; i + LP_CHUNK <= n; i += LP_CHUNK) {                                            \
-                uint32_t tmp[LP_CHUNK];                                                           \
-                uint32_t bad = 0;                                                                 \
-                for (int l = 0; l < LP_CHUNK; ++l) {                                              \
-                    const uint32_t u = in[i + l], sign = u & 0x80000000u, a = u & 0x7fffffffu;   \
+            for (; i < n; i += LP_CHUNK) {                                                       \
+                /* a last, shorter chunk is padded with zeros (each rounds to itself and         \
+                 * flags nothing): short MX blocks (14 values) take this path too */             \
+                const int64_t cnt = n - i < LP_CHUNK ? n - i : LP_CHUNK;                         \
+                uint32_t pad[LP_CHUNK];                                                          \
+                const uint32_t *src = in + i;                                                    \
+                if (cnt < LP_CHUNK) {                                                            \
+                    for (int l = 0; l < LP_CHUNK; ++l) pad[l] = l < cnt ? in[i + l] : 0u;        \
+                    src = pad;                                                                   \
+                }                                                                                \
+                uint32_t tmp[LP_CHUNK];                                                          \
+                uint32_t bad = 0;                                                                \
+                for (int l = 0; l < LP_CHUNK; ++l) {                                             \
+                    const uint32_t u = src[l], sign = u & 0x80000000u, a = u & 0x7fffffffu;      \
                     const int32_t field = (int32_t)(a >> 23);                                     \
                     uint32_t add, rf;                                                             \
                     if (MODE == R_SRFX) {                                                         \
@@ -289,15 +298,17 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
                     res &= ~mask_if((rf == 0) & (p.signed_zero == 0));                            \
                     tmp[l] = res;                                                                 \
                 }                                                                                 \
-                if (bad) {                                                                        \
-                    for (int l = 0; l < LP_CHUNK; ++l) {                                          \
-                        uint32_t r = 0;                                                           \
+                if (bad) {                                                                       \
+                    for (int l = 0; l < cnt; ++l) {                                              \
+                        uint32_t r = 0;                                                          \
                         if (LP_BASE(MODE) == R_SR) r = lp_rand(LP_CTR(i + l), k0, k1);           \
-                        out[i + l] = quantize_one(in[i + l], r, &p, LP_BASE(MODE));               \
-                    }                                                                             \
-                } else {                                                                          \
-                    for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                       \
-                }                                                                                 \
+                        out[i + l] = quantize_one(in[i + l], r, &p, LP_BASE(MODE));              \
+                    }                                                                            \
+                } else if (cnt == LP_CHUNK) {                                                    \
+                    for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                      \
+                } else {                                                                         \
+                    for (int l = 0; l < cnt; ++l) out[i + l] = tmp[l];                           \
+                }                                                                                \
             }                                                                                     \
         }                                                                                         \
         for (; i < n; ++i) {                                                                      \
@@ -430,12 +441,28 @@ static void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t 
     }
 }
 
+typedef void (*tile_fn)(const uint32_t *, uint32_t *, int64_t, uint32_t, uint32_t, uint32_t,
+                        uint32_t, const lp_inv *);
+
+static tile_fn tile_of(loop_fn f) {
+    if (f == loop_ne) return loop_ne_tile;
+    if (f == loop_na) return loop_na_tile;
+    if (f == loop_z) return loop_z_tile;
+    if (f == loop_up) return loop_up_tile;
+    if (f == loop_down) return loop_down_tile;
+    if (f == loop_sr_fixed) return loop_sr_fixed_tile;
+    return loop_sr_tile;
+}
+
 /* Blocked variant: rows of `row_len` elements, each cut into blocks of `block` elements; block b
- * of row j uses shift shifts[j * nblocks + b] (the block's scale exponent). */
+ * of row j uses shift shifts[j * nblocks + b] (the block's scale exponent). The mode's tile loop
+ * runs on each block with the loop invariants of its shift, made once per change of shift. */
 static void run_blocks(const uint32_t *in, uint32_t *out, int64_t row_begin, int64_t row_end,
                        int64_t row_len, int64_t block, const int32_t *shifts, const lp_params *p) {
-    loop_fn f = pick_loop(p->rounding);
+    const tile_fn t = tile_of(pick_loop(p->rounding));
     const int64_t nblocks = (row_len + block - 1) / block;
+    lp_inv inv;
+    int32_t have = LP_NAN_SHIFT;
     for (int64_t j = row_begin; j < row_end; ++j) {
         for (int64_t b = 0; b < nblocks; ++b) {
             const int64_t start = j * row_len + b * block;
@@ -444,8 +471,22 @@ static void run_blocks(const uint32_t *in, uint32_t *out, int64_t row_begin, int
             const int32_t sh = shifts[j * nblocks + b];
             if (sh == LP_NAN_SHIFT) { /* the block held a NaN or an Inf: its scale is NaN */
                 for (int64_t i = 0; i < len; ++i) out[start + i] = 0x7fc00000u;
-            } else {
-                f(in + start, out + start, len, (uint64_t)start, sh, p);
+                continue;
+            }
+            if (sh != have) {
+                inv = make_inv(p, sh);
+                have = sh;
+            }
+            /* the random counter as the plain loop's: low word the index, high word in the key,
+             * split where the index crosses a multiple of 2**32 */
+            int64_t done = 0;
+            while (done < len) {
+                const uint64_t at = (uint64_t)(start + done);
+                int64_t stop = (int64_t)((at | 0xffffffffULL) + 1ULL) - start;
+                if (stop > len) stop = len;
+                t(in + start + done, out + start + done, stop - done, (uint32_t)at, 1u, p->k0,
+                  p->k1 ^ mix32((uint32_t)(at >> 32)), &inv);
+                done = stop;
             }
         }
     }
@@ -531,19 +572,6 @@ static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nth
 }
 #endif
 
-typedef void (*tile_fn)(const uint32_t *, uint32_t *, int64_t, uint32_t, uint32_t, uint32_t,
-                        uint32_t, const lp_inv *);
-
-static tile_fn tile_of(loop_fn f) {
-    if (f == loop_ne) return loop_ne_tile;
-    if (f == loop_na) return loop_na_tile;
-    if (f == loop_z) return loop_z_tile;
-    if (f == loop_up) return loop_up_tile;
-    if (f == loop_down) return loop_down_tile;
-    if (f == loop_sr_fixed) return loop_sr_fixed_tile;
-    return loop_sr_tile;
-}
-
 /* A batched transpose: the memory holds (batch, rows, cols) row-major, the logical tensor is
  * (batch, cols, rows) (a channels-last activation: rows = H*W, cols = C; a transposed matrix:
  * batch 1). Every element is rounded with the random word of its LOGICAL index
@@ -616,6 +644,45 @@ void lp_quantize_f32(const uint32_t *in, uint32_t *out, int64_t n, const lp_para
                      int nthreads) {
     lp_job base = {in, out, 0, n, 0, 0, NULL, p};
     run_parallel(base, n, 1, nthreads);
+}
+
+/* The scale exponent of every block of rows of `row_len` float32 values (blocks of `block`,
+ * the last of a row shorter): floor(log2(amax)) - emax clamped to [smin, smax], smin for an
+ * all-zero block, LP_NAN_SHIFT for a block holding a NaN or an Inf (the MX rule, as
+ * numerics.quantize.block_shifts computes it in torch ops). amax is the largest magnitude
+ * pattern: float32 magnitudes order as their bit patterns. */
+void lp_block_shifts_f32(const uint32_t *in, int32_t *shifts, int64_t rows, int64_t row_len,
+                         int64_t block, int32_t emax, int32_t smin, int32_t smax,
+                         int nthreads) {
+    const int64_t nblocks = (row_len + block - 1) / block;
+    int nt = lp_threads_for(rows * row_len, nthreads);
+    if (nt > rows) nt = rows < 1 ? 1 : (int)rows;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static)
+#endif
+    for (int64_t j = 0; j < rows; ++j) {
+        for (int64_t b = 0; b < nblocks; ++b) {
+            const uint32_t *x = in + j * row_len + b * block;
+            int64_t len = row_len - b * block;
+            if (len > block) len = block;
+            uint32_t m = 0;
+            for (int64_t i = 0; i < len; ++i) {
+                const uint32_t a = x[i] & 0x7fffffffu;
+                m = a > m ? a : m;
+            }
+            int32_t sh;
+            if (m >= 0x7f800000u) {
+                sh = LP_NAN_SHIFT;
+            } else if (m == 0) {
+                sh = smin;
+            } else {
+                const int32_t field = (int32_t)(m >> 23);
+                const int32_t lg = field ? field - 127 : (31 - __builtin_clz(m)) - 149;
+                sh = imin(imax(lg - emax, smin), smax);
+            }
+            shifts[j * nblocks + b] = sh;
+        }
+    }
 }
 
 void lp_quantize_blocks_f32(const uint32_t *in, uint32_t *out, int64_t rows, int64_t row_len,

@@ -16,7 +16,8 @@ import torch
 from .params import ElementParams
 
 __all__ = ["available", "open_kernel", "quantize_f32", "quantize_blocks_f32", "LPParams",
-           "gemm_acc", "gemm_acc_available", "quantize_transposed", "transposed_available"]
+           "gemm_acc", "gemm_acc_available", "quantize_transposed", "transposed_available",
+           "block_shifts", "block_shifts_available"]
 
 
 class LPParams(ctypes.Structure):
@@ -119,6 +120,11 @@ def open_kernel(path: str):
         for f in (lib.lp_lstm_gates, lib.lp_lstm_fwd, lib.lp_lstm_fwd2, lib.lp_lstm_bwd,
                   lib.lp_round_add2):
             f.restype = None
+    if hasattr(lib, "lp_block_shifts_f32"):
+        i32 = ctypes.c_int32
+        lib.lp_block_shifts_f32.argtypes = [p, p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_int64, i32, i32, i32, ctypes.c_int]
+        lib.lp_block_shifts_f32.restype = None
     if hasattr(lib, "lp_quantize_f32_bt"):
         lib.lp_quantize_f32_bt.argtypes = [p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                            ctypes.POINTER(LPParams), ctypes.c_int]
@@ -157,6 +163,22 @@ def quantize_prepared(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> None
     ``x`` and ``out`` of its size (unchecked: the caller checked)."""
     _lib().lp_quantize_f32(x.data_ptr(), out.data_ptr(), x.numel(), ctypes.byref(prm),
                            torch.get_num_threads())
+
+
+def block_shifts_available() -> bool:
+    """True when the loaded kernel computes MX block scale exponents (lp_block_shifts_f32)."""
+    lib = _lib()
+    return lib is not None and hasattr(lib, "lp_block_shifts_f32")
+
+
+def block_shifts(x: torch.Tensor, block: int, emax: int, smin: int, smax: int) -> torch.Tensor:
+    """The scale exponent of every block of the contiguous float32 CPU matrix ``x`` (rows,
+    row_len), blocks of ``block`` along each row: int32 (rows, ceil(row_len / block))."""
+    rows, row_len = x.shape
+    out = torch.empty(rows, -(-row_len // block), dtype=torch.int32)
+    _lib().lp_block_shifts_f32(x.data_ptr(), out.data_ptr(), rows, row_len, block, emax, smin,
+                               smax, torch.get_num_threads())
+    return out
 
 
 def transposed_available() -> bool:

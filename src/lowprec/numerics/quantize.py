@@ -286,13 +286,26 @@ def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
     return res
 
 
-def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int) -> torch.Tensor:
-    """Scale exponent of every block of ``x_rows`` (float32, shape (rows, row_len)), int32.
+def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int,
+                 impl: Impl = "auto") -> torch.Tensor:
+    """Scale exponent of every block of ``x_rows`` (float32, shape (rows, row_len)), int32:
+    by the kernel (``impl`` "auto" on a contiguous CPU tensor, or "kernel") or torch ops.
 
     s = floor(log2(amax)) - element.emax, clamped to [scale_min_exp, scale_max_exp]; an all-zero
     block gets scale_min_exp; a block holding NaN or Inf gets the NaN marker.
     """
     rows, row_len = x_rows.shape
+    el = fmt.element
+    dynamic_fixed = (fmt.block_size is None and isinstance(el, FixedFormat) and el.signed
+                     and not el.symmetric)
+    if (impl != "torch" and not dynamic_fixed and fmt.block_size is not None
+            and type(x_rows) is torch.Tensor and x_rows.device.type == "cpu"
+            and x_rows.dtype == torch.float32 and x_rows.is_contiguous()
+            and not x_rows.requires_grad and x_rows.numel() and _kernel.available()
+            and _kernel.block_shifts_available() and not emits_graph_ops()):
+        # one pass in the kernel: (256, 96, 14, 14) in blocks along W, 5.7 ms in torch ops
+        return _kernel.block_shifts(x_rows, block, fmt.element.emax, fmt.scale_min_exp,
+                                    fmt.scale_max_exp)
     a = x_rows.abs()
     nfull, rem = divmod(row_len, block)
     parts = []
@@ -301,9 +314,7 @@ def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int) -> torch.Te
     if rem:  # the last, shorter block of each row
         parts.append(a[:, nfull * block:].amax(dim=-1, keepdim=True))
     amax = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    el = fmt.element
-    if (fmt.block_size is None and isinstance(el, FixedFormat) and el.signed
-            and not el.symmetric):
+    if dynamic_fixed:
         # dynamic fixed point: the range is the smallest holding every value in two's
         # complement, [-2**r, 2**r) (Courbariaux et al. 2014), so a most negative value of
         # exactly -2**k fits at the scale below the one its magnitude alone would give: look at
@@ -337,7 +348,7 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
         row_len = moved.shape[-1]
         rows, block = moved.numel() // row_len, fmt.block_size
     flat = moved.reshape(rows, row_len)
-    shifts = block_shifts(flat, fmt, block)
+    shifts = block_shifts(flat, fmt, block, impl)
     ep = element_params(fmt.element)
     if _use_kernel(xf, impl):
         out = torch.empty_like(flat)
