@@ -72,8 +72,9 @@ def _args(rounding: str, keys) -> dict:
 def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):
     """A deterministic rounding runs over a dense tensor in its memory order (no row-major copy);
     a stochastic one draws each element's random bits from its row-major index (a batched
-    transpose in memory order, other layouts through a row-major copy): either way the bits of the contiguous tensor's rounding, whatever the path
-    (fast after a first call, full, in place; keys or a generator), in the input's layout."""
+    transpose in memory order, other layouts through a row-major copy): either way the bits of
+    the contiguous tensor's rounding, whatever the path (fast after a first call, full, in
+    place; keys or a generator), in the input's layout."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(*shape, generator=g) * torch.logspace(-9, 9, shape[-1])
     for name, v in _layouts(x):

@@ -178,7 +178,8 @@ def test_layer_norm_backward_beyond_the_sequential_rows_sums_in_fp32(policy):
     g = torch.Generator().manual_seed(4)
     rows = 300 * torch.get_num_threads() + 7
     x, dy = (torch.randn(rows, 40, generator=g).to(dtype) for _ in range(2))
-    w, b = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype), (0.1 * torch.randn(40)).to(dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype)
+    b = (0.1 * torch.randn(40, generator=g)).to(dtype)
     ts = [t.float().requires_grad_() for t in (x, w, b)]
     with emulated(policy):
         y = F.layer_norm(ts[0], (40,), ts[1], ts[2])
@@ -194,6 +195,29 @@ def test_layer_norm_backward_beyond_the_sequential_rows_sums_in_fp32(policy):
     assert ulp_distance(ts[1].grad, exact_w, dtype) <= 1
     assert ulp_distance(ts[2].grad, exact_b, dtype) <= 1
     assert torch.equal(ts[1].grad, ts[1].grad.to(dtype).float())
+
+
+@pytest.mark.parametrize("rows", [12, 300 * 64 + 7])  # the sequential 16-bit buffer; fp32 sums
+@pytest.mark.parametrize("policy", list(DTYPES))
+def test_layer_norm_with_a_bias_and_no_weight_has_the_bias_gradient(policy, rows):
+    """F.layer_norm(x, shape, None, bias): the bias gradient is the sum of dy over rows, the
+    native 16-bit kernel's where the replay is sequential, the exact sum rounded past 256 rows a
+    thread (it was zero: the weight's absence dropped it)."""
+    dtype = DTYPES[policy]
+    g = torch.Generator().manual_seed(6)
+    x, dy = (torch.randn(rows, 6, generator=g).to(dtype) for _ in range(2))
+    b = (0.1 * torch.randn(6, generator=g)).to(dtype)
+    xe, be = x.float().requires_grad_(), b.float().requires_grad_()
+    with emulated(policy):
+        F.layer_norm(xe, (6,), None, be).backward(dy.float())
+    xn, bn = x.clone().requires_grad_(), b.clone().requires_grad_()
+    F.layer_norm(xn, (6,), None, bn).backward(dy)
+    if rows < 256:
+        assert torch.equal(be.grad, bn.grad.float())
+    else:
+        assert ulp_distance(be.grad, dy.double().sum(0).to(dtype).float(), dtype) <= 1
+    assert be.grad.abs().sum() > 0
+    assert scale_distance(xe.grad, xn.grad.float(), dtype) <= 1
 
 
 def test_the_op_table_is_large_enough():

@@ -238,8 +238,8 @@ def _in_layout(x: torch.Tensor, out: torch.Tensor | None, prm, stochastic: bool
     where the layout needs one. A deterministic rounding runs over the memory in its order; a
     stochastic one draws each element's random bits from its row-major index, so only a
     batched transpose (channels-last, a transposed matrix) is rounded in place of its layout,
-    in memory order, each element's random counter computed from its logical index
-    (``lp_quantize_f32_bt``)."""
+    in memory order, each element's random counter computed from its logical index (below 16
+    channels, in tiles gathered into logical order; ``lp_quantize_f32_bt``)."""
     perm = memory_order(x)
     if perm is None or (out is not None and out.stride() != x.stride()):
         return None

@@ -207,13 +207,14 @@ def _opaque_ops() -> dict:
                                                                  eps)
 
     @torch.library.custom_op("lowprec_compiled::batch_norm_backward", mutates_args=())
-    def batch_norm_bw_(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+    def batch_norm_bw_(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
                        rm: torch.Tensor | None, rv: torch.Tensor | None,
                        save_mean: torch.Tensor | None, save_invstd: torch.Tensor | None,
-                       train: bool, eps: float
+                       train: bool, eps: float, mask: list[bool]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return aten.native_batch_norm_backward.default(g, x, w, rm, rv, save_mean, save_invstd,
-                                                       train, eps, [True, True, True])
+        out = aten.native_batch_norm_backward.default(g, x, w, rm, rv, save_mean, save_invstd,
+                                                      train, eps, mask)
+        return tuple(x.new_empty(0) if t is None else t for t in out)  # as layer_norm_bw_
 
     # an embedding's weight gradient adds the rows of each index in the order they come; the
     # decomposition (index_put with accumulate) adds them in another (zoo encoder, 16-mixed)
@@ -235,14 +236,16 @@ def _opaque_ops() -> dict:
         lambda x, w, b, rm, rv, momentum, eps:
         aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum, eps))
     batch_norm_bw_.register_fake(
-        lambda g, x, w, rm, rv, save_mean, save_invstd, train, eps: (
-            torch.empty_like(x), torch.empty_like(w), torch.empty_like(w)))
+        lambda g, x, w, rm, rv, save_mean, save_invstd, train, eps, mask: (
+            torch.empty_like(x) if mask[0] else x.new_empty(0),
+            *(x.new_empty(x.shape[1]) if want else x.new_empty(0) for want in mask[1:])))
     softmax_.register_fake(lambda x, dim, log: torch.empty_like(x))
     softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
     layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
         x, shape, w, b, eps))
-    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b, mask: tuple(
-        torch.empty_like(t) if want else x.new_empty(0) for t, want in zip((x, w, b), mask)))
+    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b, mask: (
+        x.new_empty(x.shape) if mask[0] else x.new_empty(0),  # dX contiguous, as the kernel's
+        *(torch.empty_like(t) if want else x.new_empty(0) for t, want in zip((w, b), mask[1:]))))
     mm_.register_fake(lambda a, b: aten.mm.default(a, b))
     bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
     addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
@@ -302,8 +305,8 @@ def _opaque_ops() -> dict:
             lc.batch_norm_eval.default, lambda a, kw: None if kw else tuple(a)),
         aten.native_batch_norm_backward.default: (
             lc.batch_norm_backward.default,
-            lambda a, kw: tuple(a[:9]) if not kw and len(a) == 10 and list(a[9]) == [True] * 3
-            and a[2] is not None else None),
+            lambda a, kw: (*a[:9], [bool(m) for m in a[9]]) if not kw and len(a) == 10
+            and (a[2] is not None or not a[9][1]) else None),
         aten.embedding_dense_backward.default: (lc.embedding_backward.default,
                                                 lambda a, kw: None if kw else tuple(a)),
         aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),

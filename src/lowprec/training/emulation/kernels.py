@@ -164,7 +164,7 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
     formats and stochastic rounding (no 16-bit kernel stands for them): the same fp32
     statistics rounded to the compute format, differentiated as the fp32 kernel's backward
     given them; the input and parameter gradients are rounded where the engine rounds any
-    op.s."""
+    op's."""
     dims = [0] + list(range(2, x.dim()))
     n = x.numel() // x.shape[1]
     shape = [1, -1] + [1] * (x.dim() - 2)
@@ -502,7 +502,7 @@ class _LayerNorm(torch.autograd.Function):
             n *= s
         m = x.numel() // n if n else 0
         want_w = weight is not None and ctx.needs_input_grad[1]
-        want_b = weight is not None and has_bias and ctx.needs_input_grad[2]
+        want_b = has_bias and ctx.needs_input_grad[2]
         # at::parallel_for(0, M, 1): thread t takes rows [t*chunk, (t+1)*chunk)
         threads = max(1, min(torch.get_num_threads(), m))
         chunk = -(-m // threads)
@@ -514,14 +514,14 @@ class _LayerNorm(torch.autograd.Function):
         # kernel's, 5 against 13 bf16)
         dx, dw, dbias = torch.ops.aten.native_layer_norm_backward(
             dy, x, shape, mean, rstd, weight, None,
-            [ctx.needs_input_grad[0], summed and (want_w or want_b), False])
+            [ctx.needs_input_grad[0], summed and want_w, False])
         dx = grad(dx) if dx is not None else None  # the noted tensor returned
         if not (want_w or want_b):
             return dx, None, None, None, None, None, None, None
         if summed:
-            # the kernel's dbeta is sum(dy) over rows: asked of its weight branch, which
-            # computes dgamma and dbeta together, only with a bias tensor
-            tot = stat(torch.cat([dw.reshape(-1), dy.reshape(-1, n).sum(0)]))
+            # dbeta = sum(dy) over rows (the kernel is asked for dgamma alone: no bias here)
+            dgamma = dw.reshape(-1) if want_w else torch.zeros(n, device=x.device)
+            tot = stat(torch.cat([dgamma, dy.reshape(-1, n).sum(0)]))
         else:
             X, dY = x.reshape(-1, n), dy.reshape(-1, n)
             a, mu = rstd.reshape(-1, 1), mean.reshape(-1, 1)
@@ -533,8 +533,8 @@ class _LayerNorm(torch.autograd.Function):
             for r in range(chunk):  # sequential: each add rounded to the 16-bit buffer
                 buf = act(buf + rows[r])
             tot = stat(buf.sum(0))
-        dw = tot[:n].reshape(weight.shape) if want_w else None
-        dbias = tot[n:].reshape(weight.shape) if want_b else None
+        dw = tot[:n].reshape(shape) if want_w else None
+        dbias = tot[n:].reshape(shape) if want_b else None
         return dx, dw, dbias, None, None, None, None, None
 
 
