@@ -519,6 +519,12 @@ static int lp_threads_for(int64_t n, int nthreads) {
     return nt < 1 ? 1 : (int)nt;
 }
 
+/* Threads for n elements of work split into `units` parallel units: at most one a unit. */
+static int lp_threads_over(int64_t n, int64_t units, int nthreads) {
+    const int nt = lp_threads_for(n, nthreads);
+    return nt > units ? (units < 1 ? 1 : (int)units) : nt;
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 /* OpenMP, so that the kernel shares torch's thread pool: the library is linked by its soname
@@ -610,8 +616,7 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     if (cols < LP_BT_RUNS) {
         const loop_fn f = loop_for(p);
         const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
-        int nt = lp_threads_for(batch * rows * cols, nthreads);
-        if (nt > units) nt = units < 1 ? 1 : (int)units;
+        const int nt = lp_threads_over(batch * rows * cols, units, nthreads);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
@@ -621,10 +626,9 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     }
     const tile_fn t = tile_of(loop_for(p));
     const lp_inv inv = make_inv(p, 0);
-    const uint32_t k0 = p->k0, k1 = p->k1 ^ mix32(0u);
+    const uint32_t k0 = p->k0, k1 = p->k1; /* high word 0: the key's mix32(0) is 0 */
     const int64_t units = batch * rows;
-    int nt = lp_threads_for(units * cols, nthreads);
-    if (nt > units) nt = units < 1 ? 1 : (int)units;
+    const int nt = lp_threads_over(units * cols, units, nthreads);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
@@ -655,8 +659,7 @@ void lp_block_shifts_f32(const uint32_t *in, int32_t *shifts, int64_t rows, int6
                          int64_t block, int32_t emax, int32_t smin, int32_t smax,
                          int nthreads) {
     const int64_t nblocks = (row_len + block - 1) / block;
-    int nt = lp_threads_for(rows * row_len, nthreads);
-    if (nt > rows) nt = rows < 1 ? 1 : (int)rows;
+    const int nt = lp_threads_over(rows * row_len, rows, nthreads);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static)
 #endif
