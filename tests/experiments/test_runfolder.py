@@ -99,12 +99,20 @@ def test_resume_checks_the_configuration_marks_dropped_runs_and_records_force(tm
     dropped = db.run("16-true|seed=0")
     assert dropped["status"] == "failed" and dropped["error"] == NOT_REQUESTED
     db.close()
+    # a forced setting is refused for the finished 32-true run (trained with lr 0.02) ...
     assert main(["compare", "--out", str(out), "--resume", "--lr", "0.3", "--force-config",
-                 "--policies", "32-true", "--quiet"]) == 0
+                 "--policies", "32-true", "--quiet"]) == 2
+    assert "would change lr of runs already finished (32-true|seed=0)" in \
+        capsys.readouterr().err
+    # ... and recorded where it applies: the interrupted 16-true run, asked for again
+    assert main(["compare", "--out", str(out), "--resume", "--lr", "0.3", "--force-config",
+                 "--policies", "16-true", "--quiet"]) == 0
     db = ResultsDB(out / "results.db", create=False)
     forced = db.meta("forced_config")
-    assert forced and forced[-1]["differences"] == ["lr: stored 0.02, given 0.3"]
+    assert forced and sorted(forced[-1]["differences"]) == [
+        "lr: stored 0.02, given 0.3", "policies: stored ['32-true'], given ['16-true']"]
     assert db.stored_config()["lr"] == 0.3
+    assert db.run("16-true|seed=0")["status"] == "finished"
     db.close()
 
 
@@ -211,6 +219,97 @@ def test_a_full_3mb_disk_is_one_line_and_resumes_to_identical_numbers(tmp_path, 
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+def _dead_pids(n: int) -> list[int]:
+    """PIDs of processes that have exited (and been reaped): no process owns them now."""
+    pids = []
+    for _ in range(n):
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        pids.append(child.pid)
+    return pids
+
+
+@pytest.mark.parametrize("names", [
+    ["diagram.png.tmp1", "model.pt.tmp3", ".x.lowprec-tmp1", "checkpoints/best.pt.tmp2"],
+    ["model.pt.tmp3"], [".x.lowprec-tmp1"], ["checkpoints/best.pt.tmp2"],
+    ["report_files/diagram.png.tmp1"], ["DEAD"]])
+def test_a_folder_of_temp_like_names_is_not_a_run_folder(tmp_path, capsys, names):
+    """Names that only look like temp files, or lowprec's own pattern in a folder that holds no
+    run (no lock file, no results.db), are a user's: refused, nothing deleted or written."""
+    user = tmp_path / "mine"
+    for name in names:
+        if name == "DEAD":  # lowprec's pattern, writer gone, but no run here to have left it
+            name = f".report.md.lowprec-tmp{_dead_pids(1)[0]}"
+        (user / name).parent.mkdir(parents=True, exist_ok=True)
+        (user / name).write_text("mine")
+    before = _tree(user)
+    for extra in ([], ["--resume"]):
+        assert main(ARGS + ["--policies", "32-true", "--out", str(user), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not part of a lowprec run folder" in err[0], err
+        assert _tree(user) == before
+
+
+def test_temp_like_names_in_a_run_folder_survive_a_resume(tmp_path, capsys):
+    """In a run folder, a user's temp-like files (any sub-folder) are refused on --resume and
+    kept; only a dead lowprec writer's temp files are removed."""
+    out = tmp_path / "run"
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out)]) == 0
+    for name in ("diagram.png.tmp1", "report_files/diagram.png.tmp1", "model.pt.tmp3",
+                 "checkpoints/best.pt.tmp2", ".x.lowprec-tmp1"):
+        (out / name).write_text("mine")
+        assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 2
+        assert name in capsys.readouterr().err
+        assert (out / name).read_text() == "mine"
+        (out / name).unlink()
+
+
+@pytest.mark.timeout(1800)  # a hang guard only
+def test_a_refused_resume_changes_nothing(tmp_path, capsys):
+    """run.toml (the user's config, comments kept), models.json and the models' folders are
+    untouched by a --resume that is refused; a forced change of a training setting is refused
+    when the runs it would apply to already finished (they were trained with the stored
+    value)."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("# my comparison\n[compare]\ndata = \"digits\"\nmodel = \"mlp\"\n"
+                   "policies = \"32-true\"\nepochs = 1\ntrain_subset = 64\nseeds = 1\n")
+    out = tmp_path / "run"
+    assert main(["compare", "--config", str(cfg), "--out", str(out), "--quiet"]) == 0
+    before = _tree(out)
+    other = tmp_path / "other.toml"
+    other.write_text(cfg.read_text().replace("epochs = 1", "epochs = 2") + "# changed\n")
+    for argv in (["--config", str(other), "--resume"],
+                 ["--config", str(cfg), "--resume", "--lr", "0.5"],
+                 ["--config", str(other), "--resume", "--force-config"],
+                 ["--config", str(cfg), "--resume", "--force-config", "--epochs", "2"],
+                 ["--config", str(cfg)]):
+        assert main(["compare", *argv, "--out", str(out), "--quiet"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        after = _tree(out)
+        after.pop(".lock"), before.pop(".lock", None)  # the lock file notes its holder's PID
+        assert after == before, argv
+    assert "runs already finished (32-true|seed=0)" in err[0] or "already exists" in err[0]
+    db = ResultsDB(out / "results.db", create=False)
+    assert db.stored_config()["epochs"] == 1 and db.meta("forced_config") is None
+    db.close()
+
+    several = tmp_path / "several"
+    base = ARGS + ["--policies", "32-true", "--epochs", "1", "--out", str(several)]
+    assert main(base + ["--model", "mlp,lenet5"]) == 0
+    before = _tree(several)
+    for models in ("mlp,cnn", "mlp", "lenet5,mlp"):
+        assert main(base + ["--model", models, "--resume"]) == 2, models
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model: stored 'mlp,lenet5'" in err[0], err
+        after = _tree(several)
+        assert {k: v for k, v in after.items() if not k.endswith(".lock")} == \
+            {k: v for k, v in before.items() if not k.endswith(".lock")}, models
+    # flags not given take the stored values, the list of models included
+    resumed = ["compare", "--out", str(several), "--resume", "--quiet"]
+    assert main(resumed) == 0
+
+
 def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
             for p in sorted(root.rglob("*"))}
@@ -239,12 +338,20 @@ def test_a_run_folder_touches_only_its_own_files(tmp_path, capsys):
 
     out = tmp_path / "run"
     assert main(ARGS + ["--policies", "32-true", "--out", str(out)]) == 0
-    stale = [out / ".report.md.lowprec-tmp99999", out / "checkpoints" / ".x.pt.lowprec-tmp7",
-             out / "report_files" / ".accuracy.png.lowprec-tmp8"]
+    dead = _dead_pids(3)  # writers that are provably gone
+    stale = [out / f".report.md.lowprec-tmp{dead[0]}",
+             out / "checkpoints" / f".x.pt.lowprec-tmp{dead[1]}",
+             out / "report_files" / f".accuracy.png.lowprec-tmp{dead[2]}"]
     for p in stale:
         p.write_bytes(b"half")
     assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 0
     assert not any(p.exists() for p in stale)
+    # lowprec's own pattern with a live PID (this test's parent): not provably a dead writer's
+    live = out / "report_files" / f".accuracy.png.lowprec-tmp{os.getppid()}"
+    live.write_bytes(b"someone's")
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 2
+    assert live.name in capsys.readouterr().err and live.read_bytes() == b"someone's"
+    live.unlink()
     (out / "checkpoints" / "notes.tmp3").write_text("a user's")  # not lowprec's: refused
     assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 2
     assert "checkpoints/notes.tmp3" in capsys.readouterr().err

@@ -4,10 +4,12 @@ parsed here, once (:class:`CompareConfig` holds the parsed objects)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .config import PRESETS, CompareConfig, split_policies
 from .results import CorruptDatabase, read_stored_config
+from .runfolder import MODELS_FILE
 
 __all__ = ["assemble_config", "SETTINGS"]
 
@@ -19,6 +21,32 @@ SETTINGS = ("data", "model", "epochs", "batch_size", "lr", "optimizer", "momentu
 def _short(text: str, limit: int = 60) -> str:
     s = repr(text)
     return s if len(s) <= limit else f"{s[:limit // 2]}...{s[-limit // 2:]} ({len(text)} chars)"
+
+
+def _stored_config(out: Path) -> dict | None:
+    """The configuration stored in the run folder ``out``; for a comparison over several
+    models (``models.json``), its first stored model's, with the stored list of models."""
+    try:
+        if (out / "results.db").exists():
+            return read_stored_config(out / "results.db")
+        listing = out / MODELS_FILE
+        if not listing.is_file():
+            return None
+        try:
+            models = [str(m) for m in json.loads(listing.read_text())["models"]]
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"{listing} is damaged ({type(err).__name__}: {err}); the file "
+                             "was left untouched") from None
+        for m in models:
+            stored = read_stored_config(out / m / "results.db") \
+                if (out / m / "results.db").exists() else None
+            if stored is not None:
+                return {**stored, "model": ",".join(models)}
+        return None
+    except CorruptDatabase as err:
+        raise ValueError(str(err)) from None
+    except OSError as err:
+        raise ValueError(f"cannot read the run folder {out}: {err.strerror or err}") from None
 
 
 def assemble_config(*, out: str, resume: bool = False, quiet: bool = False,
@@ -35,12 +63,7 @@ def assemble_config(*, out: str, resume: bool = False, quiet: bool = False,
         raise ValueError(f"setting {unknown[0]!r} is not one of {', '.join(SETTINGS)}")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"preset={_short(preset)}; accepted: {', '.join(PRESETS)}")
-    stored = None
-    if resume and out.strip() and (Path(out) / "results.db").exists():
-        try:
-            stored = read_stored_config(Path(out) / "results.db")
-        except CorruptDatabase as err:
-            raise ValueError(str(err)) from None
+    stored = _stored_config(Path(out)) if resume and out.strip() else None
     if stored is not None:
         # --resume continues the stored comparison: flags not given take the stored values,
         # flags given must agree with them (the runner refuses a difference)

@@ -12,6 +12,7 @@ from .config import CompareConfig, split_models
 from .multi import run_models
 from .runner import failed_runs as _model_failed_runs
 from .runner import run_model
+from .runfolder import MODELS_FILE
 
 __all__ = ["run_compare", "failed_runs"]
 
@@ -32,7 +33,9 @@ def run_compare(cfg: CompareConfig, executor=None, *, force_config: bool = False
     kept as ``OUT/run.toml``. Raises RunError for a user's mistake, RunIOError when the disk
     fails, and KeyboardInterrupt as is (the folder stays resumable).
     """
-    if len(split_models(cfg.model)) > 1:  # one comparison per architecture
+    several = len(split_models(cfg.model)) > 1 or \
+        (cfg.resume and (Path(cfg.out) / MODELS_FILE).is_file())  # resumed: its models checked
+    if several:  # one comparison per architecture
         cfg.validate()
         if getattr(executor, "preflight", None):  # what can never run: refused before anything
             executor.preflight()

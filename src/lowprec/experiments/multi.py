@@ -22,7 +22,7 @@ from .render import html_table, md_table
 from .report import write_report
 from .results import ResultsDB
 from .run_analyses import certificate_formats
-from .runner import record_config_file, refuse_foreign, run_model
+from .runner import check_resume, record_config_file, refuse_foreign, run_model
 from .runfolder import MODELS_FILE, FolderLock, atomic_write_bytes, remove_stale_temps
 from .summary import BASELINE, acc_cell, summarize, time_cell
 
@@ -46,10 +46,18 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
     except OSError as err:
         raise RunError(f"output folder {out} is not writable ({err.strerror or err})") from None
     with FolderLock(out, "lowprec compare"):
-        remove_stale_temps(out)
+        # every refusal before the first write: models.json, run.toml and the models' folders
         if listing.exists() and not cfg.resume:
             raise RunError(f"{out} already holds a comparison: continue it with --resume, or "
                            "choose another --out")
+        if listing.exists() and list(models) != [str(m) for m in listed] and not force_config:
+            raise RunError(f"--resume with another configuration (model: stored "
+                           f"{','.join(map(str, listed))!r}, given {','.join(models)!r}): drop "
+                           "--model to continue as stored, or add --force-config")
+        for model in models:
+            check_resume(out / model, replace(cfg, model=model, out=str(out / model)),
+                         force_config)
+        remove_stale_temps(out)
         atomic_write_bytes(listing, json.dumps({"models": list(models)}).encode(),
                            "the list of models")
         record_config_file(out, config_text)

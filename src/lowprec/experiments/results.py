@@ -20,7 +20,7 @@ from pathlib import Path
 from .runfolder import temp_path
 
 __all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES", "NOT_REQUESTED",
-           "read_stored_config", "check_config", "is_blank"]
+           "read_stored_config", "read_run_statuses", "check_config", "is_blank"]
 
 SCHEMA_VERSION = 2
 RUN_STATUSES = ("running", "finished", "diverged", "failed")
@@ -203,12 +203,12 @@ def is_blank(path: Path) -> bool:
     try:
         if path.stat().st_size == 0:
             return True
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        conn = _connect_read_only(Path(path))
         try:
             return conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0
         finally:
             conn.close()
-    except (OSError, sqlite3.Error):
+    except (OSError, sqlite3.Error, CorruptDatabase):
         return False
 
 
@@ -508,16 +508,26 @@ def _decode(row) -> dict:
     return d
 
 
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A connection that writes nothing, not even SQLite's companions: a read-only open of a
+    WAL database creates ``-wal`` and ``-shm`` files when they are absent; with no ``-wal``
+    file every committed transaction is in the database itself, which is then opened as
+    immutable (the caller holds the run folder's lock, or only reads)."""
+    wal = path.with_name(path.name + "-wal")
+    mode = "ro" if wal.exists() else "ro&immutable=1"
+    try:
+        return sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=30)
+    except sqlite3.Error as err:
+        raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
+
+
 def read_stored_config(path: str | Path) -> dict | None:
     """The stored configuration of a results database, read without writing to it (None when
     there is none yet); CorruptDatabase when it cannot be read."""
     path = Path(path)
     if is_blank(path):
         return None
-    try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-    except sqlite3.Error as err:
-        raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
+    conn = _connect_read_only(path)
     try:
         try:
             r = conn.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
@@ -526,5 +536,21 @@ def read_stored_config(path: str | Path) -> dict | None:
         except sqlite3.DatabaseError as err:
             raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
         return check_config(path, _loads(path, r[0])) if r else None
+    finally:
+        conn.close()
+
+
+def read_run_statuses(path: str | Path) -> dict[str, str]:
+    """run id -> status of a results database, read without writing to it; CorruptDatabase
+    when it cannot be read."""
+    path = Path(path)
+    if is_blank(path):
+        return {}
+    conn = _connect_read_only(path)
+    try:
+        try:
+            return dict(conn.execute("SELECT run_id, status FROM runs").fetchall())
+        except sqlite3.DatabaseError as err:
+            raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
     finally:
         conn.close()

@@ -8,8 +8,11 @@
   new file, never half. On any failure, a full disk included, the temp file is removed and
   :class:`RunIOError` names the path and what was being written.
 - :func:`remove_stale_temps` deletes the temp files a killed lowprec process left, and nothing
-  else: only names of that one pattern, only in the run folder and its own sub-folders (not
-  recursively), only while holding the lock (so no live writer owns them).
+  else: only names of that one pattern whose PID is this process's or no live process's (the
+  writer is provably gone), only in a folder that is already a run folder (it holds the lock
+  file or results.db) and its own sub-folders (not recursively), only while holding the lock.
+  A name that merely looks temporary (``model.pt.tmp3``, a live PID) is a user's file: kept,
+  and it makes the folder foreign.
 - :func:`foreign_entry` tells whether a folder holds anything but a run of lowprec's: a run folder
   is created empty, or continued, never shared with a user's files (``--out /`` or ``--out /etc``
   is refused, naming the first file found, before anything is written there).
@@ -26,7 +29,7 @@ from pathlib import Path
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
            "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
-           "CONFIG_FILE", "MODELS_FILE"]
+           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE"]
 
 LOCK_NAME = ".lock"
 #: written by the Ray driver for its tasks to prove they see the run folder
@@ -44,18 +47,45 @@ EXPORT_FOLDER = "export"
 CONFIG_FILE = "run.toml"
 #: the list of models of a comparison over several architectures (lowprec.experiments.multi)
 MODELS_FILE = "models.json"
+#: the name of the file written (and removed) to check that a new run folder is writable
+WRITE_PROBE = "write-test"
 #: the files of a comparison over several models (each model's run folder is a sub-folder)
 MODELS_FOLDER_FILES = frozenset({LOCK_NAME, MODELS_FILE, "report.md", "report.html",
                                  "run.toml"})
-# ".NAME.lowprec-tmpPID": this module's temp files; "NAME.tmpPID" of lowprec's own file names:
-# the temp files of earlier versions (still removed when a killed one left them)
-_TEMP_RE = re.compile(r"^\..+\.lowprec-tmp\d+$")
-_LEGACY_TEMP_RE = re.compile(r"^(?:report\.md|report\.html|models\.json|.+\.pt|.+\.png)"
-                             r"\.tmp\d+$")
+# ".NAME.lowprec-tmpPID": this module's temp files, the writer's PID in the name
+_TEMP_RE = re.compile(r"^\..+\.lowprec-tmp([1-9]\d{0,9})$", re.ASCII)
+
+
+def _pid_gone(pid: int) -> bool:
+    """True when no process has this PID (a signal-0 probe: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, OSError):
+        return False  # alive under another user, or not a PID at all
+    return False
 
 
 def _is_temp(name: str) -> bool:
-    return bool(_TEMP_RE.match(name) or _LEGACY_TEMP_RE.match(name))
+    """A temp file of this process, or of a lowprec process that is no longer alive: the only
+    files lowprec may delete without having been asked to."""
+    m = _TEMP_RE.match(name)
+    if not m:
+        return False
+    pid = int(m.group(1))
+    return pid == os.getpid() or _pid_gone(pid)
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """The folder already holds a run of lowprec's (its lock file or results database): only
+    there are leftover temp files taken for a killed run's."""
+    return any(os.path.isfile(folder / n) for n in (LOCK_NAME, "results.db", MODELS_FILE))
+
+
+def _is_probe(name: str) -> bool:
+    """The write probe a killed ``lowprec`` left before it took the lock (its writer gone)."""
+    return name.startswith(f".{WRITE_PROBE}.") and _is_temp(name)
 
 
 class FolderBusy(Exception):
@@ -162,14 +192,16 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     sub-folders (call only while holding the folder's lock). Nothing else is touched: no other
     name, no other folder, no recursion into what lowprec did not create."""
     folder = Path(folder)
-    removed = []
+    removed: list[Path] = []
+    ours = _is_run_folder(folder)
     for where in [folder, *(folder / sub for sub in RUN_SUBFOLDERS)]:
         try:
             entries = list(os.scandir(where))
         except OSError:
             continue
         for e in entries:
-            if _is_temp(e.name) and e.is_file(follow_symlinks=False):
+            if (_is_probe(e.name) if not ours else _is_temp(e.name)) \
+                    and e.is_file(follow_symlinks=False):
                 try:
                     os.unlink(e.path)
                     removed.append(Path(e.path))
@@ -190,9 +222,10 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
     except (FileNotFoundError, NotADirectoryError):
         # absent (a file on the way there is mkdir's error to report), or a file itself
         return "." if folder.is_file() or folder.is_symlink() else None
+    ours = _is_run_folder(folder)  # temp files count as lowprec's only in its own run folder
     for e in entries:
         name = e.name
-        if _is_temp(name) or name.startswith(".write-test-"):
+        if (_is_probe(name) or (ours and _is_temp(name))) and e.is_file(follow_symlinks=False):
             continue
         if e.is_symlink():
             return name
@@ -216,7 +249,7 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
             except OSError:
                 return name
             for f in inner:
-                if not (_is_temp(f.name) or (f.name.endswith(suffixes)
+                if not ((ours and _is_temp(f.name)) or (f.name.endswith(suffixes)
                                              and f.is_file(follow_symlinks=False))):
                     return f"{name}/{f.name}"
             continue

@@ -35,16 +35,17 @@ from .environment import environment
 from .models import MODELS, build_checked_model, channels_last, layout_of
 from .progress import Progress
 from .report import write_report
-from .results import NOT_REQUESTED, ResultsDB, is_blank
+from .results import (NOT_REQUESTED, ResultsDB, is_blank, read_run_statuses,
+                      read_stored_config)
 from .run_analyses import analyse_run
 from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_write_bytes, foreign_entry,
-                        io_error, remove_stale_temps, temp_path)
+                        io_error, remove_stale_temps, temp_path, WRITE_PROBE)
 from .system import tune_cpu_allocator
 from .timing import EpochMeter
 
 __all__ = ["run_model", "train_run", "evaluate", "config_differences", "check_policies",
            "failed_runs", "start_run_record", "failure_message", "mark_unrequested",
-           "refuse_foreign", "record_config_file"]
+           "refuse_foreign", "record_config_file", "check_resume"]
 
 
 def _prepare_out(out: Path) -> None:
@@ -55,7 +56,7 @@ def _prepare_out(out: Path) -> None:
     refuse_foreign(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = temp_path(out / "write-test")
+        probe = temp_path(out / WRITE_PROBE)
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
@@ -93,6 +94,43 @@ def config_differences(stored: dict, cfg: CompareConfig) -> list[str]:
     keys = _HYPER + (("threads",) if "threads" in stored else ())
     return [f"{k}: stored {stored.get(k)!r}, given {given.get(k)!r}" for k in keys
             if stored.get(k) != given.get(k)]
+
+
+#: settings a forced resume may change even when runs are finished: the runs asked for (new
+#: ones are added, dropped ones marked) and the thread count (speed, recorded per run)
+_FORCE_ANYTIME = ("policies", "seeds", "threads")
+
+
+def check_resume(out: Path, cfg: CompareConfig, force_config: bool = False) -> None:
+    """Refuse, before anything is written, what a comparison in ``out`` cannot do: start over a
+    stored one without ``resume``; continue with another configuration without
+    ``force_config``; or force a training setting onto runs that already finished (their
+    results were trained with the stored value: the stored configuration would no longer be
+    theirs). Reads the database without changing it."""
+    db_path = Path(out) / "results.db"
+    if not db_path.is_file() or is_blank(db_path):
+        return
+    if not cfg.resume:
+        raise RunError(f"{db_path} already exists: continue it with --resume, or choose "
+                       "another --out")
+    stored = read_stored_config(db_path)
+    if stored is None:
+        return
+    resolved = cfg.resolve_threads(stored)
+    diffs = config_differences(stored, resolved)
+    if diffs and not force_config:
+        raise RunError("--resume with another configuration (" + "; ".join(diffs) +
+                       "): drop those flags to continue as stored, or add --force-config")
+    given = resolved.to_json()
+    changed = [k for k in _HYPER if k not in _FORCE_ANYTIME and stored.get(k) != given.get(k)]
+    wanted = {run_id_of(p, s) for p in cfg.policies for s in cfg.seeds}
+    done = [run_id for run_id, status in read_run_statuses(db_path).items()
+            if run_id in wanted and status in ("finished", "diverged")]
+    if changed and done:
+        raise RunError(f"--force-config would change {', '.join(changed)} of runs already "
+                       f"finished ({', '.join(done[:3])}{', ...' if len(done) > 3 else ''}), "
+                       "whose results were trained with the stored values: drop those flags, "
+                       "or start a new --out")
 
 
 def check_policies(cfg: CompareConfig) -> None:
@@ -394,18 +432,17 @@ def run_model(cfg: CompareConfig, executor=None, *, force_config: bool = False,
     out = Path(cfg.out)
     _prepare_out(out)
     with FolderLock(out, "lowprec compare"):
-        remove_stale_temps(out)
-        record_config_file(out, config_text)
-        db_path = out / "results.db"
-        if db_path.exists() and not cfg.resume and not is_blank(db_path):
-            raise RunError(f"{db_path} already exists: continue it with --resume, or choose "
-                           "another --out")
+        # every refusal comes before the first write: a refused command changes nothing
+        check_resume(out, cfg, force_config)
         check_policies(cfg)
         try:
             data = load_checked_dataset(cfg.data, quiet=cfg.quiet)
             build_checked_model(cfg.model, data)
         except ValueError as err:
             raise RunError(str(err)) from None
+        remove_stale_temps(out)
+        record_config_file(out, config_text)
+        db_path = out / "results.db"
         try:
             (out / "checkpoints").mkdir(exist_ok=True)
             db = ResultsDB(db_path)
