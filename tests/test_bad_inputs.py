@@ -377,6 +377,20 @@ CASES = [
     ("ex-metric-text", ["export", "{R}", "--to", "tensorboard"], 2, "folder",
      "UPDATE epochs SET test_acc = 'high';"),
     ("ex-json-twice-out", ["export", "{R}", "--to", "csv", "--out"], 2, "folder"),
+    # issue 36: paths that cannot be written, checked before any work; flags that mean nothing
+    ("ex-out-under-file", ["export", "{R}", "--to", "csv", "--out", "{F}/afile/x"], 2, "folder"),
+    ("ex-out-proc", ["export", "{R}", "--to", "csv", "--out", "/proc/lowprec-x"], 2, "folder"),
+    ("ex-out-proc-deep", ["export", "{R}", "--to", "csv", "--out", "/proc/x/y"], 2, "folder"),
+    ("pl-out-toml", ["plan", "--data", "digits", "--model", "mlp", "--out", "{T}/p.toml"], 2),
+    ("pl-out-empty", ["plan", "--data", "digits", "--model", "mlp", "--out", ""], 2),
+    ("pl-out-folder", ["plan", "--data", "digits", "--model", "mlp", "--out", "{T}"], 2),
+    ("pl-out-no-folder", ["plan", "--data", "digits", "--model", "mlp", "--out",
+                          "{T}/nowhere/p.json"], 2),
+    ("pl-report-folder", ["plan", "--data", "digits", "--model", "mlp", "--out", "{T}/p.json",
+                          "--report", "{T}"], 2),
+    ("cmp-executor-empty", ["compare", "--executor", "", "--out", "{T}/r"], 2),
+    ("cmp-force-no-resume", ["compare", "--force-config", "--out", "{T}/r"], 2),
+    ("tr-force-no-resume", ["train", "--force-config", "--out", "{T}/r"], 2),
     # --json takes no value; --version is no command's flag
     ("json-value", ["compare", "--json", "yes"], 2),
     ("version-after-command", ["compare", "--version"], 2),
@@ -599,7 +613,68 @@ def test_bad_input_is_one_line(case, files, tmp_path, capsys):
         assert "backup.tmp1" in err and (run / "backup.tmp1").read_text() == "mine"
 
 
+def _has_json(command: str) -> bool:
+    from lowprec.cli import build_parser
+
+    sub = build_parser().commands.get(command)
+    return sub is not None and "--json" in sub._option_string_actions
+
+
+JSON_CASES = [c for c in CASES if c[1] and _has_json(c[1][0]) and "--json" not in c[1]]
+
+
+@pytest.mark.parametrize("case", JSON_CASES, ids=[c[0] for c in JSON_CASES])
+def test_a_failing_command_prints_one_json_document(case, files, tmp_path, capsys):
+    """--json: a failing command's stdout is exactly one JSON document, {"error", "exit"},
+    with the exit code it returned and the line it printed on stderr."""
+    import json
+
+    name, argv, code = case[:3]
+    kind = case[3] if len(case) > 3 else None
+    run = None
+    if kind in ("folder", "locked", "garbage", "userfile"):
+        run = _folder(files, tmp_path, case[4] if len(case) > 4 else None)
+        if kind == "garbage":
+            (run / "results.db").write_bytes(b"SQLite format 3\x00" + b"\xff" * 3000)
+        if kind == "userfile":
+            (run / "backup.tmp1").write_text("mine")
+    argv = [a.replace("{F}", str(files)).replace("{T}", str(tmp_path)).replace(
+        "{R}", str(run)) for a in argv] + ["--json"]
+    lock = FolderLock(run) if kind == "locked" else None
+    if lock:
+        lock.acquire()
+    try:
+        got = main(argv)
+    finally:
+        if lock:
+            lock.release()
+    out, err = capsys.readouterr()
+    assert got == code
+    doc = json.loads(out)  # one document, nothing else
+    assert doc == {"error": err.strip().splitlines()[-1], "exit": code}, (doc, err)
+
+
 def test_at_least_80_cases_across_the_seven_commands():
     commands = {c[1][0] for c in CASES if c[1]}
     assert {"compare", "train", "report", "formats", "quantize", "certify", "advise"} <= commands
     assert len(CASES) >= 80
+
+
+@pytest.mark.parametrize("text", ["{bad", '{"models": 5}', '{"models": ["../x"]}', "[]",
+                                  '{"models": []}'])
+@pytest.mark.parametrize("command", [["report"], ["export", "--to", "csv"]])
+def test_a_damaged_models_json_is_one_line(files, tmp_path, capsys, text, command):
+    """report and export of a multi-model folder whose models.json is damaged: one line
+    naming the file, exit 2, the file untouched."""
+    import shutil
+
+    out = tmp_path / "several"
+    shutil.copytree(files / "good", out / "mlp")
+    (out / "models.json").write_text(text)
+    argv = [command[0], str(out), *command[1:]]
+    if command[0] == "export":
+        argv += ["--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "models.json is damaged" in err[0], err
+    assert (out / "models.json").read_text() == text

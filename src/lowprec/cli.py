@@ -108,9 +108,21 @@ class _Parser(argparse.ArgumentParser):
         origin = ""
         if self.config_origin and any(f in message for f in self.config_origin[1]):
             origin = f" (set in --config {self.config_origin[0]})"
-        print(f"{self.prog}: error: {_one_line(message)}{origin} (see {self.prog} --help)",
-              file=sys.stderr)
+        _error(self.prog, f"{message}{origin} (see {self.prog} --help)")
         raise SystemExit(2)
+
+
+#: the error lines the running command printed (the --json error document's "error")
+_errors: list[str] = []
+#: whether the running command printed its JSON document (--json: exactly one on stdout)
+_json_printed: list[bool] = [False]
+
+
+def _error(command: str, msg) -> None:
+    """One error line on stderr, ``COMMAND: error: MESSAGE``, kept for --json."""
+    line = f"{command}: error: {_one_line(msg)}"
+    _errors.append(line)
+    print(line, file=sys.stderr)
 
 
 def _user(fn, *args, **kwargs):
@@ -136,6 +148,7 @@ def _print_json(obj) -> None:
 
     out = _json_target[0] or sys.stdout
     print(json.dumps(clean(obj), indent=2, allow_nan=False), file=out, flush=True)
+    _json_printed[0] = True
 
 
 def _fmt_num(v: float) -> str:
@@ -242,7 +255,8 @@ def _executor_from(args):
     """The executor of --executor and its flags (None: the local one)."""
     from .experiments.executors import make_executor
 
-    return make_executor(getattr(args, "executor", None) or "local",
+    name = getattr(args, "executor", None)
+    return make_executor("local" if name is None else name,  # an empty name is refused
                          address=getattr(args, "ray_address", None),
                          num_cpus=getattr(args, "ray_num_cpus", None),
                          cpus_per_run=getattr(args, "cpus_per_run", None),
@@ -266,12 +280,13 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     except (RunError, DatasetNotFound, CorruptDatabase, FolderBusy) as err:
         raise UserError(str(err)) from None
     except RunIOError as err:
-        print(f"lowprec {command}: error: {_one_line(err)}; the database is intact, continue "
-              "with --resume once fixed", file=sys.stderr)
+        _error(f"lowprec {command}", f"{err}; the database is intact, continue with --resume "
+               "once fixed")
         return 1
     except KeyboardInterrupt as err:
-        print(f"interrupted: finished runs are stored in {cfg.out}; continue with --resume",
-              file=sys.stderr)
+        line = f"interrupted: finished runs are stored in {cfg.out}; continue with --resume"
+        _errors.append(line)
+        print(line, file=sys.stderr)
         return 143 if isinstance(err, _Terminated) else 130
     failed = failed_runs(Path(out), cfg)
     if as_json:
@@ -282,7 +297,9 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     elif not quiet:
         _print_summary(Path(out), console)
     for run_id, reason in failed:
-        print(f"lowprec {command}: run {run_id} failed: {_one_line(reason)}", file=sys.stderr)
+        line = f"lowprec {command}: run {run_id} failed: {_one_line(reason)}"
+        _errors.append(line)
+        print(line, file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -323,8 +340,11 @@ def cmd_report(args, console: Console) -> int:
     if several:
         try:  # a comparison over several models: every model's report, then the combined one
             write_all_reports(run_dir)
-        except (CorruptDatabase, sqlite3.DatabaseError) as err:
+        except (CorruptDatabase, sqlite3.DatabaseError, ValueError) as err:
             raise UserError(str(err)) from None
+        except RunIOError as err:
+            _error("lowprec report", err)
+            return 1
         if args.json:
             from .experiments.report import summary_json
 
@@ -347,7 +367,7 @@ def cmd_report(args, console: Console) -> int:
         raise UserError(str(err)) from None
     except sqlite3.OperationalError as err:
         if "full" in str(err) or "I/O" in str(err):
-            print(f"lowprec report: error: could not write to {run_dir}: {err}", file=sys.stderr)
+            _error("lowprec report", f"could not write to {run_dir}: {err}")
             return 1
         raise UserError(f"{run_dir / 'results.db'}: {err}; the file was left untouched"
                         ) from None
@@ -355,7 +375,7 @@ def cmd_report(args, console: Console) -> int:
         raise UserError(f"{run_dir / 'results.db'}: {err}; the file was left untouched"
                         ) from None
     except RunIOError as err:
-        print(f"lowprec report: error: {_one_line(err)}", file=sys.stderr)
+        _error("lowprec report", err)
         return 1
     return 0
 
@@ -365,10 +385,15 @@ def cmd_export(args, console: Console) -> int:
     from .experiments.export import export_run
     from .experiments.results import CorruptDatabase
 
+    from .experiments.runfolder import RunIOError
+
     try:
         result = _user(export_run, args.run_dir, args.to, args.out)
     except (RunError, CorruptDatabase) as err:
         raise UserError(str(err)) from None
+    except RunIOError as err:  # a full disk: nothing half-written is left
+        _error("lowprec export", err)
+        return 1
     if args.json:
         _print_json(dict(result))
     else:
@@ -438,6 +463,11 @@ def cmd_advise(args, console: Console) -> int:
 def cmd_plan(args, console: Console) -> int:
     from .experiments.plan import plan, plan_markdown, plan_table, summary_rows
 
+    from .training.plan import Plan
+
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path is not None:  # checked before the search, which takes minutes
+            _user(Plan.check_path, path) if flag == "--out" else _user(_check_file_path, path)
     model, data = _trained_model(args, console)
     found = _user(plan, model, data, menu=args.menu, minimise=args.minimise,
                   hardware=args.hardware, compare_with=args.compare_with,
@@ -451,7 +481,8 @@ def cmd_plan(args, console: Console) -> int:
 
             Path(args.report).write_text(plan_markdown(found))
     except OSError as err:
-        console.print(f"lowprec plan: cannot write {err.filename}: {err.strerror}")
+        _error("lowprec plan", f"could not write {err.filename or args.out}: "
+               f"{err.strerror or err}")
         return 1
     if args.json:
         _print_json(found.to_json())
@@ -473,6 +504,22 @@ def cmd_plan(args, console: Console) -> int:
                   f"{m['plan_over_fp32_run']:.1f}x one fp32 training run); use it with "
                   f"Precision(Plan.load(...)) or compare --policies plan:{args.out}")
     return 0 if m.get("accepted") else 1
+
+
+def _check_file_path(text: str):
+    """A file to be written: named, not a folder, in an existing writable folder."""
+    import os
+    from pathlib import Path
+
+    if not text.strip():
+        raise ValueError("an output file name is empty")
+    path = Path(text)
+    if path.is_dir() or text.endswith(os.sep):
+        raise ValueError(f"{_short(text)} is a folder: name a file")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"{_short(text)}: the folder {_short(str(path.parent))} does not exist "
+                         "or is not writable")
+    return path
 
 
 def parse_format_checked(spec: str):
@@ -676,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="a run folder's results as csv, parquet, TensorBoard "
                         "event files or an MLflow file store (offline)")
     ex.add_argument("run_dir", help="the folder holding results.db")
-    _offer(ex.add_argument("--to", required=True, metavar="FORMAT",
+    _offer(ex.add_argument("--to", default=None, metavar="FORMAT",
                            help="csv, parquet, tensorboard or mlflow"),
            ("csv", "parquet", "tensorboard", "mlflow"))
     ex.add_argument("--out", default=None,
@@ -725,6 +772,33 @@ _json_target: list = [None]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; with --json, a failing command too prints exactly one JSON document
+    on stdout, ``{"error": LINE, "exit": CODE}`` (its error lines also go to stderr)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _errors.clear()
+    _json_printed[0] = False
+    as_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+    try:
+        code = _main(argv)
+    except BaseException as err:  # a bug (traceback kept) or an exit from deep inside
+        if as_json and not _json_printed[0]:
+            code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
+            _json_error(_errors[-1] if _errors else f"{type(err).__name__}: {err}", code)
+        raise
+    if as_json and code != 0 and not _json_printed[0]:
+        _json_error(_errors[-1] if _errors else f"exit code {code}", code)
+    return code
+
+
+def _json_error(line: str, code: int) -> None:
+    import json
+
+    print(json.dumps({"error": str(line).strip(), "exit": int(code)}, indent=2),
+          file=_json_target[0] or sys.stdout, flush=True)
+    _json_printed[0] = True
+
+
+def _main(argv: list[str]) -> int:
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM stops like Ctrl-C
@@ -739,7 +813,6 @@ def main(argv: list[str] | None = None) -> int:
             pass
         else:
             argcomplete.autocomplete(parser)  # exits here only when the shell asks
-        argv = sys.argv[1:] if argv is None else list(argv)
         try:
             args = parser.parse_args(argv)
             if getattr(args, "config", None) is not None:
@@ -753,6 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "config_text"):
             args.config_text = None
         command = f"lowprec {args.command}"
+        _check_flags(args)
         from rich.console import Console
 
         if getattr(args, "json", False):
@@ -770,14 +844,26 @@ def main(argv: list[str] | None = None) -> int:
         console = Console() if sys.stdout.isatty() else Console(width=160)
         return _main_command(args, console)
     except UserError as err:
-        print(f"{command}: error: {_one_line(err)}", file=sys.stderr)
+        _error(command, err)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM outside a run (start-up, analysis)
+        _errors.append(f"{command}: interrupted")
         print(f"{command}: interrupted", file=sys.stderr)
         return 143 if isinstance(err, _Terminated) else 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _check_flags(args) -> None:
+    """Flags that parse but mean nothing together, and values argparse cannot refuse alone
+    (after --config's flags are applied, which may give the required ones)."""
+    if getattr(args, "force_config", False) and not getattr(args, "resume", False):
+        raise UserError("--force-config applies only with --resume (it continues a stored "
+                        "comparison with other flags); add --resume, or drop --force-config")
+    if getattr(args, "command", None) == "export" and args.to is None:
+        raise UserError("--to is required: csv, parquet, tensorboard or mlflow (on the "
+                        "command line or as to = \"csv\" in --config)")
 
 
 if __name__ == "__main__":  # pragma: no cover

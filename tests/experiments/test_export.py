@@ -132,3 +132,91 @@ def test_the_default_export_folder_stays_part_of_the_run_folder(run, capsys):
     from lowprec.experiments.runfolder import foreign_entry
 
     assert foreign_entry(run) is None  # --resume still accepts the folder
+
+
+def test_an_export_inside_the_run_folder_keeps_it_resumable(run, tmp_path, capsys):
+    """--out RUN/mine (not the default RUN/export): the folder is marked as lowprec's export,
+    so --resume does not take it for a user's folder; a folder the user made there is."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for fmt in ("csv", "mlflow"):
+        assert main(["export", str(copy), "--to", fmt, "--out", str(copy / f"mine-{fmt}")]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--out", str(copy), "--resume", "--quiet"]) == 0
+    (copy / "notes").mkdir()
+    assert main(["compare", "--out", str(copy), "--resume", "--quiet"]) == 2
+    assert "'notes'" in capsys.readouterr().err
+
+
+def test_a_read_only_run_folder_can_be_exported(run, tmp_path, capsys):
+    import os
+    import shutil
+    import stat
+
+    copy = tmp_path / "ro"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export"))
+    paths = [copy, *copy.rglob("*")]
+    try:
+        for p in paths:
+            p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        before = sorted(os.listdir(copy))
+        assert main(["export", str(copy), "--to", "csv", "--out", str(tmp_path / "csv")]) == 0
+        assert sorted(os.listdir(copy)) == before  # not even SQLite's -wal or -shm
+    finally:
+        for p in paths:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    import pandas as pd
+
+    assert len(pd.read_csv(tmp_path / "csv" / "epochs.csv")) == len(tables(run)["epochs"][1])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "tensorboard", "mlflow"])
+def test_a_full_disk_leaves_no_half_export(run, tmp_path, monkeypatch, capsys, fmt):
+    """ENOSPC after the first file (however the writer library wraps it): exit 1, one line
+    naming --out and not the temp folder, and nothing left: no --out, no temp folder."""
+    import errno
+    import builtins
+
+    from lowprec.experiments import export
+
+    real_open, calls = builtins.open, {"n": 0}
+
+    def full_after_one(file, mode="r", *a, **k):
+        if any(c in mode for c in "wa") and str(tmp_path) in str(file):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *a, **k)
+
+    real_writer = {"csv": export._to_csv, "parquet": export._to_parquet,
+                   "tensorboard": export._to_tensorboard, "mlflow": export._to_mlflow}[fmt]
+
+    def writer(db, out, run_dir):  # the writers' own file opens fail from the second one
+        monkeypatch.setattr(builtins, "open", full_after_one)
+        try:
+            files = real_writer(db, out, run_dir)
+        finally:
+            monkeypatch.setattr(builtins, "open", real_open)
+        # a writer that opens its files another way (pyarrow, TensorBoard's C++ writer...)
+        raise OSError(errno.ENOSPC, "No space left on device") if calls["n"] <= 1 else \
+            AssertionError("unreachable")
+
+    monkeypatch.setattr(export, f"_to_{fmt}", writer)
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--to", fmt, "--out", str(out), "--json"]) == 1
+    std, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0] and str(out) in lines[0]
+    assert "lowprec-tmp" not in lines[0]
+    assert json.loads(std) == {"error": lines[0], "exit": 1}
+    assert list(tmp_path.iterdir()) == []  # no --out, no temp folder
+
+
+def test_export_takes_to_from_its_config_file(run, tmp_path, capsys):
+    cfg = tmp_path / "export.toml"
+    cfg.write_text('to = "csv"\n')
+    out = tmp_path / "csv"
+    assert main(["export", str(run), "--config", str(cfg), "--out", str(out)]) == 0
+    assert (out / "runs.csv").is_file()

@@ -436,3 +436,14 @@ def test_scaler_state_does_not_grow_from_step_10_to_100():
             sizes[step] = len(buf.getvalue())
     assert sizes[10] == sizes[100], sizes
     assert len(scaler.precision.trace) == 100  # kept in memory, whole
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, [], 0.0])
+def test_enabled_takes_a_bool_only(value):
+    """enabled="no" is truthy: it would turn the scaler on. A switch is True or False."""
+    with pytest.raises(TypeError, match=r"enabled=.* is not a bool; accepted: True, False"):
+        GradScaler(enabled=value)
+    with pytest.raises(TypeError, match="is not a bool"):
+        with GradScaler().autocast(enabled=value):
+            pass
+    assert GradScaler(enabled=False).is_enabled() is False

@@ -31,6 +31,7 @@ folder into ``DIR/MODEL``.
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import sqlite3
@@ -39,9 +40,10 @@ from pathlib import Path
 
 from .config import RunError
 from .results import ResultsDB
-from .runfolder import EXPORT_FOLDER, MODELS_FILE
+from .runfolder import (EXPORT_FOLDER, EXPORT_MARK, MODELS_FILE, io_error, read_models_list,
+                        temp_path)
 
-__all__ = ["export_run", "EXPORT_FORMATS", "EXPORT_TABLES", "ExportResult"]
+__all__ = ["export_run", "EXPORT_FORMATS", "EXPORT_TABLES", "ExportResult", "EXPORT_MARK"]
 
 EXPORT_FORMATS = ("csv", "parquet", "tensorboard", "mlflow")
 #: the tables of results.db, in the order written, each with the columns it is sorted by
@@ -86,29 +88,90 @@ def export_run(run_dir: str | Path, to: str, out: str | Path | None = None) -> E
     if _EXTRA[to]:
         _needs(_EXTRA[to], to)
     if several:
-        models = json.loads((run_dir / MODELS_FILE).read_text())["models"]
+        models = read_models_list(run_dir)
         result = ExportResult(format=to, out=str(out), runs=0, files=[])
-        for model in models:
-            if (run_dir / model / "results.db").is_file():
-                sub = export_run(run_dir / model, to, out / model)
-                result["runs"] += sub["runs"]
-                result["files"] += sub["files"]
+        with _written_whole(out, in_place=to == "mlflow") as tmp:
+            for model in models:
+                if (run_dir / model / "results.db").is_file():
+                    sub = _export_one(run_dir / model, to, tmp / model)
+                    result["runs"] += sub[0]
+                    result["files"] += [f"{model}/{f}" for f in sub[1]]
+        result["files"].sort()
         return result
-    db = ResultsDB(db_path, create=False)  # checked (and an older schema upgraded) first
+    with _written_whole(out, in_place=to == "mlflow") as tmp:
+        runs, files = _export_one(run_dir, to, tmp)
+    return ExportResult(format=to, out=str(out), runs=runs, files=files)
+
+
+def _export_one(run_dir: Path, to: str, out: Path) -> tuple[int, list[str]]:
+    """(runs, files relative to ``out``) of one run folder's export into the new ``out``.
+    The database is read without a write (a read-only run folder can be exported)."""
+    db = ResultsDB(run_dir / "results.db", create=False, readonly=True)
     try:
         out.mkdir(parents=True, exist_ok=True)
         writer = {"csv": _to_csv, "parquet": _to_parquet, "tensorboard": _to_tensorboard,
                   "mlflow": _to_mlflow}[to]
         runs = len(db.runs())
-        try:
-            files = writer(db, out, run_dir)
-        except OSError as err:
-            raise RunError(f"could not write the export to {str(out)[:200]}: "
-                           f"{err.strerror or err}") from None
+        files = writer(db, out, run_dir)
     finally:
         db.close()
-    return ExportResult(format=to, out=str(out), runs=runs,
-                        files=sorted(str(Path(f).relative_to(out)) for f in files))
+    return runs, sorted(str(Path(f).relative_to(out)) for f in files)
+
+
+@contextmanager
+def _written_whole(out: Path, in_place: bool = False):
+    """Yield a hidden temp folder beside ``out``; on success it is renamed to ``out`` (a new
+    or empty folder, replaced at once), on any failure removed: no half export is left. A
+    failed write (a full disk...) is a RunIOError naming ``out``, never the temp folder.
+    ``in_place`` (an MLflow store, which records its absolute path): ``out`` itself, emptied
+    again on a failure."""
+    import shutil
+
+    tmp = out if in_place else temp_path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunError(f"--out {str(out)[:200]}: cannot create its folder "
+                       f"({err.strerror or err})") from None
+    existed = out.is_dir()
+    try:
+        yield tmp
+        (tmp / EXPORT_MARK).write_text("lowprec export\n")
+        if not in_place:
+            if out.is_dir():
+                out.rmdir()  # empty (checked): the rename takes its place
+            os.replace(tmp, out)
+    except BaseException as err:
+        if in_place and existed:
+            for child in list(out.iterdir()) if out.is_dir() else []:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() \
+                    else child.unlink()
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error_in(err)
+        if cause is not None and cause.errno not in _DISK_ERRNOS:  # the path, not the disk
+            raise RunError(f"--out {str(out)[:200]}: cannot write there "
+                           f"({cause.strerror or cause})") from None
+        if cause is not None:
+            raise io_error(out, "the export", cause) from None
+        raise
+
+
+#: the errors of a disk (exit code 1), not of the path a user named (2)
+_DISK_ERRNOS = (None, errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG)
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The OSError behind ``err`` (a writer library wraps a full disk in its own exception:
+    MLflow's MlflowException, torch's RuntimeError), or None."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, OSError):
+            return err
+        if isinstance(err, RuntimeError) and "write" in str(err).lower():
+            return OSError(str(err))
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def _check_out(out: Path) -> None:

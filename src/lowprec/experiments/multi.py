@@ -23,7 +23,8 @@ from .report import write_report
 from .results import ResultsDB
 from .run_analyses import certificate_formats
 from .runner import check_resume, record_config_file, refuse_foreign, run_model
-from .runfolder import MODELS_FILE, FolderLock, atomic_write_bytes, remove_stale_temps
+from .runfolder import (MODELS_FILE, FolderLock, atomic_write_bytes, read_models_list,
+                        remove_stale_temps)
 from .summary import BASELINE, acc_cell, summarize, time_cell
 
 __all__ = ["run_models", "write_models_report", "write_all_reports", "model_tables"]
@@ -91,7 +92,7 @@ def _certified(db: ResultsDB) -> dict[str, tuple[str, float]]:
 def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]], str]]:
     """(model, columns, rows, config line) per model of a multi-model run folder."""
     out = Path(out)
-    models = json.loads((out / MODELS_FILE).read_text())["models"]
+    models = read_models_list(out)
     cols = ["policy", "test acc % (mean ± std)", f"Δ vs {BASELINE} (pts)",
             "certified % (format)", f"time vs {BASELINE}", f"memory vs {BASELINE}", "s/epoch",
             "diverged", "failed"]

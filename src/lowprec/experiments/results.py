@@ -213,14 +213,20 @@ def is_blank(path: Path) -> bool:
 
 
 class ResultsDB:
-    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+    def __init__(self, path: str | Path, *, create: bool = True, readonly: bool = False) -> None:
+        """Open (``create``: or create) the results database at ``path``. ``readonly``: a copy
+        in memory, read without writing anything to the run folder (a read-only folder can be
+        exported; an older schema is upgraded in the copy only)."""
         self.path = Path(path)
-        if not create and not self.path.exists():
+        if (not create or readonly) and not self.path.exists():
             raise FileNotFoundError(f"no results database at {self.path}")
         try:
-            if create and (not self.path.exists() or is_blank(self.path)):
-                _create_schema(self.path)
-            self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+            if readonly:
+                self.conn = self._memory_copy()
+            else:
+                if create and (not self.path.exists() or is_blank(self.path)):
+                    _create_schema(self.path)
+                self.conn = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
             ok = self.conn.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
@@ -251,6 +257,15 @@ class ResultsDB:
         except CorruptDatabase:
             self._close_quietly()
             raise
+
+    def _memory_copy(self) -> sqlite3.Connection:
+        source = _connect_read_only(self.path)
+        try:
+            conn = sqlite3.connect(":memory:", isolation_level=None)
+            source.backup(conn)
+        finally:
+            source.close()
+        return conn
 
     def _close_quietly(self) -> None:
         conn = getattr(self, "conn", None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 from pathlib import Path
@@ -29,7 +30,7 @@ from pathlib import Path
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
            "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
-           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE"]
+           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE", "EXPORT_MARK", "read_models_list"]
 
 LOCK_NAME = ".lock"
 #: written by the Ray driver for its tasks to prove they see the run folder
@@ -47,6 +48,9 @@ EXPORT_FOLDER = "export"
 CONFIG_FILE = "run.toml"
 #: the list of models of a comparison over several architectures (lowprec.experiments.multi)
 MODELS_FILE = "models.json"
+#: the file that marks a folder as an export of lowprec's: one written inside a run folder
+#: (``lowprec export RUN --out RUN/mine``) is lowprec's own output, not a user's folder
+EXPORT_MARK = ".lowprec-export"
 #: the name of the file written (and removed) to check that a new run folder is writable
 WRITE_PROBE = "write-test"
 #: the files of a comparison over several models (each model's run folder is a sub-folder)
@@ -229,7 +233,7 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
             continue
         if e.is_symlink():
             return name
-        if name == EXPORT_FOLDER and e.is_dir():
+        if e.is_dir() and (name == EXPORT_FOLDER or os.path.isfile(Path(e.path) / EXPORT_MARK)):
             continue
         if models:
             if name in MODELS_FOLDER_FILES and e.is_file():
@@ -255,3 +259,22 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
             continue
         return name
     return None
+
+
+def read_models_list(folder: Path) -> list[str]:
+    """The models of a comparison over several models, from ``FOLDER/models.json``;
+    ValueError naming the file when it is damaged (it is left as it is)."""
+    path = Path(folder) / MODELS_FILE
+    try:
+        models = json.loads(path.read_text())["models"]
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{path} is damaged ({type(err).__name__}: {err}); expected "
+                         '{"models": ["NAME", ...]}; the file was left untouched') from None
+    if not isinstance(models, list) or not models or \
+            not all(isinstance(m, str) and m and "/" not in m and m not in (".", "..")
+                    for m in models):
+        raise ValueError(f"{path} is damaged: models={str(models)[:100]!r} is not a list of "
+                         "model names; the file was left untouched")
+    return models

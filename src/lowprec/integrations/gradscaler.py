@@ -97,6 +97,14 @@ def _as_device(value) -> torch.device | None:
     return None
 
 
+
+def _flag(name: str, value) -> bool:
+    """A switch given as a bool (or numpy's): ``enabled="no"`` is truthy and would turn the
+    scaler on, so anything else is refused, naming the value."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{name}={value!r} is not a bool; accepted: True, False")
+
 class GradScaler:
     """See the module docstring. torch.amp.GradScaler's signature, same defaults and checks
     (growth > 1, backoff in (0, 1), a positive int interval, a positive finite init):
@@ -169,7 +177,7 @@ class GradScaler:
         else:
             raise TypeError(f"GradScaler's policy is a policy name, spec, Policy or Precision, "
                             f"got {type(policy).__name__}")
-        self._enabled = bool(enabled)
+        self._enabled = _flag("enabled", enabled)
         self._stage: dict[int, str] = {}
         self._found: dict[int, bool] = {}
         self._warned_not_set_up = False
@@ -210,7 +218,7 @@ class GradScaler:
         the policy's compute format (the policy says the format, not this call);
         ``enabled=False`` is a no-op context; ``cache_enabled`` is ignored."""
         prec = self.precision
-        if not enabled:
+        if not _flag("enabled", enabled):
             return nullcontext()
         if device_type is not None:
             if not isinstance(device_type, str):

@@ -93,12 +93,32 @@ class Plan:
                    evidence=d.get("evidence") or {}, verification=d.get("verification") or {},
                    log=tuple(d.get("log") or ()), meta=d.get("meta") or {})
 
+    @staticmethod
+    def check_path(path: str | os.PathLike) -> Path:
+        """The path a plan can be saved to, checked before any work is spent on the plan:
+        a file name (not empty, not a folder), not ``.toml`` (plans are written as JSON), in
+        an existing folder. ValueError in one line."""
+        text = os.fspath(path)
+        if not str(text).strip():
+            raise ValueError("--out is empty: name the plan file (plan.json)")
+        path = Path(text)
+        if path.suffix.lower() == ".toml":
+            raise ValueError(f"{str(path)[:200]}: plans are written as JSON (.json); TOML "
+                             "plans are read only")
+        if path.is_dir() or text.endswith(os.sep):
+            raise ValueError(f"{str(path)[:200]} is a folder: name the plan file "
+                             "(FOLDER/plan.json)")
+        parent = path.parent
+        if not parent.is_dir():
+            raise ValueError(f"{str(path)[:200]}: the folder {str(parent)[:200]} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ValueError(f"{str(path)[:200]}: the folder {str(parent)[:200]} is not "
+                             "writable")
+        return path
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan as JSON through a temporary file and a rename; returns the path."""
-        path = Path(path)
-        if path.suffix.lower() == ".toml":
-            raise ValueError(f"{path}: plans are written as JSON (.json); TOML plans are read "
-                             "only")
+        path = self.check_path(path)
         text = json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n"
         tmp = path.with_name(f".{path.name}.lowprec-tmp{os.getpid()}")
         try:
