@@ -220,3 +220,33 @@ def test_export_takes_to_from_its_config_file(run, tmp_path, capsys):
     out = tmp_path / "csv"
     assert main(["export", str(run), "--config", str(cfg), "--out", str(out)]) == 0
     assert (out / "runs.csv").is_file()
+
+
+def test_report_on_a_full_disk_is_one_line_and_leaves_no_half_file(run, tmp_path,
+                                                                    monkeypatch, capsys):
+    """The disk fills while report.html is written (report.md and the figures made it): exit
+    1, one line naming the file, the JSON error document, every file whole (the old
+    report.html kept), no temp file."""
+    import errno
+    import shutil
+
+    from lowprec.experiments import runfolder
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    old_html = (copy / "report.html").read_bytes()
+    real_replace = runfolder.os.replace
+
+    def full(src, dst):
+        if str(dst).endswith("report.html"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(runfolder.os, "replace", full)
+    assert main(["report", str(copy), "--json"]) == 1
+    std, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "report.html" in lines[0] and "No space left" in lines[0]
+    assert json.loads(std) == {"error": lines[0], "exit": 1}
+    assert (copy / "report.html").read_bytes() == old_html
+    assert not list(copy.rglob("*lowprec-tmp*"))
