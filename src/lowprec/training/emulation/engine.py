@@ -1063,6 +1063,9 @@ class Emulation:
             out = recurrent_kernels.replay(self, rule, key, call)  # op by op, as ATen's CPU RNN
         elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
             out = kernels.layer_norm(self, rule, key, *args)
+        elif name == "scaled_dot_product_attention" and self.match_cpu_kernels and \
+                (dt := native_gemm.attention_dtype(rule, args, kwargs)) is not None:
+            out = native_gemm.native_gemm(func, dt)(*args, **kwargs)  # the kernel itself
         elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):
             qkv, kw = kernels.sdpa_arguments(args, kwargs)
             if kernels.flash_possible(args, kwargs):

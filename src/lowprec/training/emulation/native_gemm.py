@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 
 from ...numerics.rounding import Rounding
+from .dtypes import format_dtype
 
-__all__ = ["GEMM_OPS", "applies", "native_gemm"]
+__all__ = ["GEMM_OPS", "applies", "attention_dtype", "native_gemm"]
 
 # the torch API calls that end in aten's CPU 16-bit GEMM (matmul folds to mm/bmm)
 GEMM_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "mv", "addmv",
@@ -56,6 +57,20 @@ def native_gemm(func, dtype: torch.dtype):
         return out.float() if _floating(out) else out
 
     return run
+
+
+def attention_dtype(rule, args, kwargs):
+    """The dtype whose CPU kernel runs this ``scaled_dot_product_attention`` call, forward and
+    backward, under ``match_cpu_kernels`` (as for the products, :func:`applies`), or None. Not
+    with dropout: the engine draws its masks itself. The replay of the flash kernel
+    (``kernels.attention``) has the kernel's forward bits, but its backward sums in fp32 in
+    other orders (one unit on a few gradients, which GPT-2's depth spreads); the kernel has
+    its own, on every path it dispatches to (flash, math) and vector width."""
+    fmt_dtype = format_dtype(rule.compute)
+    dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    if dropout or not applies(rule, args, kwargs, fmt_dtype):
+        return None
+    return fmt_dtype
 
 
 def _nearest(spec) -> bool:
