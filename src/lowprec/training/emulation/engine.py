@@ -1058,6 +1058,9 @@ class Emulation:
             if self._tied and _pid(args[0]) in self._tied and _marked(args[0], fmt):
                 args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
             out = kernels.embedding(self, rule, *args, **kwargs)
+        elif name in recurrent_kernels.RNN_OPS and self.match_cpu_kernels and \
+                (dt := native_gemm.recurrent_dtype(rule, args, kwargs)) is not None:
+            out = native_gemm.native_nested(func, dt)(*args)  # the CPU's own 16-bit layer
         elif name in recurrent_kernels.RNN_OPS and \
                 (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
             out = recurrent_kernels.replay(self, rule, key, call)  # op by op, as ATen's CPU RNN
@@ -1073,6 +1076,9 @@ class Emulation:
                                                  qkv, name)
             else:
                 out = kernels.attention_math(*qkv, **kw)
+        elif name in native_gemm.ELEMENTWISE_OPS and self.match_cpu_kernels and \
+                (dt := native_gemm.elementwise_dtype(rule, args, kwargs)) is not None:
+            out = native_gemm.native_gemm(func, dt)(*args, **kwargs)
         elif name in backward_kernels.REPLAYED and kernels.plain_formats(rule) and \
                 (opts := backward_kernels.replayable(name, args, kwargs)) is not False:
             # differentiated from its rounded output, in 16-bit arithmetic, as the native
@@ -1189,6 +1195,9 @@ class Emulation:
             return func
         if name == "conv2d":
             return summation.conv2d
+        if name in native_gemm.INDEX_OPS and rule is not None:
+            dt = native_gemm.index_dtype(name, rule, args, kwargs or {})
+            return func if dt is None else native_gemm.native_gemm(func, dt)
         if name in native_gemm.GEMM_OPS and rule is not None:
             dt = format_dtype(rule.compute)
             if native_gemm.applies(rule, args, kwargs or {}, dt):
