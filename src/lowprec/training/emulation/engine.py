@@ -18,9 +18,11 @@ own ``forward``, in a container's ``forward`` or in a plain function. For each c
   inputs are in it (autocast's dtype propagation), fp32 otherwise.
 
 With ``match_cpu_kernels=True``, convolutions sum in the order of torch's reference CPU 16-bit
-kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, and matrix products
-run on this CPU's 16-bit GEMM (:mod:`.native_gemm`), which makes an emulated run's forward
-bit-exact with ``model.half()`` on CPUs where those kernels run (no AVX512-FP16).
+kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, and matrix products,
+layer norm, attention without dropout, recurrent layers, gelu/erf/sqrt and selections by an
+index tensor run on this CPU's own 16-bit kernels (:mod:`.native_gemm`), which makes an
+emulated run's forward bit-exact with ``model.half()`` on CPUs where the reference
+convolution runs (no AVX512-FP16), and its gradients too but through 2-D convolutions.
 
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
 twice; so do gradients (``_lowprec_grad_grid``, with their version): the gradient one consumer
