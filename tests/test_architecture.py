@@ -3,7 +3,8 @@
 numerics (0) -> training and integrations (1) -> analysis (2) -> experiments (3) -> cli (4). A
 module may import from its own layer or a lower one, never a higher one; and no module imports a name that
 another module keeps private (a leading underscore). ``lowprec/__init__.py`` is the facade that
-re-exports the public API, so it may import from every layer.
+re-exports the public API, so it may import from every layer (and so may ``lowprec/optim.py``,
+the optimizers' public module).
 
 Inside a layer, imports form no circle: module A importing B (at the top or inside a function:
 a lazy import only hides a circle) while B imports A, directly or through others, is refused
@@ -176,6 +177,24 @@ def test_public_api_is_importable_from_the_top():
         assert hasattr(lowprec, name), name
     assert callable(lowprec.analysis.certify)
     assert lowprec.optim.SGD.__module__.startswith("lowprec.training.optim")
+
+
+def test_optim_is_a_module_users_can_import_from():
+    """``from lowprec.optim import Adam`` (the README's spelling) works in a fresh interpreter,
+    with the very classes of ``lowprec.training.optim`` and the same ``__all__``."""
+    import subprocess
+    import sys
+
+    code = ("from lowprec.optim import Adam, AdamW, SGD, FormatOptimizer\n"
+            "import lowprec, lowprec.optim, lowprec.training.optim as t\n"
+            "assert lowprec.optim.__name__ == 'lowprec.optim'\n"
+            "assert (Adam, AdamW, SGD, FormatOptimizer) == (t.Adam, t.AdamW, t.SGD, "
+            "t.FormatOptimizer)\n"
+            "assert sorted(lowprec.optim.__all__) == sorted(t.__all__)\n"
+            "assert all(getattr(lowprec.optim, n) is getattr(t, n) for n in t.__all__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT.parent)})
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 REGIME_MODULES = {"binary", "dynamic_fixed", "scaled"}

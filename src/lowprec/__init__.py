@@ -25,7 +25,7 @@ from .training.precision import Precision
 from .training.plan import Plan
 from .numerics.quantize import quantize, quantize_
 from .numerics.rounding import Rounding, RoundingSpec, parse_rounding
-from .training import optim
+from . import optim  # lowprec/optim.py: the optimizers' public module
 from .training.regimes import binary, dynamic_fixed
 from . import analysis
 from .analysis.scaling import find_loss_scale

@@ -17,9 +17,13 @@ device has fast kernels for the dtype (tensor cores on CUDA; AVX512-BF16 or AMX 
 CPU, AVX512-FP16 or AMX-FP16 for fp16: :mod:`lowprec.training.hardware`) and emulation
 otherwise, and says which once per process and policy (``prec.backend_choice`` holds it).
 ``match_cpu_kernels=True`` makes emulated 2-D convolutions sum in the order of that reference
-kernel (:mod:`lowprec.numerics.summation`) and matrix products run on this CPU's own 16-bit
-GEMM (:mod:`lowprec.training.emulation.native_gemm`): forwards are then bit-exact with
-``model.half()`` on CPUs where those kernels run (benchmarks/summation.py gives the cost).
+kernel (:mod:`lowprec.numerics.summation`) and matrix products, layer norm, attention without
+dropout, recurrent layers, gelu/erf/sqrt and selections by an index tensor run on this CPU's
+own 16-bit kernels (:mod:`lowprec.training.emulation.native_gemm`), for pure fp16/bf16 policies
+rounded to nearest on CPU tensors: forwards are then bit-exact with ``model.half()`` /
+``model.bfloat16()``, and gradients too except through 2-D convolutions, whose backward is
+the engine's (tests/training/test_match_cpu_kernels.py: GPT-2 at width 768, LSTM/GRU, Swin;
+benchmarks/summation.py gives the cost).
 ``compile=True`` runs an emulated model's forward and backward compiled by Inductor, with
 every rounding of the engine in the graph and the eager engine's bits
 (:mod:`lowprec.training.emulation.compiled`; eager, with one warning line naming why, where it
@@ -107,7 +111,8 @@ class Precision:
             policy, overrides = policy.policy, dict(policy.overrides)
         self.policy = parse_policy(policy)
         # emulated backend: conv2d summed in the order of torch's reference CPU 16-bit kernel
-        # (lowprec.numerics.summation); its forward is bit-exact where that kernel runs
+        # (lowprec.numerics.summation), products, layer norm, attention, RNNs... on this CPU's
+        # own 16-bit kernels (emulation.native_gemm); see the module docstring
         self.match_cpu_kernels = bool(match_cpu_kernels)
         # emulated backend: the model's forward and backward compiled by Inductor with every
         # rounding of the engine in the graph (lowprec.training.emulation.compiled)

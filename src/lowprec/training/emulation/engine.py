@@ -18,9 +18,11 @@ own ``forward``, in a container's ``forward`` or in a plain function. For each c
   inputs are in it (autocast's dtype propagation), fp32 otherwise.
 
 With ``match_cpu_kernels=True``, convolutions sum in the order of torch's reference CPU 16-bit
-kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, and matrix products
-run on this CPU's 16-bit GEMM (:mod:`.native_gemm`), which makes an emulated run's forward
-bit-exact with ``model.half()`` on CPUs where those kernels run (no AVX512-FP16).
+kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, and matrix products,
+layer norm, attention without dropout, recurrent layers, gelu/erf/sqrt and selections by an
+index tensor run on this CPU's own 16-bit kernels (:mod:`.native_gemm`), which makes an
+emulated run's forward bit-exact with ``model.half()`` on CPUs where the reference
+convolution runs (no AVX512-FP16), and its gradients too but through 2-D convolutions.
 
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
 twice; so do gradients (``_lowprec_grad_grid``, with their version): the gradient one consumer
@@ -1058,11 +1060,17 @@ class Emulation:
             if self._tied and _pid(args[0]) in self._tied and _marked(args[0], fmt):
                 args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
             out = kernels.embedding(self, rule, *args, **kwargs)
+        elif name in recurrent_kernels.RNN_OPS and self.match_cpu_kernels and \
+                (dt := native_gemm.recurrent_dtype(rule, args, kwargs)) is not None:
+            out = native_gemm.native_nested(func, dt)(*args)  # the CPU's own 16-bit layer
         elif name in recurrent_kernels.RNN_OPS and \
                 (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
             out = recurrent_kernels.replay(self, rule, key, call)  # op by op, as ATen's CPU RNN
         elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
             out = kernels.layer_norm(self, rule, key, *args)
+        elif name == "scaled_dot_product_attention" and self.match_cpu_kernels and \
+                (dt := native_gemm.attention_dtype(rule, args, kwargs)) is not None:
+            out = native_gemm.native_gemm(func, dt)(*args, **kwargs)  # the kernel itself
         elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):
             qkv, kw = kernels.sdpa_arguments(args, kwargs)
             if kernels.flash_possible(args, kwargs):
@@ -1070,6 +1078,9 @@ class Emulation:
                                                  qkv, name)
             else:
                 out = kernels.attention_math(*qkv, **kw)
+        elif name in native_gemm.ELEMENTWISE_OPS and self.match_cpu_kernels and \
+                (dt := native_gemm.elementwise_dtype(rule, args, kwargs)) is not None:
+            out = native_gemm.native_gemm(func, dt)(*args, **kwargs)
         elif name in backward_kernels.REPLAYED and kernels.plain_formats(rule) and \
                 (opts := backward_kernels.replayable(name, args, kwargs)) is not False:
             # differentiated from its rounded output, in 16-bit arithmetic, as the native
@@ -1186,6 +1197,9 @@ class Emulation:
             return func
         if name == "conv2d":
             return summation.conv2d
+        if name in native_gemm.INDEX_OPS and rule is not None:
+            dt = native_gemm.index_dtype(name, rule, args, kwargs or {})
+            return func if dt is None else native_gemm.native_gemm(func, dt)
         if name in native_gemm.GEMM_OPS and rule is not None:
             dt = format_dtype(rule.compute)
             if native_gemm.applies(rule, args, kwargs or {}, dt):

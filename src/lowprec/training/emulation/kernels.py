@@ -17,7 +17,7 @@ from ...numerics.formats import BF16, BlockFormat
 from ...numerics.quantize import quantize
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
-from .gradmarks import rounded_grad
+from .gradmarks import note_rounded, rounded_grad
 
 __all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "plain_formats",
            "uses_batch_stats", "plain_attention", "label_kernel_nodes",
@@ -538,10 +538,63 @@ class _LayerNorm(torch.autograd.Function):
         return dx, dw, dbias, None, None, None, None, None
 
 
+class _NativeLayerNorm(torch.autograd.Function):
+    """``match_cpu_kernels=True``: layer norm run by torch's own CPU 16-bit kernel, forward and
+    backward, on 16-bit copies of operands already on the 16-bit grid (exact casts).
+
+    The fp32 template (:class:`_LayerNorm`) rounds to the 16-bit kernel's output on all but a
+    few elements: the 16-bit kernel's ``RowwiseMoments`` loads 16-bit vectors (32 lanes with
+    AVX-512, 16 with AVX2) into two fp32 registers each, so its Welford cascade combines other
+    partial moments than the fp32 kernel's, and its mean and rstd differ in the last fp32 bit
+    now and then (fp16, width 768: 3 of 49,152 outputs one unit off; width 32: 0-1 of 4096).
+    Its backward's dX sums ds and db in its own order too. Calling the kernel is its order on
+    every CPU, whatever the vector width."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps, dtype, fmt):
+        x16, w16, b16 = (None if t is None else t.to(dtype) for t in (x, weight, bias))
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x16, list(shape), w16, b16, eps)
+        ctx.save_for_backward(x16, w16, b16, mean, rstd)
+        ctx.shape, ctx.dtype, ctx.fmt = list(shape), dtype, fmt
+        return y.float()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x16, w16, b16, mean, rstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], w16 is not None and ctx.needs_input_grad[1],
+                b16 is not None and ctx.needs_input_grad[2]]
+        grads = torch.ops.aten.native_layer_norm_backward(
+            dy.to(ctx.dtype), x16, ctx.shape, mean, rstd, w16, b16, mask)
+        dx, dw, db = (g.float() if g is not None and want else None
+                      for g, want in zip(grads, mask))
+        if dx is not None:
+            note_rounded(dx, ctx.fmt)  # the kernel's 16-bit dX: on the gradient grid
+        return dx, dw, db, None, None, None, None
+
+
+def native_layer_norm_dtype(engine, rule, x, weight, bias):
+    """The torch dtype whose CPU kernel ``match_cpu_kernels`` runs layer norm on, or None: a
+    pure 16-bit rule rounded to nearest (parameters, compute and gradients one float16 or
+    bfloat16 format: what ``model.half()`` / ``model.bfloat16()`` runs), fp32 CPU tensors."""
+    dtype = NATIVE_DTYPES.get(rule.compute)
+    if not engine.match_cpu_kernels or dtype is None or \
+            not rule.params == rule.grads == rule.compute:
+        return None
+    tensors = [t for t in (x, weight, bias) if t is not None]
+    if not all(torch.is_tensor(t) and t.device.type == "cpu" and t.dtype == torch.float32
+               for t in tensors):
+        return None
+    return dtype
+
+
 def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-5,
                cudnn_enable=True):
-    """Layer norm with the CPU 16-bit kernel's backward (:class:`_LayerNorm`)."""
+    """Layer norm with the CPU 16-bit kernel's backward (:class:`_LayerNorm`); with
+    ``match_cpu_kernels`` on a pure 16-bit rule, the kernel itself (:class:`_NativeLayerNorm`)."""
 
+    if (native := native_layer_norm_dtype(engine, rule, x, weight, bias)) is not None:
+        return _NativeLayerNorm.apply(x, weight, bias, tuple(shape), eps, native, rule.grads)
     dtype = NATIVE_DTYPES.get(rule.compute)
     if dtype is not None:  # torch's cast rounds to nearest even, as quantize does: faster
         def act(t):

@@ -32,8 +32,10 @@ from __future__ import annotations
 import torch
 
 from ...numerics.rounding import Rounding
+from .dtypes import format_dtype
 
-__all__ = ["GEMM_OPS", "applies", "native_gemm"]
+__all__ = ["ELEMENTWISE_OPS", "elementwise_dtype", "GEMM_OPS", "INDEX_OPS", "index_dtype", "applies", "attention_dtype", "cpu_fp32", "native_gemm", "native_nested",
+           "recurrent_dtype", "rule_applies"]
 
 # the torch API calls that end in aten's CPU 16-bit GEMM (matmul folds to mm/bmm)
 GEMM_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "mv", "addmv",
@@ -58,22 +60,117 @@ def native_gemm(func, dtype: torch.dtype):
     return run
 
 
+def _nested(t, f):
+    if isinstance(t, (list, tuple)):
+        return type(t)(_nested(a, f) for a in t)
+    return f(t)
+
+
+def native_nested(func, dtype: torch.dtype):
+    """``native_gemm`` through lists and tuples of tensors (a recurrent op's hidden state and
+    flat weights), its outputs back in fp32."""
+
+    def to16(t):
+        return t.to(dtype) if _floating(t) and t.dtype == torch.float32 else t
+
+    def to32(t):
+        return t.float() if _floating(t) else t
+
+    def run(*args):
+        return _nested(func(*_nested(args, to16)), to32)
+
+    return run
+
+
+def recurrent_dtype(rule, args, kwargs):
+    """The dtype whose CPU kernel runs a whole ``torch.lstm``/``gru``/``rnn_*`` call under
+    ``match_cpu_kernels`` (autograd through it, dropout's draws from torch's generator as
+    ``model.half()`` draws them), or None. The op-by-op replay (``recurrent_kernels``) has the
+    composite's bits where its fp32 products round as the 16-bit GEMM does (fp16: one unit off
+    at times from hidden 128 on), and a bf16 LSTM goes to oneDNN where torch's CPU has
+    AVX512-BF16 or AMX (other roundings altogether); the op itself is right on each."""
+    fmt_dtype = format_dtype(rule.compute)
+    flat = []
+    _nested(list(args), lambda t: flat.append(t) if _floating(t) else None)
+    if kwargs or not rule_applies(rule, fmt_dtype) or not cpu_fp32(flat, {}):
+        return None
+    return fmt_dtype
+
+
+# selections whose backward accumulates into the 16-bit gradient one addition at a time
+# (index_put_ with accumulate, index_add_, scatter_add_ on a 16-bit tensor round each sum)
+INDEX_OPS = frozenset({"__getitem__", "index_select", "gather"})
+
+
+def index_dtype(name, rule, args, kwargs):
+    """The dtype whose kernels run a selection by an index tensor under ``match_cpu_kernels``
+    (Swin's relative position bias ``table[index]``), or None. Its forward is a copy either
+    way; its backward is the 16-bit run's accumulation, where the engine's autograd sums a
+    row's gradients in fp32 and rounds once (fp16, Swin: 41 of 2,900 table gradients apart)."""
+    if not args or not _floating(args[0]) or not args[0].requires_grad or \
+            not torch.is_grad_enabled():
+        return None
+    if name == "__getitem__":
+        idx = args[1] if len(args) > 1 else None
+        parts = idx if isinstance(idx, (tuple, list)) else (idx,)
+        if not any(torch.is_tensor(p) and not p.is_floating_point() for p in parts):
+            return None  # basic indexing: a view, gradients added in place
+    fmt_dtype = format_dtype(rule.compute)
+    if not applies(rule, args[:1], {}, fmt_dtype):
+        return None
+    return fmt_dtype
+
+
+# elementwise ops whose vectorised 16-bit kernels are not the fp32 result rounded once: gelu
+# (erf), erf and sqrt now and then by one unit on some elements (fp16 GELU in Swin: 2 of
+# 12,288 inputs of a block's fc2); under match_cpu_kernels the kernel runs them
+ELEMENTWISE_OPS = frozenset({"gelu", "erf", "sqrt"})
+
+
+def elementwise_dtype(rule, args, kwargs):
+    """The dtype whose CPU kernel runs an ``ELEMENTWISE_OPS`` call (forward and backward), or
+    None (as :func:`applies`)."""
+    fmt_dtype = format_dtype(rule.compute)
+    return fmt_dtype if applies(rule, args, kwargs, fmt_dtype) else None
+
+
+def attention_dtype(rule, args, kwargs):
+    """The dtype whose CPU kernel runs this ``scaled_dot_product_attention`` call, forward and
+    backward, under ``match_cpu_kernels`` (as for the products, :func:`applies`), or None. Not
+    with dropout: the engine draws its masks itself. The replay of the flash kernel
+    (``kernels.attention``) has the kernel's forward bits, but its backward sums in fp32 in
+    other orders (one unit on a few gradients, which GPT-2's depth spreads); the kernel has
+    its own, on every path it dispatches to (flash, math) and vector width."""
+    fmt_dtype = format_dtype(rule.compute)
+    dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    if dropout or not applies(rule, args, kwargs, fmt_dtype):
+        return None
+    return fmt_dtype
+
+
 def _nearest(spec) -> bool:
     return getattr(spec, "mode", spec) == Rounding.NEAREST_EVEN
 
 
-def applies(rule, args, kwargs, fmt_dtype) -> bool:
-    """Whether ``native_gemm`` gives this op's emulated result exactly, under a pure or a mixed
-    policy alike (see the module docstring)."""
+def rule_applies(rule, fmt_dtype) -> bool:
+    """Whether the rule's arithmetic is a 16-bit kernel's: a torch dtype, rounded to nearest,
+    gradients in the compute format."""
     if fmt_dtype is None or not _nearest(rule.rounding):
         return False
     # the kernel's backward holds gradients in the 16-bit dtype, rounded to nearest: right only
     # where the policy's gradients are the compute format (mixed policies included: under
     # p=fp32,c=fp16,g=fp32 the engine's product gradients stay fp32 and must not overflow)
-    if rule.grads != rule.compute or not _nearest(rule.grad_rounding):
-        return False
-    if "out" in kwargs:
-        return False
+    return rule.grads == rule.compute and _nearest(rule.grad_rounding)
+
+
+def cpu_fp32(args, kwargs) -> bool:
+    """Floating operands, all fp32 carriers on the CPU."""
     tensors = [t for t in list(args) + list(kwargs.values()) if _floating(t)]
     return bool(tensors) and all(t.device.type == "cpu" and t.dtype == torch.float32
                                  for t in tensors)
+
+
+def applies(rule, args, kwargs, fmt_dtype) -> bool:
+    """Whether ``native_gemm`` gives this op's emulated result exactly, under a pure or a mixed
+    policy alike (see the module docstring)."""
+    return rule_applies(rule, fmt_dtype) and "out" not in kwargs and cpu_fp32(args, kwargs)
