@@ -126,24 +126,41 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
     return verdict, reasons
 
 
+def _splits(data) -> tuple:
+    """(training inputs, training targets, what certify reads) of a Dataset (its test split
+    certified) or of an (inputs, targets) pair (certified itself); inputs may be a tensor or a
+    dict of keyword inputs."""
+    if isinstance(data, (tuple, list)):
+        if len(data) != 2:
+            raise ValueError(f"advise: data is a tuple of {len(data)} items; accepted: a Dataset "
+                             "or an (inputs, targets) pair")
+        return data[0], data[1], tuple(data)
+    if not all(hasattr(data, a) for a in ("x_train", "y_train", "x_test", "y_test")):
+        raise TypeError(f"advise: data of type {type(data).__name__}; accepted: a Dataset "
+                        "(lowprec.experiments.data) or an (inputs, targets) pair")
+    return data.x_train, data.y_train, data
+
+
 def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
            batches: int = 4, batch_size: int = 64, lr: float = 0.01,
            optimizer: str = "sgd", output_fn=None) -> Advice:
-    """``data``: a :class:`lowprec.experiments.data.Dataset`. The model is analysed as given (train it first,
+    """``data``: a :class:`lowprec.experiments.data.Dataset`, or an ``(inputs, targets)`` pair
+    (one batch, analysed and certified). The model is analysed as given (train it first,
     or let ``lowprec advise --epochs N`` do it). Its inputs may be a tensor or a dict of keyword
     inputs; ``output_fn`` picks the output tensor (default: ``logits``, else the first tensor).
     ``fmt`` may be a policy with scaled GEMMs (``"fp8-tensorwise"``): each analysis then
     studies the recipe (see :func:`lowprec.analysis.common.scaled_policy`)."""
+    x_train, y_train, test = _splits(data)
     pol = scaled_policy(fmt)
     fmt = pol if pol is not None else static_format(fmt, "advise")
     loss_fn = loss_fn or nn.functional.cross_entropy
-    n = min(batch_size_of(data.x_train), batches * batch_size)
-    xb, yb = slice_batch(data.x_train, 0, n), data.y_train[:n]
+    n = min(batch_size_of(x_train), batches * batch_size)
+    xb, yb = slice_batch(x_train, 0, n), y_train[:n]
     batch = (xb, yb)
     model = model.float()
 
     first = slice_batch(xb, 0, batch_size)
-    cert = certify(model, data, fmt, output_fn=output_fn)
+    cert = certify(model, test, fmt, output_fn=output_fn)
     choice = find_loss_scale(model, batch, loss_fn, fmt, output_fn=output_fn)
     ranges = range_profile(model, batch, loss_fn, fmt, output_fn=output_fn)
     lost = lost_updates(model, batch, loss_fn, fmt, lr=lr, optimizer=optimizer,

@@ -18,10 +18,12 @@ A non-finite value is reported only where the format made it and something uses 
   An op fp32 does not run (the emulation's LSTM kernel runs the gates as ops of their own)
   counts only if it produced the value from finite inputs and finite numbers. Under an
   all-fp32 policy there is no twin to compare with: every non-finite value counts.
-* **A later op reads it** (forward): an op that reads the tensor while it still holds those
-  values and whose own output then holds a non-finite value fp32 does not have, or the tensor is
-  the model's output or the loss. A value selected away (``torch.where(mask, torch.log(x), 0)``,
-  T5's relative-position buckets) or overwritten in place is read by nobody and not reported.
+* **It reaches the model's output or the loss** (forward): through ops that read it while it
+  still holds those values and whose own outputs then hold non-finite values fp32 does not
+  have, each in turn (under an all-fp32 policy: any non-finite value). A value selected away
+  (``torch.where(mask, torch.log(x), 0)``; T5's relative-position buckets, where ``log(0)``
+  flows through a division and a product into ``.long()`` and ``torch.where`` discards it),
+  or overwritten in place, is read by nobody and not reported.
 
 Uninitialised buffers (``torch.empty``, ``x.new_empty``: timm's DropPath) are not values: the
 engine neither rounds nor shows them (:data:`lowprec.training.emulation.oplists.EMPTY_OPS`)
@@ -211,14 +213,19 @@ class _Recorder:
         fresh = [(o, m, known) for o, (m, known) in zip(outs, compared) if m is not None]
         if not fresh:
             return
-        # this op's output holds non-finite values fp32's does not: the candidates it read
-        # (through any view of their storage) while they still held theirs reach it
+        # this op's output holds non-finite values fp32's does not: if it read an earlier
+        # candidate's (through any view of their storage) while they were still there, those
+        # values flow on into its output, which joins that candidate; the candidate is a finding
+        # once its values reach the model's output or the loss (end_forward). A chain that
+        # ends in an op whose output is finite or integer (torch.where selecting the values
+        # away, ``.long()`` of T5's log-distance buckets) is read by nobody.
         read = _storages(ins)
         for c in self.pending:
-            if not c.read and c.storages & read and c.still_there():
-                c.read = True
-        if any(c.read for c in self.pending):
-            return  # an earlier op's values are read: any finding from here on comes later
+            if c.storages & read and c.still_there():
+                c.tensors += [o for o, _, _ in fresh]
+                c.masks += [m for _, m, _ in fresh]
+                c.storages |= _storages(o for o, _, _ in fresh)
+                return
         if not all(known for _, _, known in fresh) and not (
                 _finite(ins) and _numbers_finite(args) and _numbers_finite(kwargs)):
             # no fp32 op to compare with: only what it made from finite inputs counts
