@@ -58,6 +58,15 @@ class Finding:
     kind: str  # the op: "linear", "add", "add_", "softmax"...
     input_range: dict
     output_range: dict
+    # backward findings: what the op computed from in the forward pass (rsqrt of a variance
+    # that rounded to 0: "forward input ... all zero"); None for forward findings
+    forward_input: dict | None = None
+
+    @property
+    def zero_forward_input(self) -> bool:
+        """Some of the op's forward input was exactly 0 (a statistic that underflowed:
+        rsqrt(0) is Inf, and its backward 0 * Inf NaN)."""
+        return bool(self.forward_input) and self.forward_input.get("zeros", 0) > 0
 
     def __str__(self) -> str:
         def r(d):
@@ -65,7 +74,13 @@ class Finding:
                     f"{d['nan']} NaN" if d.get("max_abs") is not None else
                     f"{d.get('inf', 0)} Inf, {d.get('nan', 0)} NaN")
         where = self.name or "<model>"
-        return f"{where} ({self.kind}): input {r(self.input_range)}; output {r(self.output_range)}"
+        out = f"{where} ({self.kind}): input {r(self.input_range)}; output {r(self.output_range)}"
+        if self.forward_input:
+            out += f"; forward input {r(self.forward_input)}"
+            if self.zero_forward_input:
+                out += (f", {self.forward_input['zeros']} of {self.forward_input['numel']} "
+                        "exactly 0 (underflowed in the format?)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -180,6 +195,7 @@ class _Recorder:
         self.grad_at: dict[tuple, tuple[dict, bool]] = {}  # op -> its output's gradient: range,
         # and whether it held non-finite values fp32's has not
         self.keep: list = []  # tensors whose ids are keys above stay alive
+        self.inputs_of: dict[tuple, list] = {}  # op -> its floating inputs (backward findings)
 
     def observe(self, op: str, module: str, args, kwargs, out) -> None:
         with torch._C.DisableTorchFunction(), torch.no_grad():
@@ -197,6 +213,8 @@ class _Recorder:
             for a in ins:
                 self.consumer[id(a)] = key
             self.keep.extend(ins)
+            if self.reference is not None:
+                self.inputs_of[key] = ins
         for i, o in enumerate(outs):
             if o.requires_grad and o.grad_fn is not None:
                 o.register_hook(self._on_grad(o, key, i))
@@ -268,7 +286,12 @@ class _Recorder:
                 upstream, upstream_new = self.grad_at.get(cons, ({"inf": 0, "nan": 0}, False))
                 if not upstream_new:
                     name, op = cons[:2] if cons is not None else ("loss", "loss")
-                    self.backward.append(Finding(name, op, upstream, tensor_range(gq)))
+                    with torch.no_grad():
+                        ins = self.inputs_of.get(cons, [])
+                        fwd = _merge(ins) or None
+                        if fwd is not None:
+                            fwd["zeros"] = sum(int((t == 0).sum()) for t in ins)
+                    self.backward.append(Finding(name, op, upstream, tensor_range(gq), fwd))
             return None
         return hook
 
@@ -324,11 +347,13 @@ def _run(model: nn.Module, rec: _Recorder, em: Emulation | None, inputs, targets
 
 
 def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
-                    output_fn=None) -> NonFiniteReport:
+                    output_fn=None, overrides: dict | None = None) -> NonFiniteReport:
     """Run one training step's forward and backward of a copy of ``model`` under ``policy``
-    and name the first op that produced Inf/NaN in each pass that fp32 does not produce there
-    and that a later op reads (see the module docstring)."""
-    prec = Precision(policy)
+    (with Precision's per-module ``overrides``) and name the first op that produced Inf/NaN in
+    each pass that fp32 does not produce there and that reaches the output (see the module
+    docstring). A backward finding also gives the op's forward input: ``rsqrt`` of an RMSNorm
+    variance that rounded to 0 under fixed point shows "all zero" there."""
+    prec = Precision(policy, overrides=overrides)
     # the gradients are rounded here as their format stores them: a static grid is needed
     static_format(prec.policy.grads, f"first_nonfinite (policy {prec.policy}, gradients in "
                   f"{prec.policy.grads})", "give a policy whose gradient format is static")
