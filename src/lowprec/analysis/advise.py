@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..numerics.formats import Format
-from ..training.policy import Backend, Policy
+from ..numerics.formats import FP32, Format, parse_format
+from ..numerics.rounding import RoundingSpec
+from ..training.policy import Backend, Policy, parse_policy
 from ..training.tree import batch_size_of, slice_batch
 from .common import scaled_policy, static_format
 from .scaling import find_loss_scale
@@ -126,24 +127,90 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
     return verdict, reasons
 
 
+def _regime(spec) -> Policy | None:
+    """The policy ``spec`` names when it is a regime with one static format for parameters,
+    activations and gradients and its own rounding (``"q6.10-sr"``, ``"fixed<16,8>-rn"``, a
+    spec such as ``"p=q6.10:stochastic,c=q6.10:sr,g=q6.10:sr"``), else None (``spec`` is a
+    format, or a policy the analyses cannot study through one format). The analyses then study
+    that format and the first non-finite op runs the regime itself, its rounding included."""
+    if isinstance(spec, str):
+        try:
+            parse_format(spec)
+            return None
+        except (ValueError, TypeError):
+            pass
+        try:
+            spec = parse_policy(spec)
+        except (ValueError, TypeError):
+            return None
+    if not isinstance(spec, Policy) or spec.scaled is not None or spec.compute.dynamic:
+        return None
+    if spec.params == spec.compute == spec.grads and spec.scope == "all":
+        return spec
+    return None
+
+
+def _island_hint(nf: NonFiniteReport, regime: Policy | None, fmt) -> str | None:
+    """When the backward's first Inf/NaN comes from an op of values that were exactly 0 (an
+    RMSNorm's variance rounded to 0, then rsqrt): the module, and the override that keeps its
+    arithmetic in fp32 (its statistics, as fixed-point hardware keeps them in a wide
+    accumulator) while its weights and gradients stay in the format."""
+    b = nf.backward
+    if b is None or not b.zero_forward_input or b.name in ("", "loss"):
+        return None
+    last = b.name.rpartition(".")[2]
+    glob = f"*{last}" if "norm" in last.lower() else b.name
+    base = regime if regime is not None else Policy(params=fmt, compute=fmt, grads=fmt,
+                                                    optimizer_state=FP32)
+    island = base.with_(compute=FP32, rounding=RoundingSpec()).spec
+    return (f"the backward pass's first Inf/NaN is {b.kind} in {b.name}, of values that were "
+            f"exactly 0 in the forward pass ({b.forward_input['zeros']} of "
+            f"{b.forward_input['numel']}: a statistic that underflowed in {fmt}); keep that "
+            f"module's arithmetic in fp32: Precision(..., overrides={{'{glob}': '{island}'}})")
+
+
+def _splits(data) -> tuple:
+    """(training inputs, training targets, what certify reads) of a Dataset (its test split
+    certified) or of an (inputs, targets) pair (certified itself); inputs may be a tensor or a
+    dict of keyword inputs."""
+    if isinstance(data, (tuple, list)):
+        if len(data) != 2:
+            raise ValueError(f"advise: data is a tuple of {len(data)} items; accepted: a Dataset "
+                             "or an (inputs, targets) pair")
+        return data[0], data[1], tuple(data)
+    if not all(hasattr(data, a) for a in ("x_train", "y_train", "x_test", "y_test")):
+        raise TypeError(f"advise: data of type {type(data).__name__}; accepted: a Dataset "
+                        "(lowprec.experiments.data) or an (inputs, targets) pair")
+    return data.x_train, data.y_train, data
+
+
 def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
            batches: int = 4, batch_size: int = 64, lr: float = 0.01,
            optimizer: str = "sgd", output_fn=None) -> Advice:
-    """``data``: a :class:`lowprec.experiments.data.Dataset`. The model is analysed as given (train it first,
+    """``data``: a :class:`lowprec.experiments.data.Dataset`, or an ``(inputs, targets)`` pair
+    (one batch, analysed and certified). The model is analysed as given (train it first,
     or let ``lowprec advise --epochs N`` do it). Its inputs may be a tensor or a dict of keyword
     inputs; ``output_fn`` picks the output tensor (default: ``logits``, else the first tensor).
     ``fmt`` may be a policy with scaled GEMMs (``"fp8-tensorwise"``): each analysis then
-    studies the recipe (see :func:`lowprec.analysis.common.scaled_policy`)."""
+    studies the recipe (see :func:`lowprec.analysis.common.scaled_policy`); or a regime of one
+    format with its own rounding (``"q6.10-sr"``): the analyses study the format, the first
+    non-finite op runs the regime (stochastic rounding included), and an Inf/NaN the backward
+    makes from values that underflowed to 0 (an RMSNorm's variance) names the module and the
+    fp32 override for it."""
+    x_train, y_train, test = _splits(data)
     pol = scaled_policy(fmt)
+    regime = _regime(fmt) if pol is None else None
+    if regime is not None:
+        fmt = regime.compute
     fmt = pol if pol is not None else static_format(fmt, "advise")
     loss_fn = loss_fn or nn.functional.cross_entropy
-    n = min(batch_size_of(data.x_train), batches * batch_size)
-    xb, yb = slice_batch(data.x_train, 0, n), data.y_train[:n]
+    n = min(batch_size_of(x_train), batches * batch_size)
+    xb, yb = slice_batch(x_train, 0, n), y_train[:n]
     batch = (xb, yb)
     model = model.float()
 
     first = slice_batch(xb, 0, batch_size)
-    cert = certify(model, data, fmt, output_fn=output_fn)
+    cert = certify(model, test, fmt, output_fn=output_fn)
     choice = find_loss_scale(model, batch, loss_fn, fmt, output_fn=output_fn)
     ranges = range_profile(model, batch, loss_fn, fmt, output_fn=output_fn)
     lost = lost_updates(model, batch, loss_fn, fmt, lr=lr, optimizer=optimizer,
@@ -151,6 +218,8 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
     errs = layer_errors(model, first, fmt)
     nf = first_nonfinite(model, (first, yb[:batch_size]), loss_fn,
                          pol if pol is not None else
+                         regime.with_(backend=Backend.EMULATED, name=str(regime))
+                         if regime is not None else
                          Policy(params=fmt, compute=fmt, grads=fmt, optimizer_state=fmt,
                                 backend=Backend.EMULATED), output_fn=output_fn)
 
@@ -163,9 +232,12 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
         eps = "" if pol is not None else f" (format eps {fmt.eps:.1e})"
         reasons.append(f"relative error of the output layer {last.name}: {last.rel_error:.2e}"
                        + eps)
+    if (hint := _island_hint(nf, regime, fmt)) is not None:
+        verdict = "unsafe"  # NaN gradients from the first step
+        reasons.append(hint)
     act_over = ranges.fraction("activations", "overflow")
     if act_over > 0:
         reasons.append(f"{100 * act_over:.3f}% of activation values exceed the format's range")
-    return Advice(str(fmt), verdict, reasons, cert, choice.scale, choice.underflow_at_1,
+    return Advice(str(regime if regime is not None else fmt), verdict, reasons, cert, choice.scale, choice.underflow_at_1,
                   choice.underflow_at_scale, lost, errs, ranges, nf,
                   {"certificate": s, "loss_scale": choice.scale})

@@ -18,10 +18,12 @@ A non-finite value is reported only where the format made it and something uses 
   An op fp32 does not run (the emulation's LSTM kernel runs the gates as ops of their own)
   counts only if it produced the value from finite inputs and finite numbers. Under an
   all-fp32 policy there is no twin to compare with: every non-finite value counts.
-* **A later op reads it** (forward): an op that reads the tensor while it still holds those
-  values and whose own output then holds a non-finite value fp32 does not have, or the tensor is
-  the model's output or the loss. A value selected away (``torch.where(mask, torch.log(x), 0)``,
-  T5's relative-position buckets) or overwritten in place is read by nobody and not reported.
+* **It reaches the model's output or the loss** (forward): through ops that read it while it
+  still holds those values and whose own outputs then hold non-finite values fp32 does not
+  have, each in turn (under an all-fp32 policy: any non-finite value). A value selected away
+  (``torch.where(mask, torch.log(x), 0)``; T5's relative-position buckets, where ``log(0)``
+  flows through a division and a product into ``.long()`` and ``torch.where`` discards it),
+  or overwritten in place, is read by nobody and not reported.
 
 Uninitialised buffers (``torch.empty``, ``x.new_empty``: timm's DropPath) are not values: the
 engine neither rounds nor shows them (:data:`lowprec.training.emulation.oplists.EMPTY_OPS`)
@@ -56,6 +58,15 @@ class Finding:
     kind: str  # the op: "linear", "add", "add_", "softmax"...
     input_range: dict
     output_range: dict
+    # backward findings: what the op computed from in the forward pass (rsqrt of a variance
+    # that rounded to 0: "forward input ... all zero"); None for forward findings
+    forward_input: dict | None = None
+
+    @property
+    def zero_forward_input(self) -> bool:
+        """Some of the op's forward input was exactly 0 (a statistic that underflowed:
+        rsqrt(0) is Inf, and its backward 0 * Inf NaN)."""
+        return bool(self.forward_input) and self.forward_input.get("zeros", 0) > 0
 
     def __str__(self) -> str:
         def r(d):
@@ -63,7 +74,13 @@ class Finding:
                     f"{d['nan']} NaN" if d.get("max_abs") is not None else
                     f"{d.get('inf', 0)} Inf, {d.get('nan', 0)} NaN")
         where = self.name or "<model>"
-        return f"{where} ({self.kind}): input {r(self.input_range)}; output {r(self.output_range)}"
+        out = f"{where} ({self.kind}): input {r(self.input_range)}; output {r(self.output_range)}"
+        if self.forward_input:
+            out += f"; forward input {r(self.forward_input)}"
+            if self.zero_forward_input:
+                out += (f", {self.forward_input['zeros']} of {self.forward_input['numel']} "
+                        "exactly 0 (underflowed in the format?)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,7 @@ class _Recorder:
         self.grad_at: dict[tuple, tuple[dict, bool]] = {}  # op -> its output's gradient: range,
         # and whether it held non-finite values fp32's has not
         self.keep: list = []  # tensors whose ids are keys above stay alive
+        self.inputs_of: dict[tuple, list] = {}  # op -> its floating inputs (backward findings)
 
     def observe(self, op: str, module: str, args, kwargs, out) -> None:
         with torch._C.DisableTorchFunction(), torch.no_grad():
@@ -195,6 +213,8 @@ class _Recorder:
             for a in ins:
                 self.consumer[id(a)] = key
             self.keep.extend(ins)
+            if self.reference is not None:
+                self.inputs_of[key] = ins
         for i, o in enumerate(outs):
             if o.requires_grad and o.grad_fn is not None:
                 o.register_hook(self._on_grad(o, key, i))
@@ -211,14 +231,19 @@ class _Recorder:
         fresh = [(o, m, known) for o, (m, known) in zip(outs, compared) if m is not None]
         if not fresh:
             return
-        # this op's output holds non-finite values fp32's does not: the candidates it read
-        # (through any view of their storage) while they still held theirs reach it
+        # this op's output holds non-finite values fp32's does not: if it read an earlier
+        # candidate's (through any view of their storage) while they were still there, those
+        # values flow on into its output, which joins that candidate; the candidate is a finding
+        # once its values reach the model's output or the loss (end_forward). A chain that
+        # ends in an op whose output is finite or integer (torch.where selecting the values
+        # away, ``.long()`` of T5's log-distance buckets) is read by nobody.
         read = _storages(ins)
         for c in self.pending:
-            if not c.read and c.storages & read and c.still_there():
-                c.read = True
-        if any(c.read for c in self.pending):
-            return  # an earlier op's values are read: any finding from here on comes later
+            if c.storages & read and c.still_there():
+                c.tensors += [o for o, _, _ in fresh]
+                c.masks += [m for _, m, _ in fresh]
+                c.storages |= _storages(o for o, _, _ in fresh)
+                return
         if not all(known for _, _, known in fresh) and not (
                 _finite(ins) and _numbers_finite(args) and _numbers_finite(kwargs)):
             # no fp32 op to compare with: only what it made from finite inputs counts
@@ -261,7 +286,12 @@ class _Recorder:
                 upstream, upstream_new = self.grad_at.get(cons, ({"inf": 0, "nan": 0}, False))
                 if not upstream_new:
                     name, op = cons[:2] if cons is not None else ("loss", "loss")
-                    self.backward.append(Finding(name, op, upstream, tensor_range(gq)))
+                    with torch.no_grad():
+                        ins = self.inputs_of.get(cons, [])
+                        fwd = _merge(ins) or None
+                        if fwd is not None:
+                            fwd["zeros"] = sum(int((t == 0).sum()) for t in ins)
+                    self.backward.append(Finding(name, op, upstream, tensor_range(gq), fwd))
             return None
         return hook
 
@@ -317,11 +347,13 @@ def _run(model: nn.Module, rec: _Recorder, em: Emulation | None, inputs, targets
 
 
 def first_nonfinite(model: nn.Module, batch, loss_fn, policy="32-true", *,
-                    output_fn=None) -> NonFiniteReport:
+                    output_fn=None, overrides: dict | None = None) -> NonFiniteReport:
     """Run one training step's forward and backward of a copy of ``model`` under ``policy``
-    and name the first op that produced Inf/NaN in each pass that fp32 does not produce there
-    and that a later op reads (see the module docstring)."""
-    prec = Precision(policy)
+    (with Precision's per-module ``overrides``) and name the first op that produced Inf/NaN in
+    each pass that fp32 does not produce there and that reaches the output (see the module
+    docstring). A backward finding also gives the op's forward input: ``rsqrt`` of an RMSNorm
+    variance that rounded to 0 under fixed point shows "all zero" there."""
+    prec = Precision(policy, overrides=overrides)
     # the gradients are rounded here as their format stores them: a static grid is needed
     static_format(prec.policy.grads, f"first_nonfinite (policy {prec.policy}, gradients in "
                   f"{prec.policy.grads})", "give a policy whose gradient format is static")

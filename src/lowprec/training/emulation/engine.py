@@ -55,7 +55,7 @@ from ..policy import Policy, parse_policy, policy_or_format
 from ..scaling import GemmScaling
 from ..regimes.base import GroupKey, Role, Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
-from . import backward_kernels, kernels, native_gemm, recurrent_kernels, scaled
+from . import backward_kernels, fastpath, kernels, native_gemm, recurrent_kernels, scaled
 from .gradmarks import note_rounded, pass_through, rounded_already
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
@@ -475,6 +475,7 @@ class _RoundInplace(torch.autograd.Function):
     backward = _Round.backward
 
 
+_MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 _EXPANDED: dict = {}
 
@@ -523,6 +524,11 @@ class _Mode(TorchFunctionMode):
             for fn in em.observers:
                 fn(name, em.module_name(), args, kwargs, args[0])
             return args[0]
+        if func is _MHA_FORWARD and em.attention and \
+                (call := fastpath.native_call(em.attention.get(em.module_name()), args, kwargs,
+                                              em.fast_path_dtype())) is not None:
+            # nn.MultiheadAttention's inference fast path, as a native run takes it
+            return fastpath.run_native(em, em.rule(), em.module_name(), call)
         if isinstance(func, types.FunctionType) and func not in self.expanding:
             # a Python function of torch (F.layer_norm, F.multi_head_attention_forward,
             # Tensor.split): run its body under the mode, so each builtin it calls is an op
@@ -593,6 +599,8 @@ class Emulation:
         self._tied: set = set()
         self._param_sums: dict = {}  # id(tied parameter) -> its _Sum in this forward
         self._cast_rules: dict = {}
+        #: nn.MultiheadAttention modules by name (their inference fast path: :mod:`.fastpath`)
+        self.attention: dict[str, nn.Module] = {}
         #: set by compiled emulation (:mod:`.compiled`) while it runs the model's forward: the
         #: root's hooks then leave the call to it
         self.compiled = False
@@ -633,6 +641,8 @@ class Emulation:
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, always_call=True))
         self.rules = rules
+        self.attention = {name: m for name, m in model.named_modules()
+                          if isinstance(m, nn.MultiheadAttention)}
         self._model = model
         self._had_forward = "forward" in model.__dict__
         #: the model's own forward (compiled emulation traces it)
@@ -691,9 +701,15 @@ class Emulation:
             if self.stochastic:
                 base = self.keys_input
                 self._stream = _Stream(draw_seed(self.generator) if base is None else base)
-            if pure:  # the model's floating inputs
-                return (_map(lambda t: self._in(t, rule, "input"), args),
-                        _map(lambda t: self._in(t, rule, "input"), kwargs))
+            if pure:  # the model's floating inputs; one tensor given twice stays one tensor
+                done: dict = {}  # (``attn(x, x, x)``: self-attention, as the module checks)
+
+                def rin(t):
+                    if id(t) not in done:
+                        done[id(t)] = (t, self._in(t, rule, "input"))
+                    return done[id(t)][1]
+
+                return _map(rin, args), _map(rin, kwargs)
             return None
         return hook
 
@@ -761,6 +777,22 @@ class Emulation:
         a model's forward, ``enabled()``) the generator at each rounding."""
         s = self._stream
         return self.generator if s is None else s.site()
+
+    def mode(self):
+        """The engine's mode, to re-enter from inside it (an op it computes from ops)."""
+        return self._mode
+
+    def operand(self, t, rule: Rule, key: str):
+        """``t`` as an op reads it: on the compute grid (a parameter rounded when used)."""
+        return self._in(t, rule, key)
+
+    def fast_path_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype a native run of the running module would hold (a pure rule with
+        one), for which torch's inference fast paths are followed (:mod:`.fastpath`)."""
+        rule = self.rule()
+        if not rule.active or rule.scope != "all" or rule.block:
+            return None
+        return format_dtype(rule.compute)
 
     def _fmts(self, rule: Rule, key: str, x: torch.Tensor, axis: int | None, grads: bool):
         c, g = rule.compute, (rule.grads if grads else None)
