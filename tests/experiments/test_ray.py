@@ -324,10 +324,10 @@ def test_an_address_whose_port_is_not_ray_is_refused_in_one_line(http_server, tm
                           f"'{http_server}': the server at {http_server} is not Ray: "), err
     assert "HTML" in err and "not HTTP/2" in err, err
     assert not out.exists()  # refused before anything was created
-    # and where the folder is made by hand: connecting is refused the same way
-    with pytest.raises(executors.RunError, match="is not Ray"):
-        with RayExecutor(f"ray://{http_server}").connected():
-            pass
+    # the connect itself (a Ray client address here) is refused the same way, before ray.init
+    with pytest.raises(executors.RunError, match=f"'ray://{http_server}': the server at "
+                       f"{http_server} is not Ray: it answered with HTML"):
+        RayExecutor(f"ray://{http_server}")._connect(ray)
 
 
 @pytest.mark.timeout(120)

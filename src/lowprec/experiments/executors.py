@@ -379,7 +379,8 @@ def _greeting(sock: socket.socket) -> str | None:
         line = got.split(b"\r\n", 1)[0].decode("latin-1")[:80]
         return f"an HTTP/1 server answered ({line!r}), not HTTP/2 (gRPC)"
     if got.lstrip().startswith(b"<"):  # an HTTP server answering without a status line
-        return f"it answered with HTML ({got[:24]!r}...), not HTTP/2 (gRPC)"
+        first = got.lstrip().split(b"\n", 1)[0].decode("latin-1").strip()[:40]
+        return f"it answered with HTML ({first!r}: an HTTP server?), not HTTP/2 (gRPC)"
     return f"it answered {got[:24]!r}, not HTTP/2 (gRPC)"
 
 
