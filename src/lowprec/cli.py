@@ -14,9 +14,13 @@ import re
 import signal
 import sys
 
-# Only the standard library is imported here, and ``main`` installs its signal handling before
-# anything else (rich, the experiments) is loaded; the console script enters through
-# lowprec_cmd, which handles a signal while torch and lowprec are still being imported.
+from . import _names  # the registries' names, for completion: the standard library alone
+
+# Only the standard library (and _names) is imported here, and ``main`` installs its signal
+# handling before anything else (rich, the experiments) is loaded; the console script enters
+# through lowprec_cmd, which handles a signal while torch and lowprec are still being imported,
+# and answers shell completion from build_parser without importing torch: build_parser and
+# the completers import nothing else either.
 
 __all__ = ["main", "build_parser"]
 
@@ -529,9 +533,12 @@ def parse_format_checked(spec: str):
 
 
 def _add_analysis_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", default="mnist", help="dataset (as for compare; default: mnist)")
-    p.add_argument("--model", default="lenet5", help="model (as for compare; default: lenet5)")
-    p.add_argument("--format", default="fp16", help="the low-precision format (default: fp16)")
+    _offer_data(p.add_argument("--data", default="mnist",
+                               help="dataset (as for compare; default: mnist)"))
+    _offer_models(p.add_argument("--model", default="lenet5",
+                                 help="model (as for compare; default: lenet5)"), several=False)
+    _offer_formats(p.add_argument("--format", default="fp16",
+                                  help="the low-precision format (default: fp16)"))
     p.add_argument("--epochs", type=_int_arg(0, 100_000), default=3,
                    help="fp32 training epochs before the analysis (default: 3; 0: untrained)")
     p.add_argument("--lr", type=_float_arg(positive=True), default=0.02,
@@ -559,24 +566,94 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 def _offer(action: argparse.Action, values) -> None:
     """What shell completion (argcomplete, where installed) offers for a flag's value; the
-    value itself is still checked where it is used, with the accepted ones named."""
-    action.completer = lambda **_: list(values)
+    value itself is still checked where it is used, with the accepted ones named. ``values``:
+    the values, or a function of the word typed so far returning them (argcomplete keeps those
+    that start with the word). Completion builds the parser without torch (lowprec_cmd): the
+    names come from :mod:`lowprec._names`, never from the library's modules."""
+    action.completer = ((lambda prefix="", **_: list(values(prefix))) if callable(values)
+                        else (lambda **_: list(values)))
+
+
+def _last_item(text: str) -> tuple[str, str]:
+    """``text`` split before its last item: after the last comma outside <...> (dfx<10>)."""
+    depth, cut = 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth <= 0:
+            cut = i + 1
+    return text[:cut], text[cut:]
+
+
+def _listed(items):
+    """A completer of a comma-separated list whose every item ``items(item_typed)`` completes."""
+    def complete(prefix: str) -> list[str]:
+        head, last = _last_item(prefix)
+        return [head + v for v in items(last)]
+    return complete
+
+
+def _paths(typed: str) -> list[str]:
+    """The files and folders whose path starts with ``typed`` (folders end in /)."""
+    import os
+
+    cut = typed.rfind("/") + 1
+    folder, start = typed[:cut], typed[cut:]
+    try:
+        names = sorted(n for n in os.listdir(folder or ".") if n.startswith(start))
+    except OSError:
+        return []
+    return [folder + n + ("/" if os.path.isdir(folder + n) else "") for n in names]
+
+
+def _policy_items(typed: str) -> list[str]:
+    """One item of --policies (or --policy): a named policy, plan:FILE, or a spec key (p=...)
+    and after a format key the named formats."""
+    n = _names
+    key, eq, _ = typed.partition("=")
+    if eq:
+        return ([f"{key}={f}" for f in n.FORMAT_NAMES]
+                if key.strip().lower() in n.POLICY_FORMAT_KEYS else [])
+    if typed.startswith(n.PLAN_PREFIX):
+        return [n.PLAN_PREFIX + f for f in _paths(typed[len(n.PLAN_PREFIX):])]
+    return [*n.POLICY_NAMES, n.PLAN_PREFIX, *(k + "=" for k in n.POLICY_KEYS)]
+
+
+def _data_items(typed: str) -> list[str]:
+    """--data: a dataset's name, or KIND: and then a path."""
+    n = _names
+    kind, colon, rest = typed.partition(":")
+    if colon:
+        return [f"{kind}:{f}" for f in _paths(rest)] if kind in n.DATASET_KINDS else []
+    return [*n.DATASET_NAMES, *(k + ":" for k in n.DATASET_KINDS)]
+
+
+def _offer_data(action: argparse.Action) -> None:
+    _offer(action, _data_items)
+
+
+def _offer_models(action: argparse.Action, *, several: bool) -> None:
+    names = _names.MODEL_NAMES
+    _offer(action, _listed(lambda _: names) if several else names)
+
+
+def _offer_formats(action: argparse.Action) -> None:
+    _offer(action, _names.FORMAT_NAMES)
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
-    from .experiments.config import DEFAULT_POLICIES
-
-    p.add_argument("--data", default=None, help="mnist, digits, mnist1d, fashion-mnist[:DIR], "
-                   "idx:DIR, cifar10:DIR, module:function (default: mnist, 5,000 real digits)")
-    p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, cnn1d, "
-                   "transformer, mobilenet, module:function (default: lenet5); compare takes "
-                   "several, comma-separated: one comparison per model in OUT/MODEL")
+    DEFAULT_POLICIES, PRESETS = _names.DEFAULT_POLICIES, _names.PRESET_NAMES
+    _offer_data(p.add_argument("--data", default=None, help="mnist, digits, mnist1d, "
+                               "fashion-mnist[:DIR], idx:DIR, cifar10:DIR, module:function "
+                               "(default: mnist, 5,000 real digits)"))
+    _offer_models(p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, "
+                                 "cnn1d, transformer, mobilenet, module:function (default: "
+                                 "lenet5); compare takes several, comma-separated: one "
+                                 "comparison per model in OUT/MODEL"), several=compare)
     if compare:
-        from .experiments.config import PRESETS
-
-        p.add_argument("--policies", default=None,
-                       help="comma-separated names or specs (default: "
-                            f"{','.join(DEFAULT_POLICIES)})")
+        _offer(p.add_argument("--policies", default=None,
+                              help="comma-separated names or specs (default: "
+                                   f"{','.join(DEFAULT_POLICIES)})"),
+               _listed(_policy_items))
         p.add_argument("--seeds", type=_int_arg(1, 10_000), default=None,
                        help="seeds per policy (default: 3)")
         _offer(p.add_argument("--preset", default=None, help="an experiment of the literature: "
@@ -643,16 +720,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("formats", help="table of number formats: bits, max, min normal, "
                                        "min subnormal, eps")
-    f.add_argument("formats", nargs="*", metavar="FORMAT",
-                   help="formats to show (default: every named format), e.g. fp16 e3m4 q4.12")
+    _offer_formats(f.add_argument("formats", nargs="*", metavar="FORMAT",
+                                  help="formats to show (default: every named format), e.g. "
+                                       "fp16 e3m4 q4.12"))
     f.set_defaults(func=cmd_formats)
 
     q = sub.add_parser("quantize", help="round numbers to one or more formats")
-    q.add_argument("values", nargs="+", metavar="X", help="numbers (inf, nan, -0 accepted)")
-    q.add_argument("--format", "-f", action="append", required=True,
-                   help="target format (repeatable), e.g. -f fp16 -f e4m3fn")
-    q.add_argument("--rounding", "-r", default="nearest",
-                   help="nearest, nearest_away, toward_zero, up, down, stochastic, srN")
+    _offer(q.add_argument("values", nargs="+", metavar="X",
+                          help="numbers (inf, nan, -0 accepted)"), ())
+    _offer_formats(q.add_argument("--format", "-f", action="append", required=True,
+                                  help="target format (repeatable), e.g. -f fp16 -f e4m3fn"))
+    _offer(q.add_argument("--rounding", "-r", default="nearest",
+                          help="nearest, nearest_away, toward_zero, up, down, stochastic, srN"),
+           _names.ROUNDING_NAMES)
     q.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0,
                    help="seed of stochastic rounding")
     q.set_defaults(func=cmd_quantize)
@@ -663,7 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare)
 
     t = sub.add_parser("train", help="one policy, one seed (what compare runs)")
-    t.add_argument("--policy", default="32-true", help="a policy name or spec")
+    _offer(t.add_argument("--policy", default="32-true", help="a policy name or spec"),
+           _listed(_policy_items))  # a spec has commas (p=fp32,c=bf16)
     t.add_argument("--seed", type=_int_arg(0, _MAX_SEED), default=0)
     _add_run_args(t, compare=False)
     t.set_defaults(func=cmd_train)
@@ -683,11 +764,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="the cheapest per-layer precision that still trains: "
                         "measured per module, assigned under a budget, verified by training")
-    pl.add_argument("--data", default="digits", help="dataset (as for compare; default: digits)")
-    pl.add_argument("--model", default="mlp", help="model (as for compare; default: mlp)")
-    pl.add_argument("--menu", default="fp32,bf16,fp16,fp8",
-                    help="levels a module may take, widest first (fp32 bf16 fp16 mixed16 fp8 "
-                         "mxfp8 nvfp4 mxfp4 fixed16-sr; default: fp32,bf16,fp16,fp8)")
+    _offer_data(pl.add_argument("--data", default="digits",
+                                help="dataset (as for compare; default: digits)"))
+    _offer_models(pl.add_argument("--model", default="mlp",
+                                  help="model (as for compare; default: mlp)"), several=False)
+    _offer(pl.add_argument("--menu", default="fp32,bf16,fp16,fp8",
+                           help="levels a module may take, widest first (fp32 bf16 fp16 mixed16 "
+                                "fp8 mxfp8 nvfp4 mxfp4 fixed16-sr; default: fp32,bf16,fp16,fp8)"),
+           _listed(lambda _: _names.PLAN_LEVELS))
     _offer(pl.add_argument("--minimise", default="memory",
                            help="what the plan minimises: memory bytes, bits moved, or time "
                                 "estimated on --hardware (default: memory)"),

@@ -289,3 +289,77 @@ def test_the_local_instance_runs_its_workers_at_the_drivers_priority(local_ray):
         return os.nice(0)
 
     assert ray.get(niceness.remote()) == os.nice(0)
+
+
+class _QuietHTTP(__import__("http.server").server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    """An HTTP server on a free port of this machine, in a thread: an open port that is not
+    Ray (Ray's connect waited for it for ever)."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHTTP)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.timeout(120)
+def test_an_address_whose_port_is_not_ray_is_refused_in_one_line(http_server, tmp_path,
+                                                                 capsys):
+    out = tmp_path / "r"
+    code = main(["compare", "--executor", "ray", "--ray-address", http_server, "--data",
+                 "digits", "--model", "mlp", "--policies", "32-true", "--seeds", "1",
+                 "--epochs", "1", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("lowprec compare: error: cannot connect to the Ray cluster at "
+                          f"'{http_server}': the server at {http_server} is not Ray: "), err
+    assert "HTML" in err and "not HTTP/2" in err, err
+    assert not out.exists()  # refused before anything was created
+    # the connect itself (a Ray client address here) is refused the same way, before ray.init
+    with pytest.raises(executors.RunError, match=f"'ray://{http_server}': the server at "
+                       f"{http_server} is not Ray: it answered with HTML"):
+        RayExecutor(f"ray://{http_server}")._connect(ray)
+
+
+@pytest.mark.timeout(120)
+def test_a_grpc_server_that_is_not_rays_gcs_is_refused():
+    from concurrent import futures
+
+    grpc = pytest.importorskip("grpc")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(executors.RunError, match=rf"127.0.0.1:{port} is not Ray's GCS: its "
+                           "gRPC answer to GetClusterId was UNIMPLEMENTED"):
+            RayExecutor(f"127.0.0.1:{port}").preflight()
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.timeout(120)
+def test_a_port_that_accepts_and_stays_silent_is_refused(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(executors, "PROBE_TIMEOUT", 0.5)
+    with socket.socket() as silent:  # listening: the kernel accepts, nobody ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        port = silent.getsockname()[1]
+        with pytest.raises(executors.RunError, match="is not Ray: it said nothing in 0.5 s"):
+            RayExecutor(f"127.0.0.1:{port}").preflight()
+
+
+def test_the_address_check_accepts_a_real_gcs(local_ray):
+    """The check refuses no real cluster: the running instance's GCS (with Ray's token
+    authentication, on by default in Ray 2.60, the question is answered or refused as Ray's)."""
+    executors._probe(ray.get_runtime_context().gcs_address)

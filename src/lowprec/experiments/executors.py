@@ -156,9 +156,10 @@ class RayExecutor:
 
     def preflight(self) -> None:
         """Refuse, before a run folder is created or Ray started, what can never run: a
-        cluster address where nothing listens (a short TCP connect, not Ray's minutes of
-        retries), more CPUs or GPUs per run than this machine (a local instance still to
-        start) or the running instance's largest node has. RunError, one line."""
+        cluster address where nothing listens or something other than Ray does (seconds of
+        :func:`_probe`, not Ray's minutes of retries, or its wait for ever), more CPUs or GPUs
+        per run than this machine (a local instance still to start) or the running instance's
+        largest node has. RunError, one line."""
         ray = _import_ray()
         if self.address is not None:
             _probe(self.address)
@@ -305,26 +306,113 @@ def _largest_node(ray) -> dict:
     return {key: max((r.get(key, 0) for r in nodes), default=0) for key in ("CPU", "GPU")}
 
 
-#: seconds the TCP connect to --ray-address may take before the address is refused
+#: seconds each step of the check of --ray-address may take (the TCP connect, the HTTP/2
+#: greeting, the question to Ray's GCS) before the address is refused
 PROBE_TIMEOUT = 5.0
+
+#: the HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 3.4, 6.5): a
+#: gRPC server, which Ray's GCS and its client server are, answers with a SETTINGS frame
+_H2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def _probe(address: str) -> None:
-    """RunError unless something accepts a TCP connection at a HOST:PORT address (also
-    ray://HOST:PORT); "auto" and other forms are left to Ray, which fails fast on them. Ray's
-    own connect retries for minutes where nothing listens."""
+    """RunError, in seconds, unless a HOST:PORT address (also ray://HOST:PORT) is a Ray
+    cluster's: something accepts a TCP connection there, answers HTTP/2 (gRPC) and, for a GCS
+    address, knows the GCS's NodeInfoGcsService (a cluster asking for its token counts: the
+    connect then says what to set). "auto" and other forms are left to Ray, which fails fast on
+    them. Ray's own connect retries for minutes where nothing listens, and for ever where a
+    server of another kind (an HTTP server) does."""
     where = address.split("://", 1)[-1].rstrip("/")
     host, sep, port = where.rpartition(":")
     if not sep or not port.isdigit():
         return
     host = host.strip("[]") or "127.0.0.1"
+    prefix = f"cannot connect to the Ray cluster at {address!r}:"
     try:
-        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT).close()
+        sock = socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT)
     except (OSError, OverflowError, ValueError) as err:
         why = getattr(err, "strerror", None) or str(err) or type(err).__name__
-        raise RunError(f"cannot connect to the Ray cluster at {address!r}: nothing accepts a "
-                       f"connection at {host}:{port} ({why}; waited at most "
-                       f"{PROBE_TIMEOUT:g} s)") from None
+        raise RunError(f"{prefix} nothing accepts a connection at {host}:{port} ({why}; "
+                       f"waited at most {PROBE_TIMEOUT:g} s)") from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        sock.close()  # a TLS handshake first: Ray's own connect checks the rest
+        return
+    try:
+        found = _greeting(sock)
+    finally:
+        sock.close()
+    if found:
+        raise RunError(f"{prefix} the server at {host}:{port} is not Ray: {found}")
+    if not address.startswith("ray://"):  # a GCS (the client server has other services)
+        found = _gcs_question(f"{host}:{port}")
+        if found:
+            raise RunError(f"{prefix} the server at {host}:{port} is not Ray's GCS: {found}")
+
+
+def _greeting(sock: socket.socket) -> str | None:
+    """None if the server at the other end of ``sock`` answers an HTTP/2 greeting with
+    HTTP/2's SETTINGS frame, else what it did, in a few words."""
+    got = b""
+    deadline = time.monotonic() + PROBE_TIMEOUT
+    try:
+        sock.sendall(_H2_HELLO)
+        while len(got) < 9:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout
+            sock.settimeout(left)
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            got += chunk
+    except socket.timeout:
+        if not got:
+            return f"it said nothing in {PROBE_TIMEOUT:g} s to an HTTP/2 (gRPC) greeting"
+    except OSError as err:
+        if not got:
+            return f"it closed the connection ({err.strerror or err}) at an HTTP/2 greeting"
+    if len(got) >= 9 and got[3] == 4:  # a frame header whose type is SETTINGS
+        return None
+    if not got:
+        return "it closed the connection at an HTTP/2 (gRPC) greeting"
+    if got.startswith(b"HTTP/"):
+        line = got.split(b"\r\n", 1)[0].decode("latin-1")[:80]
+        return f"an HTTP/1 server answered ({line!r}), not HTTP/2 (gRPC)"
+    if got.lstrip().startswith(b"<"):  # an HTTP server answering without a status line
+        first = got.lstrip().split(b"\n", 1)[0].decode("latin-1").strip()[:40]
+        return f"it answered with HTML ({first!r}: an HTTP server?), not HTTP/2 (gRPC)"
+    return f"it answered {got[:24]!r}, not HTTP/2 (gRPC)"
+
+
+def _gcs_question(target: str) -> str | None:
+    """None if the gRPC server at ``target`` knows Ray's NodeInfoGcsService (its GetClusterId
+    answers, or asks for the cluster's token), else what it said. None as well where this Ray
+    has no such stub (another version): Ray's connect decides then."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+        stub_class = gcs_service_pb2_grpc.NodeInfoGcsServiceStub
+        request = gcs_service_pb2.GetClusterIdRequest()
+    except (ImportError, AttributeError):
+        return None
+    channel = grpc.insecure_channel(target)
+    try:
+        stub_class(channel).GetClusterId(request, timeout=PROBE_TIMEOUT)
+    except grpc.RpcError as err:
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return None  # Ray, with token authentication: the connect says what to set
+        name = getattr(code, "name", "an error")
+        details = err.details() if callable(getattr(err, "details", None)) else ""
+        return (f"its gRPC answer to GetClusterId was {name}"
+                + (f" ({_first_line(details)[:120]})" if details else ""))
+    finally:
+        channel.close()
+    return None
+
+
+def _first_line(text: str) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
 
 
 def _drain(queue, db, progress) -> None:
