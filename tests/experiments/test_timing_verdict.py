@@ -111,6 +111,9 @@ class NoAnalyses:
     def runs(self):
         return []
 
+    def analyses(self, kind):
+        return {}
+
 
 def test_verdict_picks_the_least_memory_within_noise_and_native_speed():
     rows = rows_of(row("32-true", 0.9813, 0.0006),

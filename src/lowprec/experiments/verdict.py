@@ -31,6 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..analysis.advise import judge
+from .report_recipes import coverage_note, recipe_coverage
 from .results import ResultsDB
 from .summary import BASELINE, acc_cell
 
@@ -148,6 +149,13 @@ def _findings(db: ResultsDB, policy: str) -> list[dict]:
     return out
 
 
+def _coverage_note(db: ResultsDB, policy: str) -> str | None:
+    """A sentence when ``policy``'s scaled-GEMM recipe cast no module of the model, or left its
+    convolutions uncast (from the runs' stored coverage)."""
+    recipes = recipe_coverage(db).get(policy)
+    return None if recipes is None else coverage_note(policy, recipes)
+
+
 def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
     """The verdict of a comparison (``rows``: :func:`lowprec.experiments.summary.summarize`)."""
     base = next((r for r in rows if r["policy"] == BASELINE), None)
@@ -216,6 +224,9 @@ def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
             f"{p} ({_brief(next(r for r in rows if r['policy'] == p))})" for p in others))
     if rejected:
         evidence.append("not within seed noise of " + BASELINE + ": " + ", ".join(rejected))
+    note = _coverage_note(db, best["policy"])
+    if note:
+        evidence.append(note)
     return Verdict(best["policy"], headline + ".", evidence, _findings(db, best["policy"]),
                    tied=[r["policy"] for r in ties], tie_break=tie_break)
 
