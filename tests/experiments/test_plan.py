@@ -235,6 +235,16 @@ def test_certify_follows_the_plan_module_by_module(tmp_path, base, mixed):
             model, data.x_test[:64], "fp16")}["inp"])
 
 
+def test_a_plan_run_is_certified_as_the_plan_in_every_table():
+    from lowprec.experiments.run_analyses import certificate_formats
+
+    # a plan whose base is e4m3fn is not certified in e4m3fn: the plan never runs it uniformly
+    assert certificate_formats("plan:plan.json") == ["plan"]
+    assert certificate_formats(Plan(policy="p=bf16,c=e4m3fn,g=e5m2")) == ["plan"]
+    assert certificate_formats("p=bf16,c=e4m3fn,g=e5m2") == ["e4m3fn"]
+    assert certificate_formats(parse_policy("32-true")) == ["fp16", "bf16"]
+
+
 def test_plan_file_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
