@@ -188,6 +188,63 @@ def test_plan_file_round_trips_and_precision_trains_it(found, tmp_path):
         lowprec.Precision(back, overrides={"fc": "32-true"})
 
 
+@pytest.mark.parametrize("base,mixed", [("p=fp16,c=fp16,g=fp16", False),
+                                        ("p=fp32,c=fp16,g=fp16,s=matmul", True)],
+                         ids=["pure-fp16", "mixed16"])
+def test_certify_follows_the_plan_module_by_module(tmp_path, base, mixed):
+    """certify(model, data, "plan:FILE"): the twin runs each module in the plan's formats, as
+    Precision(plan) trains it (inside autocast for a mixed base); per input, δ and the
+    prediction are those of the plan run, not of the uniform base format (whose fp16 overflows
+    in ``inp``)."""
+    import numpy as np
+
+    from lowprec.analysis import certify, layer_errors
+    from lowprec.analysis.common import fp32_twin
+
+    model, data = _model(), _data()
+    p32 = "p=fp32,c=fp32,g=fp32"
+    path = Plan(policy=base, overrides={"inp": p32, "norm": p32}).save(tmp_path / "p.json")
+    cert = certify(model, data, f"plan:{path}")
+    # the plan as training runs it: Precision(plan) on a copy, its forward under autocast
+    prec = lowprec.Precision(f"plan:{path}")
+    twin, _ = prec.setup(fp32_twin(model))
+    twin.eval()
+    with torch.no_grad(), prec.autocast():
+        o = twin(data.x_test).double()
+    with torch.no_grad():
+        o32 = fp32_twin(model).eval()(data.x_test).double()
+    assert np.array_equal(cert.delta, (o - o32).abs().max(dim=1).values.numpy())
+    assert np.array_equal(cert.pred16, o.argmax(dim=1).numpy())
+    assert cert.format == f"plan:{path}" and cert.violations == 0
+    assert cert.summary()["certified"] > 0.9  # inp and norm in fp32: nothing overflows
+    # fc runs in fp16 under the plan: δ is not zero, and it is not fp16 everywhere either
+    assert cert.delta.max() > 0
+    uniform = certify(model, data, "fp16")
+    if not mixed:  # uniform fp16 overflows in inp: the plan's certificate is another one
+        assert uniform.summary()["certified"] < 0.5
+    assert not np.array_equal(uniform.delta, cert.delta)
+    # a Plan object works too, and so do the probabilities and the layer errors
+    plan = Plan.load(path)
+    assert str(certify(model, data, plan)).startswith("plan (logits)")
+    assert certify(model, data, plan, outputs="probs").violations == 0
+    errs = {e.name: e.rel_error for e in layer_errors(model, data.x_test[:64], plan)}
+    # inp in fp32: only the model's input rounding (to the base's fp16) reaches it, no overflow
+    assert errs["inp"] < 1e-3 and errs["fc"] > 0
+    if not mixed:
+        assert not math.isfinite({e.name: e.rel_error for e in layer_errors(
+            model, data.x_test[:64], "fp16")}["inp"])
+
+
+def test_a_plan_run_is_certified_as_the_plan_in_every_table():
+    from lowprec.experiments.run_analyses import certificate_formats
+
+    # a plan whose base is e4m3fn is not certified in e4m3fn: the plan never runs it uniformly
+    assert certificate_formats("plan:plan.json") == ["plan"]
+    assert certificate_formats(Plan(policy="p=bf16,c=e4m3fn,g=e5m2")) == ["plan"]
+    assert certificate_formats("p=bf16,c=e4m3fn,g=e5m2") == ["e4m3fn"]
+    assert certificate_formats(parse_policy("32-true")) == ["fp16", "bf16"]
+
+
 def test_plan_file_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -277,6 +334,24 @@ def test_cli_plan_end_to_end_and_compare_takes_the_plan(tmp_path, capsys, monkey
     # uniform fp16's non-finite accuracy is a string there, shown as diverged)
     page = (run / "report.html").read_text()
     assert f"Precision plan: plan:{out}" in page and "<td>uniform fp16</td><td>diverged" in page
+    # the plan run is certified module by module, as the plan runs it: never in uniform fp16,
+    # a format the plan does not run (issue 36: "unsafe" under its own "Use plan" verdict)
+    from lowprec.experiments.report import summary_json
+    from lowprec.experiments.results import ResultsDB
+
+    db = ResultsDB(run / "results.db", create=False)
+    plan_run = next(r["run_id"] for r in db.runs() if r["policy"] == f"plan:{out}")
+    kinds = [k for k, _ in db.analyses_of(plan_run, "certificate")]
+    stored = db.analysis(plan_run, "certificate:plan")
+    db.close()
+    assert kinds == ["certificate:plan"] and stored["summary"]["format"] == "plan"
+    md = (run / "report.md").read_text()
+    cert_rows = [line for line in md.splitlines() if line.startswith(f"| plan:{out} |")]
+    assert any("| plan (each module in its format) |" in line for line in cert_rows)
+    assert not any("| fp16 |" in line for line in cert_rows)
+    verdict = summary_json(run)["verdict"]
+    if verdict["policy"] == f"plan:{out}":
+        assert [f["format"] for f in verdict["findings"]] == ["plan"]
 
 
 def test_module_cost_counts_torchs_elements_and_profile_leaves_batchnorm_alone():

@@ -111,6 +111,9 @@ class NoAnalyses:
     def runs(self):
         return []
 
+    def analyses(self, kind):
+        return {}
+
 
 def test_verdict_picks_the_least_memory_within_noise_and_native_speed():
     rows = rows_of(row("32-true", 0.9813, 0.0006),
@@ -128,8 +131,40 @@ def test_verdict_ignores_time_that_is_not_comparable():
                    row("bf16-true", 0.98, 0.001, mem=0.59, time=0.3, comparable=False),
                    row("p=bf16:kahan", 0.98, 0.001, mem=0.59, time=0.2, comparable=False))
     v = recommend(NoAnalyses(), rows)
-    assert v.policy == "bf16-true"  # equal memory, no comparable time: the first listed
+    assert v.policy == "bf16-true"  # equal memory, accuracy, no comparable time: the name
+    assert v.tied == ["p=bf16:kahan"]
     assert any("not comparable" in e for e in v.evidence)
+
+
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)])
+def test_verdict_tie_is_said_and_broken_whatever_the_order_of_policies(order):
+    # two emulated policies of the same memory: rule 2 cannot tell them apart (an emulated
+    # time counts as 32-true's); the tie is named and goes to the higher mean accuracy
+    cands = {1: row("16-true", 0.9800, 0.001, mem=0.59, time=1.2, backend="emulated"),
+             2: row("p=fp16:kahan", 0.9805, 0.001, mem=0.59, time=1.6, backend="emulated")}
+    rows = rows_of(row("32-true", 0.9810, 0.001), *(cands[i] for i in order))
+    v = recommend(NoAnalyses(), rows)
+    assert v.policy == "p=fp16:kahan" and v.tied == ["16-true"]
+    assert "a tie with 16-true" in v.headline and "higher mean test accuracy" in v.tie_break
+    tie = next(e for e in v.evidence if e.startswith("tie: "))
+    assert "p=fp16:kahan and 16-true" in tie and "does not depend on their order" in tie
+    # the same accuracy: the lesser exact memory within the 5% band, then the name
+    cands[1]["acc_mean"] = cands[2]["acc_mean"] = 0.9805
+    cands[1]["memory_rel"], cands[1]["memory"] = 0.58, 580000
+    rows = rows_of(row("32-true", 0.9810, 0.001), *(cands[i] for i in order))
+    v = recommend(NoAnalyses(), rows)
+    assert v.policy == "16-true" and v.tied == ["p=fp16:kahan"]
+    assert "least memory" in v.tie_break and "0.58 MB against 0.59 MB" in v.tie_break
+    cands[1]["memory_rel"], cands[1]["memory"] = 0.59, 590000
+    rows = rows_of(row("32-true", 0.9810, 0.001), *(cands[i] for i in order))
+    v = recommend(NoAnalyses(), rows)
+    assert v.policy == "16-true" and "sorts first" in v.tie_break
+    # no tie: no tie sentence
+    rows = rows_of(row("32-true", 0.9810, 0.001), row("bf16-true", 0.98, 0.001, mem=0.5,
+                                                        time=0.7))
+    v = recommend(NoAnalyses(), rows)
+    assert v.tied == [] and v.tie_break is None and "tie" not in v.headline
+    assert not any(e.startswith("tie: ") for e in v.evidence)
 
 
 def test_verdict_rejects_policies_beyond_the_noise_and_diverged_ones():

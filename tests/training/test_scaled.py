@@ -139,7 +139,9 @@ def test_matmul_and_bmm_are_scaled_when_the_recipe_covers_them():
     model, _ = Precision("p=fp32,sc=fp8-tensorwise;ops=linear+matmul").setup(Attn())
     out = model(q, k)
     ref, _ = Precision("fp8-tensorwise").setup(Attn())  # linear only: no matmul scaled
-    assert torch.equal(ref(q, k), Attn()(q, k))
+    from lowprec.training.emulation.scaled import RecipeCoverageWarning
+    with pytest.warns(RecipeCoverageWarning, match="ran none"):  # and it says so
+        assert torch.equal(ref(q, k), Attn()(q, k))
     r = RECIPES["fp8-tensorwise"]
     kt = k.detach().transpose(-1, -2)
     s = torch.softmax(scaled_cast(q.detach(), r.input, -1) @ scaled_cast(kt, r.weight, -2), -1)
@@ -308,3 +310,92 @@ def test_compare_runs_recipes(tmp_path):
     assert {r["policy_spec"].rpartition("sc=")[2] for r in runs} == {"fp8-tensorwise", "mxfp4"}
     assert all(db.epochs(r["run_id"])[0]["test_acc"] > 0.5 for r in runs)
     db.close()
+
+
+# -- what a recipe covers: never nothing, silently --------------------------------------------
+def convnet(seed=0):
+    """A fully convolutional classifier (a UNet's kind of model: no nn.Linear anywhere)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 10, 1),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "mxfp8", "nvfp4"])
+def test_a_recipe_on_a_model_without_linear_layers_warns_and_says_what_it_touched(name):
+    from lowprec.training.emulation.scaled import RecipeCoverageWarning
+
+    prec = Precision(name)
+    model, _ = prec.setup(convnet())
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.warns(RecipeCoverageWarning, match=f"recipe {name} covers linear .* ran none"
+                      ) as caught:
+        out = model(x)
+    assert "no recipe defines a convolution" in str(caught[0].message)
+    assert "(0, 2)" in str(caught[0].message)  # the convolutions it left alone, by name
+    # what the warning says is true: the model computes exactly as the fp32 model does
+    assert torch.equal(out, convnet()(x))
+    cov = prec.recipe_coverage()
+    assert cov["recipes"] == {name: {"touched": [], "uncovered": ["0", "2"]}}
+    assert cov["uncovered"]["0"]["ops"] == ["conv2d"] and cov["forwards"] == 1
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeCoverageWarning)  # once per model, not per step
+        model(x)
+    assert prec.recipe_coverage()["forwards"] == 2
+
+
+def test_a_recipe_names_the_convolutions_it_leaves_and_is_quiet_where_it_covers_all():
+    import warnings
+
+    from lowprec.training.emulation.scaled import RecipeCoverageWarning
+
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 64, 10))
+    prec = Precision("fp8-rowwise")
+    model, _ = prec.setup(mixed)
+    with pytest.warns(RecipeCoverageWarning, match=r"cast the GEMMs of 1 module\(s\) \(2\); "
+                      r"convolutions ran in 1 module\(s\) the recipe does not cover \(0\)"):
+        model(torch.randn(2, 3, 8, 8))
+    assert prec.recipe_coverage()["recipes"] == {
+        "fp8-rowwise": {"touched": ["2"], "uncovered": ["0"]}}
+    prec = Precision("fp8-rowwise")
+    model, _ = prec.setup(mlp())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeCoverageWarning)
+        model(torch.randn(2, 48))
+    assert prec.recipe_coverage()["recipes"] == {
+        "fp8-rowwise": {"touched": ["0", "2", "4"], "uncovered": []}}
+    assert Precision("16-true").recipe_coverage() is None  # not set up
+    p16 = Precision("p=fp16,c=fp16,g=fp16,b=emulated")
+    p16.setup(mlp())
+    assert p16.recipe_coverage() is None  # no recipe
+
+
+def test_compare_records_and_reports_what_each_recipe_touched(tmp_path, monkeypatch, capsys):
+    import json
+
+    from lowprec.cli import main
+    from lowprec.training.emulation.scaled import RecipeCoverageWarning
+
+    (tmp_path / "lp_convnet.py").write_text(
+        "from torch import nn\n"
+        "def net(input_shape, num_classes):\n"
+        "    return nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, padding=1), nn.ReLU(),\n"
+        "                         nn.Conv2d(8, num_classes, 1), nn.AdaptiveAvgPool2d(1),\n"
+        "                         nn.Flatten())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "r"
+    with pytest.warns(RecipeCoverageWarning, match="ran none"):
+        assert main(["compare", "--data", "digits", "--model", "lp_convnet:net", "--policies",
+                     "32-true,fp8-tensorwise", "--seeds", "1", "--epochs", "1",
+                     "--train-subset", "200", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["report", str(out), "--json"]) == 0
+    got = {p["policy"]: p for p in json.loads(capsys.readouterr().out)["policies"]}
+    assert got["32-true"]["recipe_coverage"] is None
+    assert got["fp8-tensorwise"]["recipe_coverage"] == {
+        "fp8-tensorwise": {"touched": [], "uncovered": ["0", "2"]}}
+    md = (out / "report.md").read_text()
+    assert "## Scaled-GEMM recipes: modules touched" in md
+    assert "| fp8-tensorwise | fp8-tensorwise | 0: none | 2: 0, 2 |" in md
+    assert "cast no module of this model" in md

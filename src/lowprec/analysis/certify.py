@@ -22,9 +22,10 @@ import torch
 
 from ..numerics.formats import Format, parse_format
 from ..numerics.quantize import quantize
+from ..training.policy import parse_policy
 from ..training.tree import cast_floating
-from .common import (as_batches, fp32_twin, low_precision_copy, run_model, scaled_policy,
-                     static_format)
+from .common import (as_batches, fp32_twin, low_precision_copy, plan_of, run_model,
+                     scaled_policy, static_format)
 
 __all__ = ["certify", "Certificate", "certificate_from_outputs"]
 
@@ -118,7 +119,11 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
 
     ``data``: a :class:`lowprec.experiments.data.Dataset` (its test split), an (x, y) pair, a tensor of
     inputs, or an iterable of (x, y). ``outputs``: ``"logits"`` or ``"probs"`` (softmax, taken
-    in each model's own precision). ``backend``: how the 16-bit twin runs (see Precision).
+    in each model's own precision). ``fmt`` may also be a scaled-GEMM policy (the recipe is
+    certified) or a per-layer plan (``"plan:FILE"`` or a :class:`lowprec.training.plan.Plan`):
+    the twin then runs each module in the formats the plan assigns it, set up by
+    ``Precision(plan)`` as training runs it, and ops outside any module (the softmax of
+    ``probs``) in the plan's base policy. ``backend``: how the 16-bit twin runs (see Precision).
     Inputs may be a tensor or a dict of keyword inputs; only floating tensors are cast (token
     ids stay integers: fp16 holds integers exactly only up to 2048). The output is
     ``output_fn(out)``, else a ``ModelOutput``'s ``logits``, else the first tensor; outputs with
@@ -126,13 +131,25 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
     """
     if outputs not in ("logits", "probs"):
         raise ValueError(f"outputs={outputs!r}; accepted: logits, probs")
-    pol = scaled_policy(fmt)  # a scaled-GEMM recipe: its copy computes the softmax in fp32
-    if pol is not None:
-        fmt = pol
+    plan = plan_of(fmt)
+    softmax_fmt = None  # the format the twin's softmax rounds to (None: fp32)
+    if plan is not None:  # each module as the plan runs it; the softmax in the base policy
+        label = fmt.strip() if isinstance(fmt, str) else "plan"
+        base = parse_policy(plan.policy)
+        fmt = plan
+        if outputs == "probs" and base.scaled is None:
+            softmax_fmt = static_format(
+                base.compute, "certify(outputs='probs'), which rounds the softmax onto the "
+                "plan's base compute format,", "certify its logits (outputs='logits')")
+    elif (pol := scaled_policy(fmt)) is not None:
+        fmt = pol  # a scaled-GEMM recipe: its copy computes the softmax in fp32
+        label = str(pol)
     else:
         fmt = parse_format(fmt) if outputs == "logits" else static_format(
             fmt, "certify(outputs='probs'), which rounds the softmax onto the format,",
             "certify its logits (outputs='logits')")
+        label = str(fmt)
+        softmax_fmt = fmt
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()
@@ -140,7 +157,8 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
     for x, y in as_batches(data, batch_size):
         x32 = cast_floating(x, torch.float32)
         o32 = run_model(m32, x32, output_fn).float()
-        o16 = run_model(m16, prec.convert_input(x32), output_fn).float()
+        with prec.autocast():  # as training runs it (a mixed policy rounds only there)
+            o16 = run_model(m16, prec.convert_input(x32), output_fn).float()
         if o32.dim() > 2:
             o32, o16 = o32.reshape(-1, o32.shape[-1]), o16.reshape(-1, o16.shape[-1])
         if y is not None:
@@ -150,13 +168,13 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
         if outputs == "probs":
             o32 = torch.softmax(o32, dim=1)
             o16 = torch.softmax(o16, dim=1)
-            if pol is None:
-                o16 = quantize(o16, fmt)  # the 16-bit model's softmax
+            if softmax_fmt is not None:
+                o16 = quantize(o16, softmax_fmt)  # the 16-bit model's softmax
         o32s.append(o32)
         o16s.append(o16)
         if y is not None:
             labels.append(torch.as_tensor(y))
-    cert = certificate_from_outputs(torch.cat(o32s), torch.cat(o16s), fmt=str(fmt),
+    cert = certificate_from_outputs(torch.cat(o32s), torch.cat(o16s), fmt=label,
                                     outputs=outputs,
                                     labels=torch.cat(labels) if labels else None)
     cert.extra["backend"] = prec.backend

@@ -11,13 +11,14 @@ from torch import nn
 
 from ..numerics.formats import Format, parse_format
 from ..numerics.rounding import Rounding, RoundingSpec
+from ..training.plan import Plan, is_plan_spec, load_plan
 from ..training.policy import Backend, Policy, parse_policy
 from ..training.precision import Precision
 from ..training.tree import batch_size_of, call_model, output_tensor, slice_batch
 from ..training.emulation.compiled import CompiledForward
 
 __all__ = ["fp32_twin", "low_precision_copy", "as_batches", "tensor_range", "run_model",
-           "parameter_groups", "scaled_policy"]
+           "parameter_groups", "scaled_policy", "plan_of"]
 
 
 def static_format(fmt: str | Format, what: str, hint: str = "") -> Format:
@@ -55,6 +56,15 @@ def scaled_policy(spec) -> Policy | None:
     except (ValueError, TypeError):
         return None
     return pol if pol.scaled is not None else None
+
+
+def plan_of(spec) -> Plan | None:
+    """The per-layer plan ``spec`` names (``"plan:FILE"`` or a :class:`Plan`), else None.
+    Analyses given a plan run each module in the format the plan assigns it: a copy set up
+    under ``Precision(plan)``, as training runs it (ValueError in one line for a bad file)."""
+    if isinstance(spec, Plan):
+        return spec
+    return load_plan(spec) if is_plan_spec(spec) else None
 
 
 def run_model(model: nn.Module, inputs, output_fn=None) -> torch.Tensor:
@@ -104,8 +114,12 @@ def low_precision_copy(model: nn.Module, fmt: str | Format | Policy,
                        ) -> tuple[nn.Module, Precision]:
     """The same weights rounded to ``fmt`` and run in it: every layer's output and weight on the
     format's grid (pure ``fmt``), as a 16-bit network computes. A policy with scaled GEMMs
-    (:func:`scaled_policy`) gives a copy set up under that policy."""
-    pol = scaled_policy(fmt)
+    (:func:`scaled_policy`) gives a copy set up under that policy; a plan (:func:`plan_of`) a
+    copy set up under ``Precision(plan)``: each module in the formats the plan gives it (the
+    plan's per-module overrides need the emulated backend, whatever ``backend`` says). Run the
+    copy inside ``prec.autocast()``, as training does (a mixed policy rounds only there)."""
+    plan = plan_of(fmt)
+    pol = plan if plan is not None else scaled_policy(fmt)
     if pol is not None:
         twin = fp32_twin(model)
         prec = Precision(pol)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..numerics.formats import Format, parse_format
 from ..training.tree import cast_floating
-from .common import fp32_twin, low_precision_copy, run_model, scaled_policy
+from .common import fp32_twin, low_precision_copy, plan_of, run_model, scaled_policy
 
 __all__ = ["layer_errors", "LayerError"]
 
@@ -36,7 +36,11 @@ def _leaf_outputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
         if next(m.children(), None) is None and name:
             def hook(mod, args, out, name=name):
                 if torch.is_tensor(out) and name not in outs:
-                    outs[name] = out.detach().double()
+                    # read outside the emulation's mode: under it, the copy would be an op of
+                    # the parent module, rounded to the parent's format (a plan's fp32 module
+                    # inside an fp16 model would read as its fp16 overflow)
+                    with torch._C.DisableTorchFunction():
+                        outs[name] = out.detach().double()
                     order.append(name)
             handles.append(m.register_forward_hook(hook))
     try:
@@ -51,13 +55,15 @@ def _leaf_outputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
 def layer_errors(model: nn.Module, x, fmt: str | Format = "fp16", *,
                  backend: str = "emulated") -> list[LayerError]:
     """``x``: a tensor or a dict of keyword inputs (integer tensors are passed as they are)."""
-    fmt = scaled_policy(fmt) or parse_format(fmt)  # a format, or a scaled-GEMM recipe
+    # a format, a scaled-GEMM recipe, or a per-layer plan (each module in its formats)
+    fmt = plan_of(fmt) or scaled_policy(fmt) or parse_format(fmt)
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()
     x32 = cast_floating(x, torch.float32)
     a = _leaf_outputs(m32, lambda: run_model(m32, x32))
-    b = _leaf_outputs(m16, lambda: run_model(m16, prec.convert_input(x32)))
+    with prec.autocast():  # as training runs it (a mixed policy rounds only there)
+        b = _leaf_outputs(m16, lambda: run_model(m16, prec.convert_input(x32)))
     kinds = {n: type(m).__name__ for n, m in m32.named_modules()}
     rows = []
     for depth, (name, y32) in enumerate(a.items()):

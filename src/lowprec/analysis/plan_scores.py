@@ -23,6 +23,7 @@ module (see docs/design.md, "Planning", for why a greedy with repair rather than
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from ..numerics.formats import FP32, Format
 from ..numerics.storage import format_bytes
+from ..training.emulation.scaled import RecipeCoverageWarning
 from ..training.policy import Policy
 from ..training.precision import Precision
 from .advise import LOST_MAX, UNDERFLOW_MAX
@@ -196,7 +198,10 @@ def loss_under(model: nn.Module, batches, loss_fn, policy, overrides: dict | Non
     twin, _ = prec.setup(twin)
     total = 0.0
     for x, y in batches:
-        with prec.autocast():
+        with prec.autocast(), warnings.catch_warnings():
+            # a level tried on one module may carry a recipe that module has no GEMM for:
+            # what the measurement is for, not news for the planner's user
+            warnings.simplefilter("ignore", RecipeCoverageWarning)
             v = float(loss_fn(run_model(twin, prec.convert_input(x), output_fn).float(), y))
         if not math.isfinite(v):
             return math.inf

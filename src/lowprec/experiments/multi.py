@@ -77,9 +77,9 @@ def _certified(db: ResultsDB) -> dict[str, tuple[str, float]]:
     fracs: dict[str, list[float]] = {}
     fmt_of: dict[str, str] = {}
     for r in db.runs():
-        # a plan:FILE run is certified in its base policy's formats (stored as policy_spec)
-        fmts = certificate_formats(parse_policy(r["policy_spec"] if is_plan_spec(r["policy"])
-                                                else r["policy"]))
+        # a plan:FILE run is certified module by module, as the plan runs it ("plan")
+        fmts = certificate_formats(r["policy"] if is_plan_spec(r["policy"])
+                                   else parse_policy(r["policy"]))
         if not fmts:
             continue
         payload = db.analysis(r["run_id"], f"certificate:{fmts[0]}")

@@ -36,6 +36,7 @@ def summary_json(run_dir: str | Path) -> dict:
     numbers of the summary table (fractions, not percents; None where not measured), why a
     time ratio is not comparable, and the verdict; a comparison over several models gives one
     such summary per model under "models"."""
+    from .report_recipes import recipe_coverage
     from .verdict import recommend
 
     run_dir = Path(run_dir)
@@ -54,12 +55,15 @@ def summary_json(run_dir: str | Path) -> dict:
         verdict = recommend(db, rows)
         runs = [{k: r.get(k) for k in ("run_id", "policy", "seed", "status", "diverged_step",
                                        "error")} for r in db.runs()]
+        coverage = recipe_coverage(db)
     finally:
         db.close()
     policies = []
     for r in rows:
         item = {k: r[k] for k in _JSON_KEYS}
         item["time_note"] = None if r["load_check"] is None else r["load_check"].reason
+        # recipe -> the modules it cast and the convolutions it left alone (None: no recipe)
+        item["recipe_coverage"] = coverage.get(r["policy"])
         policies.append(item)
     return {**out, "verdict": verdict.to_json(), "policies": policies, "runs": runs}
 
@@ -430,10 +434,13 @@ def verdict_html(v) -> str:
 
 def _extra_sections(db: ResultsDB):
     """Sections from the analyses stored in the database (the 16-bit certificate; the
-    per-module table of each plan:FILE policy compared)."""
+    per-module table of each plan:FILE policy compared; the modules each scaled-GEMM recipe
+    touched)."""
     from .report_plan import plan_sections
+    from .report_recipes import recipe_sections
     from .report_sections import sections
 
     md, build, figs = sections(db)
     plan_md, plan_html = plan_sections(db)
-    return md + plan_md, (lambda img: build(img) + plan_html), figs
+    rec_md, rec_html = recipe_sections(db)
+    return (md + plan_md + rec_md, (lambda img: build(img) + plan_html + rec_html), figs)

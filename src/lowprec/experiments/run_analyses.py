@@ -1,5 +1,7 @@
 """The analyses of a finished run, stored for the report: the certificate, layer-wise errors,
-the range profile and lost updates, in each format the run is certified in."""
+the range profile and lost updates, in each format the run is certified in. A ``plan:FILE``
+run is certified module by module, as the plan runs it (kind ``certificate:plan``), never in
+a uniform format the plan does not run."""
 
 from __future__ import annotations
 
@@ -11,17 +13,28 @@ from torch import nn
 from ..analysis import fp32_twin, layer_errors, lost_updates, range_profile
 from ..analysis.certify import certify
 from ..numerics.formats import FP32, BinaryFormat, parse_format
+from ..training.plan import Plan, is_plan_spec
+from ..training.policy import parse_policy
 from ..training.precision import Precision
 from .config import CompareConfig
 from .data import Dataset
 from .results import ResultsDB
 
-__all__ = ["certificate_formats", "analyse_run"]
+__all__ = ["certificate_formats", "analyse_run", "PLAN_CERTIFICATE"]
+
+#: the "format" a plan:FILE run is certified in: each module in the formats the plan gives it
+PLAN_CERTIFICATE = "plan"
 
 
 def certificate_formats(policy) -> list[str]:
     """The formats a trained run is certified in: its compute format, or fp16 and bf16 for a
-    32-bit run (the paper's question: may this fp32 model run in 16 bits?)."""
+    32-bit run (the paper's question: may this fp32 model run in 16 bits?); for a per-layer
+    plan (``"plan:FILE"``, a Plan) :data:`PLAN_CERTIFICATE`, the plan module by module.
+    ``policy``: a Policy, a policy spec or a plan."""
+    if isinstance(policy, Plan) or is_plan_spec(policy):
+        return [PLAN_CERTIFICATE]
+    if isinstance(policy, str):
+        policy = parse_policy(policy)
     if isinstance(policy.compute, BinaryFormat):
         return []  # a binarized network has no float twin to compare with
     if policy.compute == FP32 or policy.compute.dynamic:
@@ -33,6 +46,18 @@ def analyse_run(db: ResultsDB, run_id: str, model: nn.Module, prec: Precision, d
                 x_train: torch.Tensor, y_train: torch.Tensor, cfg: CompareConfig) -> None:
     """Store the analyses of a trained run for the report: the certificate, layer-wise errors,
     the range profile and lost updates, in each format of :func:`certificate_formats`."""
+    run = db.run(run_id)
+    if run is not None and is_plan_spec(run["policy"]):
+        # the plan as this run trained it: its base policy and per-module overrides
+        plan = Plan(policy=prec.policy.spec, overrides=dict(prec.overrides))
+        cert = certify(model, (data.x_test, data.y_test), plan)
+        db.record_analysis(run_id, f"certificate:{PLAN_CERTIFICATE}", cert.to_payload())
+        errs = layer_errors(model, data.x_test[:256], plan)
+        db.record_analysis(run_id, f"layers:{PLAN_CERTIFICATE}",
+                           {"layers": [asdict(e) for e in errs]})
+        # the range profile and lost updates measure against one format's grid; a plan has
+        # one per module, so they are not stored for it
+        return
     ce = nn.functional.cross_entropy
     batch = (x_train[:256].clone(), y_train[:256].clone())
     for fmt in certificate_formats(prec.policy):

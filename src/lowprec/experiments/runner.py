@@ -218,6 +218,15 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, 
         db.record_analysis(run_id, "plan", load_plan(str(policy)).to_json())
     batch = (x_train[:cfg.batch_size].clone(), y_train[:cfg.batch_size].clone())
     db.record_memory(run_id, _measure_memory(prec, model, batch))
+    _record_coverage(db, run_id, prec)  # after the measured step's forward
+
+
+def _record_coverage(db: ResultsDB, run_id: str, prec: Precision) -> None:
+    """The modules a scaled-GEMM recipe cast (and the convolutions it left alone) in the
+    forwards run so far, for the report and --json (analysis kind ``recipe_coverage``)."""
+    coverage = prec.recipe_coverage()
+    if coverage is not None and coverage["forwards"]:
+        db.record_analysis(run_id, "recipe_coverage", coverage)
 
 
 def start_run_record(db: ResultsDB, cfg: CompareConfig, data: Dataset, policy: Policy, seed: int,
@@ -382,6 +391,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
         atomic_save({"model": prec.checkpoint_state_dict(), "optimizer": opt.state_dict(),
                      "precision": prec.state_dict(), "epoch": epoch,
                      "rng": torch.get_rng_state(), "records": records}, ckpt_path)
+    _record_coverage(db, run_id, prec)  # every forward of this run's training
     if status == "finished":
         try:
             analyse_run(db, run_id, model, prec, data, x_train, y_train, cfg)

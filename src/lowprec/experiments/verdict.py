@@ -16,8 +16,10 @@ The rule, stated so that every sentence of the verdict can be checked against th
    not comparable counts as 32-true's (under contention neither wall nor CPU time measures the
    policy). Only natively run policies compete on time: an emulated policy's time is the
    emulation's on this CPU (fp32 kernels plus rounding), not what the format costs on hardware
-   that has it, so it counts as 32-true's too. Ties go to 32-true, then to a native policy,
-   then to the policy listed first.
+   that has it, so it counts as 32-true's too. Ties go to 32-true, then to a native policy;
+   policies still equal on all of that are a **tie**, said so and naming them all, broken by
+   a rule that does not depend on the order of ``--policies``: the least memory (exact
+   bytes), then the higher mean test accuracy, then the policy name in sorted order.
 3. The evidence: accuracy against 32-true with n, memory, time (or why the time ratio is not
    comparable), and the findings of :func:`lowprec.analysis.advise.judge` (certificate,
    loss scale, lost updates) from the analyses stored for that policy's first finished run.
@@ -29,6 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..analysis.advise import judge
+from .report_recipes import coverage_note, recipe_coverage
 from .results import ResultsDB
 from .summary import BASELINE, acc_cell
 
@@ -43,12 +46,16 @@ MEMORY_TIE = 0.05           # policies within 5% of the least memory compete on 
 class Verdict:
     """``policy``: the recommended policy (None: nothing to recommend against). ``headline``:
     one sentence; ``evidence``: one sentence per measurement; ``findings``: advise's verdict per
-    format for that policy ({"format", "verdict", "reasons", "run"})."""
+    format for that policy ({"format", "verdict", "reasons", "run"}); ``tied``: the other
+    policies rule 2 could not tell from it (empty when none); ``tie_break``: how that tie was
+    broken (None when there was none)."""
 
     policy: str | None
     headline: str
     evidence: list[str] = field(default_factory=list)
     findings: list[dict] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
+    tie_break: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -74,6 +81,32 @@ def _rank(r: dict) -> tuple[float, int]:
             or not r["time_comparable"]):
         return 1.0, int(not native)
     return r["time_rel"], 0
+
+
+def _tie_key(r: dict, base: dict) -> tuple:
+    """The order among policies rule 2 ranks equal, independent of the order of --policies:
+    32-true first, then the least memory (exact bytes), the higher mean test accuracy, and the
+    name."""
+    return (r is not base, r["memory_rel"] or 1.0, -r["acc_mean"], r["policy"])
+
+
+def _tie_reason(best: dict, runner: dict, base: dict) -> tuple[str, str]:
+    """Why ``best`` comes before ``runner`` under :func:`_tie_key` (its first differing part):
+    (a few words for the headline, the sentence for the evidence)."""
+    if best is base:
+        return f"ties go to {BASELINE}", f"ties go to {BASELINE}"
+    if (best["memory_rel"] or 1.0) != (runner["memory_rel"] or 1.0):
+        mb = (lambda r: "-" if not r["memory"] else f"{r['memory'] / 1e6:.2f} MB")
+        return "broken by the least memory", (
+            f"{best['policy']} needs the least memory of them ({mb(best)} against "
+            f"{mb(runner)} for {runner['policy']})")
+    if best["acc_mean"] != runner["acc_mean"]:
+        return "broken by the higher mean accuracy", (
+            f"{best['policy']} has the higher mean test accuracy ({acc_cell(best)} against "
+            f"{acc_cell(runner)} for {runner['policy']})")
+    return "broken by name order", (
+        "nothing measured separates them (the same memory and accuracy): the name that sorts "
+        f"first, {best['policy']}")
 
 
 def _time_sentence(r: dict) -> str:
@@ -116,6 +149,13 @@ def _findings(db: ResultsDB, policy: str) -> list[dict]:
     return out
 
 
+def _coverage_note(db: ResultsDB, policy: str) -> str | None:
+    """A sentence when ``policy``'s scaled-GEMM recipe cast no module of the model, or left its
+    convolutions uncast (from the runs' stored coverage)."""
+    recipes = recipe_coverage(db).get(policy)
+    return None if recipes is None else coverage_note(policy, recipes)
+
+
 def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
     """The verdict of a comparison (``rows``: :func:`lowprec.experiments.summary.summarize`)."""
     base = next((r for r in rows if r["policy"] == BASELINE), None)
@@ -139,7 +179,11 @@ def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
                             f"±{100 * tol:.2f})")
     least = min((r["memory_rel"] or 1.0) for r in candidates)
     tied = [r for r in candidates if (r["memory_rel"] or 1.0) <= least * (1 + MEMORY_TIE)]
-    best = min(tied, key=_rank)  # min keeps the first of equals: 32-true, then list order
+    # equals under rule 2 are a tie, broken by a rule of their own (never the list's order)
+    ranked = sorted(tied, key=lambda r: (_rank(r), _tie_key(r, base)))
+    best = ranked[0]
+    ties = [r for r in ranked[1:] if _rank(r) == _rank(best)]
+    tie_short, tie_break = _tie_reason(best, ties[0], base) if ties else (None, None)
 
     evidence = []
     if best is base:
@@ -166,13 +210,25 @@ def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
         if best["skipped"]:
             evidence.append(f"skipped steps: {best['skipped']:.1f} per run (loss-scale "
                             "overflows, skipped and retried at a lower scale)")
+    if ties:
+        names = [best["policy"], *(r["policy"] for r in ties)]
+        headline += f" (a tie with {', '.join(names[1:])}, {tie_short})"
+        evidence.append(f"tie: {' and '.join(names)} are equal under the rule (memory within "
+                        f"{100 * MEMORY_TIE:.0f}% of the least, no time ratio that separates "
+                        f"them); broken by a rule that does not depend on their order "
+                        f"({BASELINE} first, then the least memory, the higher mean accuracy, "
+                        f"the name): {tie_break}")
     others = [r["policy"] for r in candidates if r is not best and r is not base]
     if others:
         evidence.append("also within seed noise: " + ", ".join(
             f"{p} ({_brief(next(r for r in rows if r['policy'] == p))})" for p in others))
     if rejected:
         evidence.append("not within seed noise of " + BASELINE + ": " + ", ".join(rejected))
-    return Verdict(best["policy"], headline + ".", evidence, _findings(db, best["policy"]))
+    note = _coverage_note(db, best["policy"])
+    if note:
+        evidence.append(note)
+    return Verdict(best["policy"], headline + ".", evidence, _findings(db, best["policy"]),
+                   tied=[r["policy"] for r in ties], tie_break=tie_break)
 
 
 def _brief(r: dict) -> str:

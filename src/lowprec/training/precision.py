@@ -52,6 +52,7 @@ from ..numerics.storage import compact, format_of_dtype
 from .backends import BackendChoice, PrecisionBackend, announce, backend_class, choose_backend
 from .backends.probe import BackendTiming, build_copies, decide, loss_of, time_steps
 from .emulation import Emulation
+from .emulation.scaled import coverage_of as scaled_coverage_of
 from .hardware import device_facts
 from .loss_scale import LossScale, make_loss_scale
 from .memory import MemoryLedger, measure_memory
@@ -175,6 +176,12 @@ class Precision:
     def emulation(self) -> Emulation | None:
         """The emulation engine the model runs under (None on the native backend)."""
         return None if self._backend is None else self._backend.engine
+
+    def recipe_coverage(self) -> dict | None:
+        """Which modules a scaled-GEMM recipe (``sc=``) cast in the forwards run so far, and
+        which ran convolutions it does not define (:class:`lowprec.training.emulation.scaled.
+        CoverageLog`); None when no rule carries a recipe or the model is not set up."""
+        return scaled_coverage_of(self.emulation) if self.emulation is not None else None
 
     # -- set-up ------------------------------------------------------------------------------
     def choose_backend(self, device: torch.device | str) -> BackendChoice:

@@ -540,6 +540,8 @@ class _Mode(TorchFunctionMode):
             finally:
                 self.expanding.discard(func)
         rule = em.rule()
+        if rule.scaled is not None and name in scaled.UNCOVERED_OPS:  # (run as any other op)
+            em.scaled_log.miss(em.module_name(), rule.scaled, name)
         dt = kwargs.get("dtype")
         if name in CASTS and args and torch.is_tensor(args[0]):
             out = em.cast(func, name, rule, args, kwargs)
@@ -591,6 +593,9 @@ class Emulation:
         self.observers: list[Callable] = []
         self.handles: list = []
         self.rules: dict[str, Rule] = {}  # module name -> rule, for modules under an override
+        #: the modules a scaled-GEMM recipe touched, or left uncast (None: no rule has one)
+        self.scaled_log = scaled.CoverageLog() if any(
+            r.scaled is not None for r in (self.root_rule, *self.overrides.values())) else None
         self._stack: list[tuple[str, Rule]] = []
         self._entered: list[bool] = []
         self._mode = _Mode(self)
@@ -720,7 +725,15 @@ class Emulation:
             self._depth -= 1
             self._stream = None
             self._mode.__exit__(None, None, None)
+            if self.scaled_log is not None and self._depth == 0:
+                scaled.after_forward(self)  # the recipe's coverage: one warning if it lacks
         return None
+
+    def scaled_rules(self) -> list[Rule]:
+        """The rules of this model's modules that carry a scaled-GEMM recipe."""
+        rules = {id(r): r for r in (self.root_rule, *self.rules.values(),
+                                    *self.overrides.values()) if r.scaled is not None}
+        return list(rules.values())
 
     def _root_hook(self, hook):
         def run(*args, **kwargs):

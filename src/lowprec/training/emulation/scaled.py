@@ -19,6 +19,13 @@ Under a rule whose compute format is not fp32 (a mixed policy with ``sc=``), the
 first rounded to the compute format, as torchao's layer casts its input to the autocast dtype,
 and the output is rounded to it (with its gradient, to the gradient format).
 
+A recipe covers only its ops (``linear``, and ``matmul``/``mm``/``bmm`` where it says so): as
+torchao's ``Float8Linear`` converts ``nn.Linear`` only, no recipe defines a convolution. Each
+engine whose rules carry a recipe keeps a :class:`CoverageLog` of the modules whose GEMMs the
+recipe cast and of those that ran convolutions it left alone; after its first forward it warns
+(:class:`RecipeCoverageWarning`) when the recipe cast nothing, or left convolutions uncast, so
+that a convolutional network never trains silently as fp32 under an fp8 name.
+
 Delayed scaling keeps the amaxes of each operand (key: module, op, role) in an
 :class:`lowprec.numerics.scaling.AmaxHistory`; ``Precision`` binds its regime's history to the
 model (:func:`bind_history`), so it travels in ``Precision.state_dict()``.
@@ -27,13 +34,107 @@ model (:func:`bind_history`), so it travels in ``Precision.state_dict()``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
 
 from ...numerics.scaling import AmaxHistory, scaled_cast
 
-__all__ = ["run_scaled", "bind_history", "history_of", "scaled_matmul", "record_casts"]
+__all__ = ["run_scaled", "bind_history", "history_of", "scaled_matmul", "record_casts",
+           "CoverageLog", "RecipeCoverageWarning", "UNCOVERED_OPS", "coverage_of"]
+
+#: GEMM-like ops no recipe defines: a module running them under a recipe computes them in the
+#: rule's compute format, uncast (torchao's Float8Linear converts nn.Linear only)
+UNCOVERED_OPS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                           "conv_transpose3d", "convolution", "_convolution", "conv_tbc"})
+_LISTED = 8  # module names a warning lists before "and N more"
+
+
+class RecipeCoverageWarning(UserWarning):
+    """A scaled-GEMM recipe cast nothing in a model's forward, or left its convolutions uncast."""
+
+
+class CoverageLog:
+    """Which modules a recipe touched: ``touched`` (module name -> {"recipe", "ops"}, the
+    GEMMs cast to the recipe) and ``uncovered`` (module name -> {"recipe", "ops"}, the
+    convolutions run under a recipe that does not define them); ``forwards``: root forwards
+    seen. Module "" is the root (ops of its own forward, outside any submodule)."""
+
+    def __init__(self) -> None:
+        self.touched: dict[str, dict] = {}
+        self.uncovered: dict[str, dict] = {}
+        self.forwards = 0
+        self.warned = False
+
+    @staticmethod
+    def _note(table: dict, module: str, recipe, op: str) -> None:
+        entry = table.get(module)
+        if entry is None:
+            table[module] = entry = {"recipe": str(recipe), "ops": []}
+        if op not in entry["ops"]:
+            entry["ops"].append(op)
+
+    def touch(self, module: str, recipe, op: str) -> None:
+        self._note(self.touched, module, recipe, op)
+
+    def miss(self, module: str, recipe, op: str) -> None:
+        self._note(self.uncovered, module, recipe, op)
+
+    def by_recipe(self) -> dict[str, dict]:
+        """recipe -> {"touched": [modules], "uncovered": [modules]} (the run's record)."""
+        out: dict[str, dict] = {}
+        for key, table in (("touched", self.touched), ("uncovered", self.uncovered)):
+            for module, entry in table.items():
+                item = out.setdefault(entry["recipe"], {"touched": [], "uncovered": []})
+                item[key].append(module or "(root)")
+        return out
+
+    def to_json(self) -> dict:
+        return {"recipes": self.by_recipe(), "forwards": self.forwards,
+                "touched": {m or "(root)": e for m, e in self.touched.items()},
+                "uncovered": {m or "(root)": e for m, e in self.uncovered.items()}}
+
+
+def _listed(names) -> str:
+    names = [n or "(root)" for n in names]
+    more = len(names) - _LISTED
+    return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def after_forward(engine) -> None:
+    """Called when a root forward under ``engine`` ends: after the first, one
+    :class:`RecipeCoverageWarning` if its recipes cast no GEMM, or left convolutions uncast."""
+    log = engine.scaled_log
+    log.forwards += 1
+    if log.warned:
+        return
+    log.warned = True
+    recipes = sorted({str(r.scaled) for r in engine.scaled_rules()})
+    ops = sorted({op for r in engine.scaled_rules() for op in r.scaled.op_names})
+    compute = sorted({str(r.compute) for r in engine.scaled_rules()})
+    name = " and ".join(recipes)
+    convs = (f"; convolutions ran in {len(log.uncovered)} module(s) the recipe does not cover "
+             f"({_listed(log.uncovered)}): no recipe defines a convolution (torchao's "
+             "Float8Linear converts nn.Linear only), so they compute in "
+             f"{'/'.join(compute)}") if log.uncovered else ""
+    if not log.touched:
+        warnings.warn(
+            f"the scaled-GEMM recipe {name} covers {', '.join(ops)} (nn.Linear, F.linear) and "
+            f"this model's forward ran none: nothing is cast to the recipe's formats, and the "
+            f"model trains as {'/'.join(compute)} without it{convs}; round every op with a "
+            "format policy instead (c=e4m3fn, 16-true, ...)", RecipeCoverageWarning,
+            stacklevel=2)
+    elif log.uncovered:
+        warnings.warn(
+            f"the scaled-GEMM recipe {name} cast the GEMMs of {len(log.touched)} module(s) "
+            f"({_listed(log.touched)}){convs}", RecipeCoverageWarning, stacklevel=2)
+
+
+def coverage_of(engine) -> dict | None:
+    """The :class:`CoverageLog` of ``engine`` as data (None when no rule has a recipe)."""
+    log = getattr(engine, "scaled_log", None)
+    return None if log is None else log.to_json()
 
 # model -> the amax history of its delayed casts (Precision's regime binds it); an engine
 # without a bound model keeps one of its own
@@ -156,6 +257,7 @@ def run_scaled(engine, func, name: str, rule, args, kwargs):
                                                   and not _is_f32(bias)):
         return func(*args, **kwargs)
     a, b = operands
+    engine.scaled_log.touch(engine.module_name(), recipe, name)
     if rule.active and rule.scope != "all":  # autocast-like: operands in the compute format
         a = engine.round(a, rule, key)
         b = engine.round(b, rule, key, grads=not isinstance(b, torch.nn.Parameter))
