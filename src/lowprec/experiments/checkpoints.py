@@ -9,13 +9,18 @@ from pathlib import Path
 from .results import NOT_REQUESTED
 from .runfolder import atomic_torch_save
 
-__all__ = ["run_id_of", "checkpoint_path", "atomic_save", "resumable"]
+__all__ = ["run_id_of", "policy_of", "checkpoint_path", "atomic_save", "resumable"]
 
 
 def run_id_of(policy, seed: int) -> str:
     """The key of a (policy, seed) run in results.db: the policy as the comparison was given it
     (a name or spec string, or a Policy, which prints as that name)."""
     return f"{policy}|seed={seed}"
+
+
+def policy_of(run_id: str) -> str:
+    """The policy as the comparison was given it, from a run id (:func:`run_id_of`'s inverse)."""
+    return run_id.rsplit("|seed=", 1)[0]
 
 
 def checkpoint_path(out: Path, run_id: str) -> Path:
