@@ -113,6 +113,7 @@ def files(tmp_path_factory):
                               epochs=1, batch_size=32, train_subset=64, out=str(good),
                               quiet=True))
     (root / "afile").write_text("x")
+    (root / "shape_plan.json").write_text('{"policy": 5, "overrides": "x"}')
     for name, text in (("key.toml", "epoch = 3\n"), ("value.toml", "epochs = 0\n"),
                        ("table.toml", "[frobnicate]\nepochs = 1\n"),
                        ("switch.toml", 'quiet = "yes"\n'), ("list.toml", "lr = [0.1, 0.2]\n"),
@@ -391,6 +392,18 @@ CASES = [
     ("cmp-executor-empty", ["compare", "--executor", "", "--out", "{T}/r"], 2),
     ("cmp-force-no-resume", ["compare", "--force-config", "--out", "{T}/r"], 2),
     ("tr-force-no-resume", ["train", "--force-config", "--out", "{T}/r"], 2),
+    # the hostile tester's (issue 36's closing round)
+    ("g-out-in-a-run", ["compare", "--data", "digits", "--model", "mlp", "--out",
+                        "{R}/checkpoints"], 2, "folder"),
+    ("g-plan-shape", ["compare", "--policies", "plan:{F}/shape_plan.json", "--out", "{T}/r"], 2),
+    ("g-plan-menu-empty", ["plan", "--data", "digits", "--model", "mlp", "--menu", "",
+                           "--out", "{T}/p.json"], 2),
+    ("g-lr-minus-inf", ["compare", "--lr", "-inf", "--out", "{T}/r"], 2),
+    ("g-wd-minus-exp", ["compare", "--weight-decay", "-1e-9", "--out", "{T}/r"], 2),
+    ("g-policies-blank-item", ["compare", "--policies", "32-true,,16-true", "--out", "{T}/r"], 2),
+    ("g-policies-dup", ["compare", "--policies", "32-true,bf16-true,32-true", "--out", "{T}/r"],
+     2),
+    ("g-q-sr0", ["quantize", "-f", "fp16", "-r", "sr0", "1"], 2),
     # --json takes no value; --version is no command's flag
     ("json-value", ["compare", "--json", "yes"], 2),
     ("version-after-command", ["compare", "--version"], 2),
@@ -557,6 +570,14 @@ GARBAGE_SAYS = {
     "g-ad-model-exit0": "SystemExit: sys.exit(0) was called",
     "g-ad-dfxp": "dfxp<10> is dynamic fixed point",
     "g-ce-dfxp-probs": "dfxp<10> is dynamic fixed point",
+    "g-out-in-a-run": "lies inside the run folder",
+    "g-plan-shape": "shape_plan.json' is not a lowprec plan: 'policy' must be a policy string",
+    "g-plan-menu-empty": "menu '' holds an empty level; accepted levels: fp32",
+    "g-lr-minus-inf": "'-inf' is not finite",
+    "g-wd-minus-exp": "'-1e-9' must be >= 0",
+    "g-policies-blank-item": "hold an empty item",
+    "g-policies-dup": "policy '32-true' is listed twice",
+    "g-q-sr0": "rounding mode 'sr0': srN takes N = 1..32",
 }
 
 
@@ -678,3 +699,30 @@ def test_a_damaged_models_json_is_one_line(files, tmp_path, capsys, text, comman
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "models.json is damaged" in err[0], err
     assert (out / "models.json").read_text() == text
+
+
+@pytest.mark.parametrize("argv", [["formats", "fp16"], ["quantize", "-f", "fp16", "1"]])
+def test_output_to_a_full_device_is_one_line(argv, capsys, monkeypatch):
+    """stdout on /dev/full (ENOSPC at the write or the flush): exit 1 and one line, no
+    traceback; a closed pipe (| head) ends quietly with 141, as the shell reports SIGPIPE."""
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def fileno(self):
+            raise io.UnsupportedOperation("no file descriptor")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lowprec: error: cannot write the output: No space left on device"]
+
+
+def test_negative_numbers_are_values_not_flags(capsys):
+    """argparse took -1e-3 and -inf for flags; the help says they are accepted values."""
+    assert main(["quantize", "-f", "fp16", "-1e-3", "-inf", "1e30"]) == 0
+    out = capsys.readouterr().out
+    assert "-0.0010004" in out and "-inf" in out

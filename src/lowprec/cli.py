@@ -102,11 +102,21 @@ def _quantize_value(text: str) -> float:
     return float(text)
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$|^-(?:inf|infinity|nan)$",
+                              re.ASCII | re.IGNORECASE)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (no usage block), exit code 2."""
 
     #: (path, flags) of a --config file whose flags this parser is parsing
     config_origin: tuple[str, set] | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1e-9", "-inf" and "-nan" for flags (its matcher knows only -1 and
+        # -1.5), so "--lr -inf" said "expected one argument" instead of naming the value
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str):
         origin = ""
@@ -224,7 +234,7 @@ def _print_summary(run_dir, console: Console) -> None:
     from .experiments.report import flagged_note
     from .experiments.verdict import recommend
 
-    db = ResultsDB(run_dir / "results.db", create=False)
+    db = ResultsDB(run_dir / "results.db", create=False, readonly=True)
     try:
         rows = summarize(db)
         cols, cells = summary_rows(rows)
@@ -863,15 +873,48 @@ def main(argv: list[str] | None = None) -> int:
     _json_printed[0] = False
     as_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
     try:
-        code = _main(argv)
-    except BaseException as err:  # a bug (traceback kept) or an exit from deep inside
-        if as_json and not _json_printed[0]:
-            code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) else 1
-            _json_error(_errors[-1] if _errors else f"{type(err).__name__}: {err}", code)
-        raise
-    if as_json and code != 0 and not _json_printed[0]:
-        _json_error(_errors[-1] if _errors else f"exit code {code}", code)
-    return code
+        try:
+            code = _main(argv)
+        except BaseException as err:  # a bug (traceback kept) or an exit from deep inside
+            if as_json and not _json_printed[0] and not _output_failed(err):
+                code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) \
+                    else 1
+                _json_error(_errors[-1] if _errors else f"{type(err).__name__}: {err}", code)
+            raise
+        if as_json and code != 0 and not _json_printed[0]:
+            _json_error(_errors[-1] if _errors else f"exit code {code}", code)
+        sys.stdout.flush()  # a full device or a closed pipe shows here, not at exit
+        return code
+    except OSError as err:
+        if not _output_failed(err):
+            raise
+        return _output_lost(err)
+
+
+def _output_failed(err: BaseException) -> bool:
+    """The command's output could not be written: a closed pipe (``| head``) or a full
+    device (``> /dev/full``), which no command catches as its own I/O."""
+    import errno
+
+    return isinstance(err, OSError) and err.errno in (errno.EPIPE, errno.ENOSPC, errno.EIO)
+
+
+def _output_lost(err: OSError) -> int:
+    """One line for a stdout that cannot be written (none for a closed pipe, as other tools
+    do), stdout pointed at /dev/null so that Python's flush at exit finds nothing to write."""
+    import errno
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    if err.errno == errno.EPIPE:
+        return 141  # as a shell reports SIGPIPE
+    print(f"lowprec: error: cannot write the output: {err.strerror or err}", file=sys.stderr)
+    return 1
 
 
 def _json_error(line: str, code: int) -> None:

@@ -181,8 +181,11 @@ class CompareConfig:
                 raise RunError(f"seed {s!r} is not an integer in [0, {MAX_SEED}]")
         if len(set(self.seeds)) != len(self.seeds):
             raise RunError(f"seeds {list(self.seeds)[:10]} repeat a seed")
-        if len({str(p) for p in self.policies}) != len(self.policies):
-            raise RunError("a policy is listed twice")
+        names = [str(p) for p in self.policies]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise RunError(f"policy {twice[0]!r} is listed twice in --policies "
+                           f"({', '.join(names)[:200]}): list each once")
         if not isinstance(self.out, str) or not self.out.strip():
             raise RunError("--out is empty: name a run folder")
 
@@ -237,10 +240,26 @@ def split_models(spec: str) -> tuple[str, ...]:
     return models
 
 
+def _raw_pieces(spec: str) -> list[str]:
+    """The comma-separated pieces of ``spec`` outside <...>, empty ones kept."""
+    pieces, depth, cur = [], 0, []
+    for ch in spec:
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            pieces.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    return pieces + ["".join(cur)]
+
+
 def split_policies(spec: str) -> list[str]:
     """Split a policy list on commas, keeping each compact spec (which has commas) whole:
     a piece containing '=' continues the previous spec when that spec also has '='."""
     out: list[str] = []
+    if any(not piece.strip() for piece in _raw_pieces(spec)):
+        raise ValueError(f"policies {spec[:120]!r} hold an empty item (two commas, or one at "
+                         "an end): list policy names or specs separated by single commas")
     for piece in split_top(spec):  # commas inside <...> (fixed<16,14>-sr) do not split
         if out and "=" in piece and "=" in out[-1]:
             out[-1] += "," + piece

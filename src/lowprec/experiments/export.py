@@ -87,6 +87,10 @@ def export_run(run_dir: str | Path, to: str, out: str | Path | None = None) -> E
     _check_out(out)
     if _EXTRA[to]:
         _needs(_EXTRA[to], to)
+    # every database is checked before anything is created (RUN/export included)
+    for sub in ([run_dir / m for m in read_models_list(run_dir)] if several else [run_dir]):
+        if (sub / "results.db").is_file():
+            ResultsDB(sub / "results.db", create=False, readonly=True).close()
     if several:
         models = read_models_list(run_dir)
         result = ExportResult(format=to, out=str(out), runs=0, files=[])

@@ -22,7 +22,8 @@ from .render import html_table, md_table
 from .report import write_report
 from .results import ResultsDB
 from .run_analyses import certificate_formats
-from .runner import check_resume, record_config_file, refuse_foreign, run_model
+from .runner import (check_resume, record_config_file, refuse_foreign, refuse_nested,
+                     run_model)
 from .runfolder import (MODELS_FILE, FolderLock, atomic_write_bytes, read_models_list,
                         remove_stale_temps)
 from .summary import BASELINE, acc_cell, summarize, time_cell
@@ -42,6 +43,7 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
     except (OSError, ValueError, AttributeError):
         listed = []
     refuse_foreign(out, models=True, model_names={*models, *map(str, listed)})
+    refuse_nested(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -102,7 +104,7 @@ def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]],
         if not path.exists():
             tables.append((model, cols, [], "not run yet"))
             continue
-        db = ResultsDB(path, create=False)
+        db = ResultsDB(path, create=False, readonly=True)
         try:
             rows, cert = summarize(db), _certified(db)
             runs = db.runs()

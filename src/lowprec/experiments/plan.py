@@ -99,7 +99,9 @@ def parse_menu(menu) -> tuple[str, ...]:
     """``"fp32,bf16,fp16"`` or a sequence of level names -> names (fp32 added: the fallback);
     ValueError naming the accepted levels."""
     names = [m.strip() for m in (menu.split(",") if isinstance(menu, str) else menu)]
-    names = [n for n in names if n]
+    if not names or not all(names):
+        raise ValueError(f"menu {str(menu)[:120]!r} holds an empty level; accepted levels: "
+                         f"{', '.join(LEVELS)}, separated by single commas")
     for n in names:
         if n not in LEVELS:
             raise ValueError(f"menu level {n!r}; accepted: {', '.join(LEVELS)}")

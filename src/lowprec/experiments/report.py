@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .render import html_table, md_table, png_bytes, stacked, subplots
 from .results import ResultsDB
-from .runfolder import MODELS_FILE, atomic_write_bytes, io_error
+from .runfolder import MODELS_FILE, atomic_write_bytes, io_error, read_models_list
 from .summary import BASELINE, acc_cell, final_acc, pct, summarize, time_cell
 from .timing import LOAD_DIFF_MAX
 
@@ -45,11 +45,11 @@ def summary_json(run_dir: str | Path) -> dict:
     if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
         import json
 
-        models = json.loads((run_dir / MODELS_FILE).read_text())["models"]
+        models = read_models_list(run_dir)
         out["models"] = {m: summary_json(run_dir / m) for m in models
                          if (run_dir / m / "results.db").exists()}
         return out
-    db = ResultsDB(run_dir / "results.db", create=False)
+    db = ResultsDB(run_dir / "results.db", create=False, readonly=True)
     try:
         rows = summarize(db)
         verdict = recommend(db, rows)
@@ -341,8 +341,8 @@ def write_report(run_dir: str | Path, db: ResultsDB | None = None) -> tuple[Path
 
     run_dir = Path(run_dir)
     own = db is None
-    if own:
-        db = ResultsDB(run_dir / "results.db", create=False)
+    if own:  # read only: a report is written beside the database, never into it
+        db = ResultsDB(run_dir / "results.db", create=False, readonly=True)
     try:
         rows = summarize(db)
         verdict = recommend(db, rows)

@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
            "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
-           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE", "EXPORT_MARK", "read_models_list"]
+           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE", "EXPORT_MARK", "read_models_list", "enclosing_run"]
 
 LOCK_NAME = ".lock"
 #: written by the Ray driver for its tasks to prove they see the run folder
@@ -278,3 +278,17 @@ def read_models_list(folder: Path) -> list[str]:
         raise ValueError(f"{path} is damaged: models={str(models)[:100]!r} is not a list of "
                          "model names; the file was left untouched")
     return models
+
+
+def enclosing_run(folder: Path) -> Path | None:
+    """The run folder that ``folder`` would lie inside (an ancestor holding results.db), or
+    None: a run written into another's ``checkpoints/`` or beside its files would make that
+    run's folder foreign to its own ``--resume``."""
+    try:
+        here = Path(folder).resolve()
+    except (OSError, RuntimeError):
+        return None
+    for parent in here.parents:
+        if (parent / "results.db").is_file():
+            return parent
+    return None

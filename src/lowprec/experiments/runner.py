@@ -38,14 +38,14 @@ from .report import write_report
 from .results import (NOT_REQUESTED, ResultsDB, is_blank, read_run_statuses,
                       read_stored_config)
 from .run_analyses import analyse_run
-from .runfolder import (CONFIG_FILE, FolderLock, RunIOError, atomic_write_bytes, foreign_entry,
-                        io_error, remove_stale_temps, temp_path, WRITE_PROBE)
+from .runfolder import (CONFIG_FILE, WRITE_PROBE, FolderLock, RunIOError, atomic_write_bytes,
+                        enclosing_run, foreign_entry, io_error, remove_stale_temps, temp_path)
 from .system import tune_cpu_allocator
 from .timing import EpochMeter
 
 __all__ = ["run_model", "train_run", "evaluate", "config_differences", "check_policies",
            "failed_runs", "start_run_record", "failure_message", "mark_unrequested",
-           "refuse_foreign", "record_config_file", "check_resume"]
+           "refuse_foreign", "refuse_nested", "record_config_file", "check_resume"]
 
 
 def _prepare_out(out: Path) -> None:
@@ -54,6 +54,7 @@ def _prepare_out(out: Path) -> None:
     if not str(out).strip():
         raise RunError("--out is empty: name a run folder")
     refuse_foreign(out)
+    refuse_nested(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = temp_path(out / WRITE_PROBE)
@@ -78,6 +79,14 @@ def refuse_foreign(out: Path, **kind) -> None:
         raise RunError(f"--out {str(out)[:200]} holds {found[:120]!r}, which is not part of a "
                        "lowprec run folder: lowprec writes only into a new or empty folder, or "
                        "one of its own runs; choose another --out")
+
+
+def refuse_nested(out: Path) -> None:
+    """RunError when ``out`` lies inside another run folder (``--out RUN/checkpoints``)."""
+    inside = enclosing_run(out)
+    if inside is not None:
+        raise RunError(f"--out {str(out)[:200]} lies inside the run folder {str(inside)[:200]}: "
+                       "a run folder holds one comparison; choose a folder outside it")
 
 
 _HYPER = ("data", "model", "policies", "seeds", "epochs", "batch_size", "lr", "optimizer",

@@ -144,6 +144,8 @@ def parse_rounding(rounding: "str | Rounding | RoundingSpec",
             mode = _NAMES[key]
         elif m := _LIMITED_RE.match(key):
             mode, bits = Rounding.STOCHASTIC_LIMITED, int(m.group(1))
+            if not 1 <= bits <= 32:
+                raise ValueError(f"rounding mode {rounding!r}: srN takes N = 1..32 random bits")
             if random_bits is not None and random_bits != bits:
                 raise ValueError(f"rounding {rounding!r} conflicts with random_bits={random_bits}")
             random_bits = bits

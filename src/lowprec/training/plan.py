@@ -89,7 +89,14 @@ class Plan:
         if version != _VERSION:
             raise ValueError(f"{source}: lowprec_plan={version!r}; this lowprec reads version "
                              f"{_VERSION}")
-        return cls(policy=d["policy"], overrides=dict(d.get("overrides") or {}),
+        overrides = d.get("overrides") or {}
+        if not isinstance(d["policy"], str) or not isinstance(overrides, dict) or \
+                not all(isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()):
+            raise ValueError(f"{source} is not a lowprec plan: 'policy' must be a policy string "
+                             "and 'overrides' a table of module pattern -> policy string "
+                             f"(got policy={str(d['policy'])[:60]!r}, overrides of type "
+                             f"{type(overrides).__name__})")
+        return cls(policy=d["policy"], overrides=dict(overrides),
                    evidence=d.get("evidence") or {}, verification=d.get("verification") or {},
                    log=tuple(d.get("log") or ()), meta=d.get("meta") or {})
 
