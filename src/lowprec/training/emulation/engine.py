@@ -597,7 +597,9 @@ class Emulation:
     ``Precision.autocast()``, like torch.autocast). ``overrides`` maps glob patterns on module
     names to a policy or a format: ops run inside a matching module (or its children) follow it.
     ``detach()`` removes the hooks. ``with emulation.enabled():`` rounds ops run outside the
-    model's forward too (a loss, a functional model).
+    model's forward too (a loss, a functional model). ``target`` ("cpu", "cuda" or None: each
+    op's device) picks whose 16-bit kernels the ops that round otherwise on CUDA follow (see
+    the module docstring).
     """
 
     def __init__(self, model: nn.Module | None, policy: Policy, generator: torch.Generator | None
@@ -1312,7 +1314,8 @@ class Emulation:
         computed in fp32 and rounded. The CPU kernels add the bias to the fp32 sum and round
         once. (CUDA's own depthwise and 3-d fallback kernels, not cuDNN, take the bias inside:
         not modelled.)"""
-        if name not in _CONVS or len(args) < 2 or rule.accumulator is not None:
+        if name not in _CONVS or len(args) < 2 or rule.accumulator is not None or \
+                not kernels.plain_formats(rule):
             return None
         b = args[2] if len(args) > 2 else (kwargs or {}).get("bias")
         if not (torch.is_tensor(b) and _floating(b)) or not self.cuda_kernels(args):
@@ -1351,6 +1354,9 @@ def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
 
     >>> with emulated("16-true"):
     ...     y = torch.nn.functional.gelu(x)     # fp32 gelu, rounded once to fp16
+
+    ``target``: whose 16-bit kernels the ops that differ follow ("cpu", "cuda"; None: the
+    device of each op's tensors), as :class:`Emulation`.
     """
     check_generator(generator)
     pol = parse_policy(policy)
