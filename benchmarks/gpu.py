@@ -15,7 +15,12 @@ measure it), speed and fidelity are.
    CUDA events after ``torch.cuda.synchronize``; convolutional models run channels-last.
 2. **Fidelity**: for 16-true and bf16-true, the same format-rounded weights and batch run
    natively on the GPU, emulated on the GPU (fp32 kernels, each op's output rounded: lowprec's
-   torch path), in fp32 and float64 on the GPU, and emulated on the CPU. Ratios as in
+   torch path; ``target`` left to the device, so CUDA's kernels' roundings where they differ from
+   the CPU's), in fp32 and float64 on the GPU, and emulated on the CPU (the CPU's kernels).
+   Op by op (``--only ops``), each op's output and input gradient (upstream gradient random at
+   the output's size) emulated under ``target="cuda"`` and ``"cpu"``, on the GPU and on the
+   CPU, against the native kernels of both: the share of elements with their bits (issue 37's
+   goal: >= 99% for the CUDA target against the GPU's own kernels). Ratios as in
    tests/training/test_fidelity.py: ``|emulated - native| / |fp32 - native|`` for the outputs and
    the parameter gradients (0: bit-exact; 1: no better than plain fp32), and the emulated
    run's distance to float64 over the native run's.
@@ -249,6 +254,7 @@ def _ops():
             "batchnorm (train)": (lambda: nn.BatchNorm2d(16), (32, 16, 16, 16)),
             "layernorm": (lambda: nn.LayerNorm(256), (64, 256)),
             "softmax": (lambda: _Fn(lambda x: x.softmax(-1)), (64, 256)),
+            "log_softmax": (lambda: _Fn(lambda x: F.log_softmax(x, -1)), (64, 256)),
             "gelu": (lambda: nn.GELU(), (64, 256)),
             "x + x*x": (lambda: _Fn(lambda x: x + x * x), (64, 256)),
             "sum(-1)": (lambda: _Fn(lambda x: x.sum(-1)), (64, 256)),
@@ -257,37 +263,40 @@ def _ops():
 
 def fidelity_ops(dev, sz, log) -> list[dict]:
     """Each op alone, fp16 and bf16: the share of output and input-gradient elements whose bits
-    the emulation (on the device, and on the CPU) gives as the device's native kernel does, and
-    as the CPU's native kernel does (what the emulation is built to match)."""
+    the emulation gives as the device's native kernel does, and as the CPU's: under
+    ``target="cuda"`` (CUDA's kernels' roundings) and ``"cpu"`` (the CPU's), each run on the
+    device and on the CPU. The upstream gradient is random at the output's size (a gradient
+    constant along a row, as the first GPU session used, makes the exact input gradient of
+    softmax and layer norm zero: their computed one was fp32 cancellation noise)."""
     rows = []
     for name, (make, shape) in _ops().items():
         for policy, dtype in NATIVE.items():
             g = torch.Generator().manual_seed(3)
             x = torch.randn(shape, generator=g).to(dtype).float()
-            w = torch.randn(shape[:1], generator=g)
             torch.manual_seed(0)
             base = make()
             with torch.no_grad():
                 for prm in base.parameters():
                     prm.copy_(prm.to(dtype).float())
 
-            def run(where, emulated):
+            def run(where, target=None):
                 m = copy.deepcopy(base).to(where)
-                if emulated:
-                    m, _ = Precision(SPECS[policy] + ",b=emulated").setup(m)
+                if target:
+                    m, _ = Precision(SPECS[policy] + ",b=emulated", target=target).setup(m)
                 else:
                     m = m.to(dtype)
-                xi = x.to(where, torch.float32 if emulated else dtype, copy=True)
+                xi = x.to(where, torch.float32 if target else dtype, copy=True)
                 xi.requires_grad_(True)
                 out = m(xi)
-                wo = w.to(where, out.dtype).reshape(-1, *[1] * (out.dim() - 1))
-                (out * wo).sum().backward()
+                dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+                out.backward(dy.to(dtype).to(where, out.dtype))  # 16-bit values in both
                 return out.detach().to(dtype).cpu(), xi.grad.to(dtype).cpu()
 
+            cpu = torch.device("cpu")
             try:
-                res = {"native": run(dev, False), "emulated": run(dev, True),
-                       "cpu_native": run(torch.device("cpu"), False),
-                       "cpu_emulated": run(torch.device("cpu"), True)}
+                res = {"native": run(dev), "cuda_gpu": run(dev, "cuda"),
+                       "cpu_gpu": run(dev, "cpu"), "cuda_cpu": run(cpu, "cuda"),
+                       "cpu_cpu": run(cpu, "cpu"), "cpu_native": run(cpu)}
             except Exception as err:  # noqa: BLE001 (recorded in the row)
                 rows.append({"op": name, "policy": policy,
                              "part": f"error: {type(err).__name__}: {err}"[:200]})
@@ -295,17 +304,15 @@ def fidelity_ops(dev, sz, log) -> list[dict]:
             same = lambda a, b: float((a.view(torch.int16) == b.view(torch.int16))  # noqa: E731
                                       .float().mean())
             for i, part in enumerate(("forward", "input grad")):
-                rows.append({"op": name, "policy": policy, "part": part,
-                             "emulated_gpu_eq_native_gpu": same(res["emulated"][i],
-                                                                res["native"][i]),
-                             "emulated_cpu_eq_native_gpu": same(res["cpu_emulated"][i],
-                                                                res["native"][i]),
-                             "emulated_cpu_eq_native_cpu": same(res["cpu_emulated"][i],
-                                                                res["cpu_native"][i]),
-                             "native_cpu_eq_native_gpu": same(res["cpu_native"][i],
-                                                              res["native"][i])})
+                row = {"op": name, "policy": policy, "part": part}
+                for k in ("cuda_gpu", "cpu_gpu", "cuda_cpu", "cpu_cpu"):
+                    # emulated with target=<kernels>, run on <where>: = the GPU's native bits
+                    row[f"emu_{k}_eq_native_gpu"] = same(res[k][i], res["native"][i])
+                row["emu_cpu_cpu_eq_native_cpu"] = same(res["cpu_cpu"][i], res["cpu_native"][i])
+                row["native_cpu_eq_native_gpu"] = same(res["cpu_native"][i], res["native"][i])
+                rows.append(row)
         log(f"ops {name}: " + ", ".join(
-            f"{r['policy']} {r['part']} {r.get('emulated_gpu_eq_native_gpu', float('nan')):.4f}"
+            f"{r['policy']} {r['part']} {r.get('emu_cuda_gpu_eq_native_gpu', float('nan')):.4f}"
             for r in rows if r["op"] == name))
     return rows
 
@@ -466,8 +473,9 @@ def markdown(res: dict) -> str:
                  ["model", "policy", "part", "emulated_gpu_vs_native", "emulated_cpu_vs_native",
                   "emulated_cpu_vs_gpu", "bitexact_gpu", "error_vs_float64"]),
                 ("Fidelity op by op: share of elements with the native kernel's bits", "ops",
-                 ["op", "policy", "part", "emulated_gpu_eq_native_gpu",
-                  "emulated_cpu_eq_native_gpu", "emulated_cpu_eq_native_cpu",
+                 ["op", "policy", "part", "emu_cuda_gpu_eq_native_gpu",
+                  "emu_cuda_cpu_eq_native_gpu", "emu_cpu_gpu_eq_native_gpu",
+                  "emu_cpu_cpu_eq_native_gpu", "emu_cpu_cpu_eq_native_cpu",
                   "native_cpu_eq_native_gpu"]),
                 ("Certificate: certified inputs against native fp16 on the device",
                  "certificate", ["model", "certified_on", "inputs", "certified",

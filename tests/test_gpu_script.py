@@ -45,8 +45,10 @@ def test_dry_run_writes_every_section(tmp_path):
     oprows = data["ops"]
     assert not [r for r in oprows if str(r["part"]).startswith("error")], oprows
     assert {r["op"] for r in oprows} >= {"linear", "conv3x3", "layernorm", "softmax"}
+    assert {r["op"] for r in oprows} >= {"log_softmax"}
     assert all(r["native_cpu_eq_native_gpu"] == 1.0 and
-               r["emulated_gpu_eq_native_gpu"] == r["emulated_cpu_eq_native_cpu"]
+               r["emu_cpu_gpu_eq_native_gpu"] == r["emu_cpu_cpu_eq_native_cpu"] and
+               r["emu_cuda_gpu_eq_native_gpu"] == r["emu_cuda_cpu_eq_native_gpu"]
                for r in oprows)
     # the rounding compiled (C++ here, Triton on a GPU) has the eager and kernel bits
     fused = data["fused"]

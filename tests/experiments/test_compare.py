@@ -36,6 +36,7 @@ def test_compare_stores_everything_and_writes_the_report(tmp_path):
         choice = run["hardware"]["backend_choice"]
         assert choice["backend"] == run["backend"] and choice["reason"]
         assert run["hardware"]["cpu"]["capability"] == torch.backends.cpu.get_cpu_capability()
+        assert run["hardware"]["kernel_target"] == "cpu"  # the CPU's kernels on a CPU
     by_policy = {run["policy"]: run for run in runs}
     assert by_policy["16-true"]["hardware"]["backend_choice"]["automatic"]  # auto chose
     assert not by_policy["32-true"]["hardware"]["backend_choice"]["automatic"]

@@ -221,6 +221,9 @@ def _record_start(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, 
                  config=cfg.to_json(), versions=env["versions"], git=env["git"],
                  hardware={**env.get("hardware", {}), "torch_threads": _threads(cfg),
                            "backend_choice": prec.backend_choice.to_json(),
+                           # whose 16-bit kernels an emulated run follows where CPU and CUDA
+                           # round differently (Precision(target=); the device's by default)
+                           "kernel_target": prec.kernel_target,
                            "layout": layout_of(model)})
     db.set_backend(run_id, prec.backend)
     if is_plan_spec(str(policy)):  # the plan as this run read it, for the report's section

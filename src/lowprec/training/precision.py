@@ -24,6 +24,11 @@ rounded to nearest on CPU tensors: forwards are then bit-exact with ``model.half
 ``model.bfloat16()``, and gradients too except through 2-D convolutions, whose backward is
 the engine's (tests/training/test_match_cpu_kernels.py: GPT-2 at width 768, LSTM/GRU, Swin;
 benchmarks/summation.py gives the cost).
+``target`` ("cpu", "cuda"; None, the default: the device of the model's tensors) names whose
+16-bit kernels the emulated backend follows where a CPU's and CUDA's round differently
+(convolution with a bias, batch norm, layer norm's and softmax's backwards, log_softmax,
+the embedding's backward: :mod:`lowprec.training.emulation.engine`); ``prec.kernel_target``
+holds the one set up.
 ``compile=True`` runs an emulated model's forward and backward compiled by Inductor, with
 every rounding of the engine in the graph and the eager engine's bits
 (:mod:`lowprec.training.emulation.compiled`; eager, with one warning line naming why, where it
@@ -52,6 +57,7 @@ from ..numerics.storage import compact, format_of_dtype
 from .backends import BackendChoice, PrecisionBackend, announce, backend_class, choose_backend
 from .backends.probe import BackendTiming, build_copies, decide, loss_of, time_steps
 from .emulation import Emulation
+from .emulation.engine import check_target
 from .emulation.scaled import coverage_of as scaled_coverage_of
 from .hardware import device_facts
 from .loss_scale import LossScale, make_loss_scale
@@ -99,7 +105,7 @@ class Precision:
     def __init__(self, policy: str | Policy = "32-true", *, loss_scale: str | LossScale | None = None,
                  generator: torch.Generator | None = None, seed: int | None = None,
                  overrides: dict | None = None, match_cpu_kernels: bool = False,
-                 compile: bool = False) -> None:
+                 compile: bool = False, target: str | None = None) -> None:
         # a per-layer plan (lowprec.training.plan: a Plan, or "plan:FILE"; anything with
         # .policy and .overrides) is its base policy with its per-module overrides
         if is_plan_spec(policy):
@@ -115,6 +121,10 @@ class Precision:
         # (lowprec.numerics.summation), products, layer norm, attention, RNNs... on this CPU's
         # own 16-bit kernels (emulation.native_gemm); see the module docstring
         self.match_cpu_kernels = bool(match_cpu_kernels)
+        # emulated backend: whose 16-bit kernels the ops that differ between a CPU and CUDA
+        # follow; None: the model's device (resolved by setup into kernel_target)
+        self.target = check_target(target, self.match_cpu_kernels)
+        self.kernel_target: str | None = None
         # emulated backend: the model's forward and backward compiled by Inductor with every
         # rounding of the engine in the graph (lowprec.training.emulation.compiled)
         if not isinstance(compile, bool):
@@ -229,10 +239,14 @@ class Precision:
         self.device = device
         announce(self.policy, choice, facts, stacklevel=2)  # once per process and policy
         self.backend_choice, self.backend = choice, choice.backend
+        self.kernel_target = self.target or (
+            "cuda" if torch.device(device).type == "cuda" and not self.match_cpu_kernels
+            else "cpu")
         self._backend = backend_class(choice.backend)(
             self.policy, self.device, generator=self.generator, resolve=self._resolve,
             engine_options=self._engine_options(), overrides=self.overrides,
-            match_cpu_kernels=self.match_cpu_kernels, compile=self.compile)
+            match_cpu_kernels=self.match_cpu_kernels, compile=self.compile,
+            target=self.kernel_target)
         self.model = model
         names = {id(p): n for n, p in model.named_parameters()}
         added: list = []

@@ -46,8 +46,9 @@ class PrecisionBackend:
     Built by ``Precision.setup`` once the backend is chosen, with the policy, the model's device,
     the generator of stochastic rounding, ``resolve(fmt, key, x)`` (the regimes' refinement of a
     format for a group, e.g. dynamic fixed point's current range), the regimes'
-    ``engine_options``, the per-module overrides, ``match_cpu_kernels`` and ``compile`` (run
-    the converted model compiled where the backend can: the emulated one does).
+    ``engine_options``, the per-module overrides, ``match_cpu_kernels``, ``compile`` (run
+    the converted model compiled where the backend can: the emulated one does) and ``target``
+    (whose 16-bit kernels an emulation follows where a CPU's and CUDA's differ).
     """
 
     #: the :class:`~lowprec.training.policy.Backend` value this class implements
@@ -60,8 +61,10 @@ class PrecisionBackend:
     def __init__(self, policy: Policy, device: torch.device, *,
                  generator: torch.Generator | None = None, resolve=None,
                  engine_options: dict | None = None, overrides: dict | None = None,
-                 match_cpu_kernels: bool = False, compile: bool = False) -> None:
+                 match_cpu_kernels: bool = False, compile: bool = False,
+                 target: str | None = None) -> None:
         self.policy = policy
+        self.target = target
         self.compile = compile
         self.device = device
         self.generator = generator

@@ -43,6 +43,7 @@ class EmulatedBackend(PrecisionBackend):
         self.engine = Emulation(model, pol, self.generator, active=pol.scope is Scope.ALL,
                                 overrides=self.overrides,
                                 match_cpu_kernels=self.match_cpu_kernels, resolve=self.resolve,
+                                target=self.target,
                                 **self.engine_options)
         self._store(model)
         if self.compile:  # Inductor, every rounding in the graph (or eager, saying why)

@@ -218,6 +218,19 @@ def _softmax(x, dim, a, kind):
     return torch.where(vec, y, tail)
 
 
+# CUDA's kernels where they differ from the CPU's (``replayed(..., cuda=True)``): softmax's
+# backward (softmax_backward_cuda_out, aten/src/ATen/native/cuda/SoftMax.cu) first forms
+# ``tmp = grad * output``, a 16-bit tensor op (fp32 product rounded), then in fp32 from the
+# 16-bit tmp and output (SoftMaxBackwardEpilogue, softmax_warp_backward): tmp - output *
+# sum(tmp), rounded once; log_softmax's backward is the CPU's formula (fp32 from the 16-bit
+# output, rounded once); both forwards compute in fp32 and round once (softmax_warp_forward,
+# cunn_SoftMaxForward: no 16-bit row sum nor scalar tail as the CPU's)
+_CUDA_BACKWARDS = {
+    "softmax": lambda g, xs, y, dim, a, q, k: (
+        q((t := q(g * y)) - y * t.sum(dim, keepdim=True)),),
+}
+_CUDA_ONE_ROUNDING = ("softmax", "log_softmax")
+
 # forwards that are not one rounding of the fp32 op
 _FORWARDS = {
     "softmax": _softmax,
@@ -273,31 +286,33 @@ def replayable(name: str, args, kwargs):
 class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *xs):
-        name, func, args, kwargs, opts, a, q, kind = spec
-        forward = _FORWARDS.get(name)
+        name, func, args, kwargs, opts, a, q, kind, cuda = spec
+        forward = None if cuda and name in _CUDA_ONE_ROUNDING else _FORWARDS.get(name)
         y = a(func(*args, **kwargs)) if forward is None else forward(xs[0], opts, a, kind)
         saves = REPLAYED[name][0]
         ctx.save_for_backward(*(xs if "x" in saves else ()), *((y,) if "y" in saves else ()))
-        ctx.spec = (name, opts, a, q, kind, "x" in saves, "y" in saves)
+        ctx.spec = (name, opts, a, q, kind, "x" in saves, "y" in saves, cuda)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        name, opts, a, q, kind, has_x, has_y = ctx.spec
+        name, opts, a, q, kind, has_x, has_y, cuda = ctx.spec
         saved = ctx.saved_tensors
         xs = saved[:-1] if has_y and has_x else saved if has_x else ()
         y = saved[-1] if has_y else None
         # g: the gradient reaching the output, rounded there by the engine
-        grads = REPLAYED[name][1](g, xs, y, opts, a, q, kind)
+        formula = _CUDA_BACKWARDS.get(name) if cuda else None
+        grads = (formula or REPLAYED[name][1])(g, xs, y, opts, a, q, kind)
         grads = tuple(d if need else None for d, need in zip(grads, ctx.needs_input_grad[1:]))
         return (None, *grads)
 
 
-def replayed(rule, name: str, func, args, kwargs, opts):
+def replayed(rule, name: str, func, args, kwargs, opts, *, cuda: bool = False):
     """``func(*args, **kwargs)`` rounded to the compute format, its backward as the 16-bit
     kernel's (the caller's rounding of the output is then a no-op on the values and rounds
-    the gradient reaching it)."""
+    the gradient reaching it); ``cuda``: CUDA's kernel's where it differs (softmax and
+    log_softmax, :data:`_CUDA_BACKWARDS`)."""
     compute, grads = rule.compute, rule.grads
 
     def a(t):
@@ -308,4 +323,4 @@ def replayed(rule, name: str, func, args, kwargs, opts):
 
     xs = tuple(args[:2]) if name == "div" else (args[0],)
     kind = "fp16" if compute == FP16 else "bf16" if compute == BF16 else "other"
-    return _Replayed.apply((name, func, args, kwargs, opts, a, q, kind), *xs)
+    return _Replayed.apply((name, func, args, kwargs, opts, a, q, kind, cuda), *xs)

@@ -30,7 +30,9 @@ What cannot be traced runs eagerly, with one warning line naming why (:func:`uns
 state the engine reads per call that a graph would freeze at its trace (dynamic fixed point's
 ranges, observers), per-module overrides (the flat graph has no
 module boundaries the engine's rules follow here), C kernels that take real data (accumulators,
-``match_cpu_kernels``) and scaled GEMMs; and any failure to compile (a graph break under
+``match_cpu_kernels``), scaled GEMMs and CUDA's kernels (``target="cuda"``, or a model on
+a CUDA device with no target: the compiled graph holds the CPU kernels' roundings); and any
+failure to compile (a graph break under
 ``fullgraph``, a recompilation limit reached).
 """
 
@@ -77,6 +79,10 @@ def unsupported(engine: Emulation) -> str | None:
             return "scaled GEMMs are emulated eagerly"
     if engine.match_cpu_kernels:
         return "match_cpu_kernels runs kernels on real data"
+    model = engine.model
+    if engine.target == "cuda" or engine.target is None and model is not None and any(
+            t.is_cuda for t in (*model.parameters(), *model.buffers())):
+        return "CUDA's kernels (target='cuda') are emulated eagerly"
     return None
 
 

@@ -24,6 +24,13 @@ index tensor run on this CPU's own 16-bit kernels (:mod:`.native_gemm`), which m
 emulated run's forward bit-exact with ``model.half()`` on CPUs where the reference
 convolution runs (no AVX512-FP16), and its gradients too but through 2-D convolutions.
 
+``target`` names whose 16-bit kernels the ops that round differently on a CPU and on CUDA
+follow: "cpu" (torch's CPU kernels, above and in :mod:`.kernels`), "cuda" (cuDNN's and ATen's
+CUDA kernels: a convolution's bias added after its rounded output, batch norm with fp32
+statistics, layer norm's backward in fp32 rounded once, softmax's backward from the 16-bit
+product ``grad * output``, log_softmax's forward rounded once, the embedding's backward summed
+in fp32; :data:`TARGETS`) or None (each op as the device of its tensors computes it).
+
 Tensors carry a mark (``_lowprec_grid``) once rounded, so an on-grid tensor is never rounded
 twice; so do gradients (``_lowprec_grad_grid``, with their version): the gradient one consumer
 sent back, rounded there, is not rounded again at the output it reaches unchanged. Module hooks
@@ -63,7 +70,22 @@ from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, 
                       NORM_OPS, PASS_OPS, is_inplace, reduction_axes,
                       returns_its_input)
 
-__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM"]
+__all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM", "TARGETS",
+           "check_target"]
+
+#: the kernels an emulation can follow where a CPU's 16-bit kernels and CUDA's round differently
+TARGETS = ("cpu", "cuda")
+
+
+def check_target(target, match_cpu_kernels: bool = False) -> str | None:
+    """``target`` checked: "cpu", "cuda" or None (the device of the tensors)."""
+    if target is not None and target not in TARGETS:
+        raise ValueError(f"target={target!r:.40}; accepted: 'cpu', 'cuda' or None (the device "
+                         "of the model's tensors)")
+    if target == "cuda" and match_cpu_kernels:
+        raise ValueError("target='cuda' with match_cpu_kernels=True: the second runs this "
+                         "CPU's own 16-bit kernels; accepted: one or the other")
+    return target
 
 MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
 # attribute of a traced stand-in for a parameter (compiled emulation, :mod:`.compiled`): the
@@ -71,6 +93,12 @@ MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that for
 PARAM = "_lowprec_param"
 _ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)
 _BUFFER_POS = (3, 4)  # torch.batch_norm(input, weight, bias, running_mean, running_var, ...)
+
+
+# convolutions whose bias CUDA adds to the rounded output (:meth:`Emulation._bias_after`)
+_CONVS = {"conv1d": torch.conv1d, "conv2d": torch.conv2d, "conv3d": torch.conv3d,
+          "conv_transpose1d": torch.conv_transpose1d, "conv_transpose2d": torch.conv_transpose2d,
+          "conv_transpose3d": torch.conv_transpose3d}
 
 
 def group_key(role: str, name: str) -> GroupKey:
@@ -569,14 +597,22 @@ class Emulation:
     ``Precision.autocast()``, like torch.autocast). ``overrides`` maps glob patterns on module
     names to a policy or a format: ops run inside a matching module (or its children) follow it.
     ``detach()`` removes the hooks. ``with emulation.enabled():`` rounds ops run outside the
-    model's forward too (a loss, a functional model).
+    model's forward too (a loss, a functional model). ``target`` ("cpu", "cuda" or None: each
+    op's device) picks whose 16-bit kernels the ops that round otherwise on CUDA follow (see
+    the module docstring).
     """
 
     def __init__(self, model: nn.Module | None, policy: Policy, generator: torch.Generator | None
                  = None, *, active: bool = True, resolve: Resolve | None = None,
-                 overrides: dict | None = None, match_cpu_kernels: bool = False) -> None:
+                 overrides: dict | None = None, match_cpu_kernels: bool = False,
+                 target: str | None = None) -> None:
         self.policy = policy
         self.match_cpu_kernels = match_cpu_kernels
+        #: whose 16-bit kernels the ops that differ follow ("cpu", "cuda"; None: each op's
+        #: device); match_cpu_kernels runs this CPU's kernels, so it means "cpu"
+        self.target = check_target(target, match_cpu_kernels)
+        if match_cpu_kernels and self.target is None:
+            self.target = "cpu"
         self.generator = check_generator(generator)
         self.active = active
         # the static format a group of a dynamic format rounds with now (the regimes' resolve)
@@ -794,6 +830,13 @@ class Emulation:
     def mode(self):
         """The engine's mode, to re-enter from inside it (an op it computes from ops)."""
         return self._mode
+
+    def cuda_kernels(self, args) -> bool:
+        """Whether the op with these arguments follows CUDA's 16-bit kernels: target "cuda",
+        or no target and a tensor argument on a CUDA device."""
+        if self.target is not None:
+            return self.target == "cuda"
+        return any(t.is_cuda for t in tensors_in(args, []))
 
     def operand(self, t, rule: Rule, key: str):
         """``t`` as an op reads it: on the compute grid (a parameter rounded when used)."""
@@ -1098,13 +1141,14 @@ class Emulation:
         if (acc_op := self._accumulated(name, rule, args, kwargs)) is not None:
             out = acc_op(*args, **kwargs)
         elif name == "batch_norm" and kernels.uses_batch_stats(args, kwargs):
-            out = kernels.label_kernel_nodes(kernels.batch_norm(self, rule, key, *args, **kwargs),
-                                             args, name)
+            out = kernels.label_kernel_nodes(
+                kernels.batch_norm(self, rule, key, *args, cuda=self.cuda_kernels(args)),
+                args, name)
         elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
                 kernels.plain_embedding(args, kwargs):
             if self._tied and _pid(args[0]) in self._tied and _marked(args[0], fmt):
                 args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
-            out = kernels.embedding(self, rule, *args, **kwargs)
+            out = kernels.embedding(self, rule, *args, cuda=self.cuda_kernels(args), **kwargs)
         elif name in recurrent_kernels.RNN_OPS and self.match_cpu_kernels and \
                 (dt := native_gemm.recurrent_dtype(rule, args, kwargs)) is not None:
             out = native_gemm.native_nested(func, dt)(*args)  # the CPU's own 16-bit layer
@@ -1112,7 +1156,7 @@ class Emulation:
                 (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
             out = recurrent_kernels.replay(self, rule, key, call)  # op by op, as ATen's CPU RNN
         elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
-            out = kernels.layer_norm(self, rule, key, *args)
+            out = kernels.layer_norm(self, rule, key, *args, cuda=self.cuda_kernels(args))
         elif name == "scaled_dot_product_attention" and self.match_cpu_kernels and \
                 (dt := native_gemm.attention_dtype(rule, args, kwargs)) is not None:
             out = native_gemm.native_gemm(func, dt)(*args, **kwargs)  # the kernel itself
@@ -1130,7 +1174,11 @@ class Emulation:
                 (opts := backward_kernels.replayable(name, args, kwargs)) is not False:
             # differentiated from its rounded output, in 16-bit arithmetic, as the native
             # backward does (exp, tanh, sigmoid, softmax...)
-            out = backward_kernels.replayed(rule, name, func, args, kwargs, opts)
+            out = backward_kernels.replayed(rule, name, func, args, kwargs, opts,
+                                            cuda=self.cuda_kernels(args))
+        elif (conv := self._bias_after(name, rule, args, kwargs)) is not None:
+            # CUDA: cuDNN convolves without the bias; ATen adds it to the 16-bit output
+            out = self.round(conv(), rule, key) + self._bias_view(name, args, kwargs)
         elif split:
             # aten's linear on a non-contiguous N-d input with a bias: matmul, then add (two
             # 16-bit results, two roundings), as nn.MultiheadAttention(batch_first=True) runs
@@ -1193,8 +1241,12 @@ class Emulation:
                          for i, a in enumerate(args))
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
-            out = (self._accumulated(name, rule, args, kwargs)
-                   or self._conv(func, name, rule, args, kwargs))(*args, **kwargs)
+            if keep_pos < 0 and (conv := self._bias_after(name, rule, args, kwargs)) is not None:
+                # CUDA: cuDNN convolves without the bias; ATen adds it to the 16-bit output
+                out = self.round(conv(), rule, okey) + self._bias_view(name, args, kwargs)
+            else:
+                out = (self._accumulated(name, rule, args, kwargs)
+                       or self._conv(func, name, rule, args, kwargs))(*args, **kwargs)
             inputs = tensors_in(args, [])
             return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
                         else self.round(o, rule, okey), out)
@@ -1251,6 +1303,39 @@ class Emulation:
                 return native_gemm.native_gemm(func, dt)
         return func
 
+    def _bias_after(self, name: str, rule: Rule, args, kwargs):
+        """Under CUDA's kernels, a convolution with a bias as a call of it without the bias
+        (the caller rounds its output and adds the bias, a second rounding), else None.
+
+        ATen's CUDA convolution (``_convolution``, ConvBackend::Cudnn and CudnnTranspose in
+        aten/src/ATen/native/Convolution.cpp) runs ``cudnn_convolution`` without the bias
+        ("cuDNN convolutions does not handle bias", cudnn/ConvShared.cpp), which accumulates in
+        fp32 and writes a 16-bit output, then ``output.add_(reshape_bias(...))``: a 16-bit add,
+        computed in fp32 and rounded. The CPU kernels add the bias to the fp32 sum and round
+        once. (CUDA's own depthwise and 3-d fallback kernels, not cuDNN, take the bias inside:
+        not modelled.)"""
+        if name not in _CONVS or len(args) < 2 or rule.accumulator is not None or \
+                not kernels.plain_formats(rule):
+            return None
+        b = args[2] if len(args) > 2 else (kwargs or {}).get("bias")
+        if not (torch.is_tensor(b) and _floating(b)) or not self.cuda_kernels(args):
+            return None
+        if len(args) > 2:
+            a2, k2 = args[:2] + (None,) + tuple(args[3:]), kwargs
+        else:
+            a2, k2 = args, dict(kwargs, bias=None)
+        fn = self._conv(_CONVS[name], name, rule, a2, k2)
+        return lambda: fn(*a2, **(k2 or {}))
+
+    @staticmethod
+    def _bias_view(name: str, args, kwargs) -> torch.Tensor:
+        """The bias of a convolution call shaped to add to its output (``reshape_bias``; an
+        unbatched input has its channels first)."""
+        b = args[2] if len(args) > 2 else kwargs["bias"]
+        batched = args[0].dim() == int(name[-2]) + 2
+        return b.reshape([1, -1] + [1] * (args[0].dim() - 2) if batched
+                         else [-1] + [1] * (args[0].dim() - 1))
+
     def _round_buffers(self, args, rule: Rule) -> None:
         # running statistics as the parameter format stores them (pure policies: fp16 buffers)
         if rule.params == FP32 or isinstance(rule.params, BlockFormat) or rule.params.dynamic:
@@ -1263,17 +1348,21 @@ class Emulation:
 
 @contextlib.contextmanager
 def emulated(policy: str | Policy, generator: torch.Generator | None = None, *,
-             resolve: Resolve | None = None, match_cpu_kernels: bool = False):
+             resolve: Resolve | None = None, match_cpu_kernels: bool = False,
+             target: str | None = None):
     """Round every op run in this block onto ``policy``'s grids (no model needed):
 
     >>> with emulated("16-true"):
     ...     y = torch.nn.functional.gelu(x)     # fp32 gelu, rounded once to fp16
+
+    ``target``: whose 16-bit kernels the ops that differ follow ("cpu", "cuda"; None: the
+    device of each op's tensors), as :class:`Emulation`.
     """
     check_generator(generator)
     pol = parse_policy(policy)
     if resolve is None and any(f.dynamic for f in (pol.compute, pol.grads)):
         resolve = regimes_resolve(pol, generator)  # the regimes the policy needs, this block's
     em = Emulation(None, pol, generator, resolve=resolve,
-                   match_cpu_kernels=match_cpu_kernels)
+                   match_cpu_kernels=match_cpu_kernels, target=target)
     with em.enabled():
         yield em

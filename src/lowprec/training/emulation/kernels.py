@@ -99,12 +99,16 @@ class _BatchNorm(torch.autograd.Function):
     AVX2: 1.25 s against 0.40 s for 44 calls)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, grad, stat):
+    def forward(ctx, x, weight, bias, mean, invstd, grad, stat, cuda=False):
         shape = [1, -1] + [1] * (x.dim() - 2)
-        a = invstd if weight is None else invstd * weight
-        b = -mean * a if bias is None else bias - mean * a
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.spec = (grad, stat, bias is not None)
+        if cuda:  # batch_norm_elementwise (Normalization.cu): ((x - mean) * invstd) * w + b
+            y = (x - mean.view(shape)) * invstd.view(shape)
+            y = y if weight is None else y * weight.view(shape)
+            return y if bias is None else y + bias.view(shape)
+        a = invstd if weight is None else invstd * weight
+        b = -mean * a if bias is None else bias - mean * a
         # the kernel's x * a + b' is contracted to a fused multiply-add (one rounding), as
         # addcmul computes it; two roundings put 1 of 300 fp16 outputs one unit off
         return torch.addcmul(b.view(shape), x, a.view(shape))
@@ -125,7 +129,7 @@ class _BatchNorm(torch.autograd.Function):
         dx = grad(dx) if dx is not None else None
         dw = stat(dw) if want_dw else None
         db = stat(db) if want_db else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _same(t):
@@ -146,7 +150,7 @@ def _kernel_roundings(rule):
 
 
 def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_var,
-               training, momentum, eps, cudnn_enabled=True):
+               training, momentum, eps, cudnn_enabled=True, *, cuda=False):
     """Batch normalisation with batch statistics as torch's 16-bit CPU kernel computes it
     (``batch_norm_cpu_update_stats_template``, ``batch_norm_cpu_collect_stats`` and
     ``batch_norm_cpu_transform_input`` in aten/src/ATen/native/cpu/batch_norm_kernel.cpp and
@@ -164,7 +168,23 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
     formats and stochastic rounding (no 16-bit kernel stands for them): the same fp32
     statistics rounded to the compute format, differentiated as the fp32 kernel's backward
     given them; the input and parameter gradients are rounded where the engine rounds any
-    op's."""
+    op's.
+
+    ``cuda``: as ATen's CUDA kernel computes it (``batch_norm_cuda`` in Normalization.cu, and
+    cuDNN's where torch takes it: fp32 weights), for fp16 and bf16 alike: the statistics in
+    fp32 (``save_mean`` and ``save_invstd`` of the accumulate type, never rounded), the
+    running statistics updated in fp32 and stored in the buffer's format, y = ((x - mean) *
+    invstd) * weight + bias in fp32 (``batch_norm_elementwise``) rounded once by the caller;
+    backward as ``batch_norm_backward_elemt``: dx = (dy - mean(dy) - (x - mean) invstd^2
+    mean(dy (x - mean))) invstd weight in fp32 from the 16-bit dy and x and the fp32
+    statistics, rounded once; dweight and dbias fp32 sums rounded once to the weight's
+    format."""
+    if cuda and plain_formats(rule):
+        with torch.no_grad():
+            _, mean, invstd = torch.ops.aten.native_batch_norm(
+                x, None, None, running_mean, running_var, True, momentum, eps)
+        stat, grad = _kernel_roundings(rule)
+        return _BatchNorm.apply(x, weight, bias, mean, invstd, grad, stat, True)
     if not plain_formats(rule):  # dynamic fixed point, blocks, stochastic rounding
         # fp32 statistics from torch's fp32 kernel (which also updates the running ones; one
         # pass, 2.0 ms against var_mean's 14.3 over a channels-last (256, 96, 14, 14) tensor),
@@ -483,19 +503,21 @@ class _LayerNorm(torch.autograd.Function):
     buffer per thread (each add rounded), the threads' buffers summed in fp32 and rounded."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps, act, stat, grad):
+    def forward(ctx, x, weight, bias, shape, eps, act, stat, grad, cuda=False):
         # the output and the statistics of one fp32 kernel call, the template the 16-bit
         # kernel instantiates (its statistics round to the 16-bit kernel's more often than
         # var_mean's: 102 against 164 of 420,800 off, and one pass fewer)
         y, mean, rstd = torch.ops.aten.native_layer_norm(x, list(shape), weight, bias, eps)
-        ctx.save_for_backward(x, weight, stat(mean), stat(rstd))
-        ctx.spec = (len(shape), act, grad, stat, bias is not None)
+        if not cuda:  # CUDA's layer_norm_cuda keeps them in fp32 (the accumulate type)
+            mean, rstd = stat(mean), stat(rstd)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.spec = (len(shape), act, grad, stat, bias is not None, cuda)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        nshape, act, grad, stat, has_bias = ctx.spec
+        nshape, act, grad, stat, has_bias, cuda = ctx.spec
         shape = list(x.shape[x.dim() - nshape:])
         n = 1
         for s in shape:
@@ -506,7 +528,8 @@ class _LayerNorm(torch.autograd.Function):
         # at::parallel_for(0, M, 1): thread t takes rows [t*chunk, (t+1)*chunk)
         threads = max(1, min(torch.get_num_threads(), m))
         chunk = -(-m // threads)
-        summed = chunk > _MAX_SEQUENTIAL_ROWS  # speed: fp32 sums, rounded once
+        # speed: fp32 sums, rounded once; CUDA's GammaBetaBackward sums them so
+        summed = cuda or chunk > _MAX_SEQUENTIAL_ROWS
         # dX (and, beyond the sequential limit, dgamma and dbeta as fp32 sums) from the fp32
         # instantiation of the kernel template, given the 16-bit statistics: its formula and
         # per-row passes in one call (0.09 ms against 1.9 for the same formula in torch ops,
@@ -517,7 +540,7 @@ class _LayerNorm(torch.autograd.Function):
             [ctx.needs_input_grad[0], summed and want_w, False])
         dx = grad(dx) if dx is not None else None  # the noted tensor returned
         if not (want_w or want_b):
-            return dx, None, None, None, None, None, None, None
+            return dx, None, None, None, None, None, None, None, None
         if summed:
             # dbeta = sum(dy) over rows (the kernel is asked for dgamma alone: no bias here)
             dgamma = dw.reshape(-1) if want_w else torch.zeros(n, device=x.device)
@@ -535,7 +558,7 @@ class _LayerNorm(torch.autograd.Function):
             tot = stat(buf.sum(0))
         dw = tot[:n].reshape(shape) if want_w else None
         dbias = tot[n:].reshape(shape) if want_b else None
-        return dx, dw, dbias, None, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None, None
 
 
 class _NativeLayerNorm(torch.autograd.Function):
@@ -589,11 +612,17 @@ def native_layer_norm_dtype(engine, rule, x, weight, bias):
 
 
 def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-5,
-               cudnn_enable=True):
+               cudnn_enable=True, *, cuda=False):
     """Layer norm with the CPU 16-bit kernel's backward (:class:`_LayerNorm`); with
-    ``match_cpu_kernels`` on a pure 16-bit rule, the kernel itself (:class:`_NativeLayerNorm`)."""
+    ``match_cpu_kernels`` on a pure 16-bit rule, the kernel itself (:class:`_NativeLayerNorm`).
 
-    if (native := native_layer_norm_dtype(engine, rule, x, weight, bias)) is not None:
+    ``cuda``: as ``layer_norm_cuda`` and ``LayerNormBackwardKernelImpl``
+    (aten/src/ATen/native/cuda/layer_norm_kernel.cu) compute it: the same fp32 forward rounded
+    once, mean and rstd kept in fp32 (the accumulate type), dX in fp32 from the 16-bit dY, X
+    and gamma and the fp32 statistics, rounded once; dgamma and dbeta fp32 sums over the rows
+    (``GammaBetaBackward``), rounded once to gamma's format."""
+
+    if not cuda and (native := native_layer_norm_dtype(engine, rule, x, weight, bias)) is not None:
         return _NativeLayerNorm.apply(x, weight, bias, tuple(shape), eps, native, rule.grads)
     dtype = NATIVE_DTYPES.get(rule.compute)
     if dtype is not None:  # torch's cast rounds to nearest even, as quantize does: faster
@@ -604,7 +633,7 @@ def layer_norm(engine, rule, key: str, x, shape, weight=None, bias=None, eps=1e-
             return quantize(t, rule.compute)
 
     stat, grad = _kernel_roundings(rule)
-    return _LayerNorm.apply(x, weight, bias, tuple(shape), eps, act, stat, grad)
+    return _LayerNorm.apply(x, weight, bias, tuple(shape), eps, act, stat, grad, cuda)
 
 
 def plain_embedding(args, kwargs) -> bool:
@@ -662,25 +691,34 @@ class _Embedding(torch.autograd.Function):
     """Forward: the rows (a selection). Backward: :func:`_embedding_backward`."""
 
     @staticmethod
-    def forward(ctx, weight, indices, padding_idx, fmt, mode):
+    def forward(ctx, weight, indices, padding_idx, fmt, mode, cuda=False):
         ctx.save_for_backward(indices)
-        ctx.spec = (weight.shape[0], padding_idx, str(fmt), Rounding(mode).value)
+        ctx.spec = (weight.shape[0], padding_idx, str(fmt), Rounding(mode).value, cuda)
         return torch.embedding(weight, indices, -1 if padding_idx is None else padding_idx)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         (indices,) = ctx.saved_tensors
-        rows, padding_idx, fmt, mode = ctx.spec
+        rows, padding_idx, fmt, mode, cuda = ctx.spec
         pad = -1 if padding_idx is None or padding_idx < 0 else padding_idx
+        if cuda:
+            # embedding_dense_backward_cuda: each row's uses summed in fp32 (the accumulate
+            # type), the 16-bit gradient written once
+            ids, g2 = indices.reshape(-1), g.reshape(-1, g.shape[-1])
+            if pad >= 0:
+                keep = ids != pad
+                ids, g2 = ids[keep], g2[keep]
+            acc = torch.zeros((rows, g2.shape[1]), dtype=g2.dtype, device=g2.device)
+            return quantize(acc.index_add_(0, ids, g2), fmt, mode), None, None, None, None, None
         grad = torch.ops.lowprec_emulation.embedding_backward(g, indices, rows, pad, fmt, mode)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def embedding(engine, rule, weight, indices, padding_idx=-1, scale_grad_by_freq=False,
-              sparse=False):
+              sparse=False, *, cuda=False):
     fmt = rule.params
     if fmt not in NATIVE_DTYPES or NATIVE_DTYPES[fmt] == torch.float32:
         return torch.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
     pad = None if padding_idx is None or padding_idx < 0 else padding_idx
-    return _Embedding.apply(weight, indices, pad, fmt, Rounding.NEAREST_EVEN)
+    return _Embedding.apply(weight, indices, pad, fmt, Rounding.NEAREST_EVEN, cuda)
