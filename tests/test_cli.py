@@ -81,6 +81,21 @@ def test_compare_json_and_a_config_file_the_flags_override(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["verdict"] == doc["verdict"]
 
 
+def test_json_from_a_config_file_or_an_abbreviation_covers_failures(tmp_path, capsys):
+    """--json given by a config file (json = true) or abbreviated (--js): a failing command
+    still prints exactly one JSON document, {"error", "exit"}, on stdout."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[compare]\ndata = "digits"\nmodel = "mlp"\njson = true\n'
+                   'policies = "no-such-policy"\n')
+    for argv in (["compare", "--config", str(cfg), "--out", str(tmp_path / "a")],
+                 ["compare", "--policies", "no-such-policy", "--js", "--out", str(tmp_path / "b")]):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        doc = json.loads(captured.out)
+        assert doc["exit"] == 2 and "no-such-policy" in doc["error"], doc
+        assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_certify_and_advise_json(capsys):
     args = ["--data", "digits", "--model", "mlp", "--epochs", "0", "--json"]
     assert main(["certify", *args]) == 0

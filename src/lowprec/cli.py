@@ -130,6 +130,8 @@ class _Parser(argparse.ArgumentParser):
 _errors: list[str] = []
 #: whether the running command printed its JSON document (--json: exactly one on stdout)
 _json_printed: list[bool] = [False]
+#: whether the running command was asked for JSON (args.json, however it was given)
+_json_asked: list[bool] = [False]
 
 
 def _error(command: str, msg) -> None:
@@ -871,17 +873,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _errors.clear()
     _json_printed[0] = False
-    as_json = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
+    _json_asked[0] = False
+    # before the parse (a usage error): --json on the command line; after it: args.json,
+    # which --config (json = true) or an abbreviation (--js) may have set
+    in_argv = "--json" in argv[:argv.index("--")] if "--" in argv else "--json" in argv
     try:
         try:
             code = _main(argv)
         except BaseException as err:  # a bug (traceback kept) or an exit from deep inside
+            as_json = in_argv or _json_asked[0]
             if as_json and not _json_printed[0] and not _output_failed(err):
                 code = err.code if isinstance(err, SystemExit) and isinstance(err.code, int) \
                     else 1
                 _json_error(_errors[-1] if _errors else f"{type(err).__name__}: {err}", code)
             raise
-        if as_json and code != 0 and not _json_printed[0]:
+        if (in_argv or _json_asked[0]) and code != 0 and not _json_printed[0]:
             _json_error(_errors[-1] if _errors else f"exit code {code}", code)
         sys.stdout.flush()  # a full device or a closed pipe shows here, not at exit
         return code
@@ -953,6 +959,7 @@ def _main(argv: list[str]) -> int:
         if not hasattr(args, "config_text"):
             args.config_text = None
         command = f"lowprec {args.command}"
+        _json_asked[0] = bool(getattr(args, "json", False))
         _check_flags(args)
         from rich.console import Console
 

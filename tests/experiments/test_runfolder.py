@@ -3,7 +3,9 @@ runs that fail inside, a full disk (a real 3 MB tmpfs where this process may mou
 ENOSPC injected into the checkpoint and report writers everywhere)."""
 
 import errno
+import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 from lowprec.cli import main
 from lowprec.experiments import CompareConfig, run_compare
 from lowprec.experiments.results import NOT_REQUESTED, ResultsDB
-from lowprec.experiments.runfolder import RunIOError, atomic_write_bytes
+from lowprec.experiments.runfolder import EXPORT_MARK, RunIOError, _host, atomic_write_bytes
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ARGS = ["compare", "--data", "digits", "--model", "mlp", "--seeds", "1", "--epochs", "2",
@@ -344,8 +346,26 @@ def test_a_run_folder_touches_only_its_own_files(tmp_path, capsys):
              out / "report_files" / f".accuracy.png.lowprec-tmp{dead[2]}"]
     for p in stale:
         p.write_bytes(b"half")
+    host = _host()
+    stale += [out / f".results.db.lowprec-tmp{dead[0]}@{host}-journal",  # SQLite's, beside one
+              out / "checkpoints" / f".y.pt.lowprec-tmp{os.getpid()}@another-node"]  # a Ray task's
+    for p in stale:
+        p.write_bytes(b"half")
+    # an export a kill interrupted: its temp folder holds the export mark (written first)
+    export_tmp = out / f".export.lowprec-tmp{dead[1]}@{host}"
+    (export_tmp / "csv").mkdir(parents=True)
+    (export_tmp / EXPORT_MARK).write_text("lowprec export\n")
+    (export_tmp / "csv" / "runs.csv").write_text("half")
+    stale.append(export_tmp)
     assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 0
     assert not any(p.exists() for p in stale)
+    # a folder named like lowprec's temp but without the mark is a user's: refused, kept
+    users = out / f".export.lowprec-tmp{dead[2]}@{host}"
+    users.mkdir()
+    (users / "notes.txt").write_text("a user's")
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out), "--resume"]) == 2
+    assert users.name in capsys.readouterr().err and (users / "notes.txt").exists()
+    shutil.rmtree(users)
     # lowprec's own pattern with a live PID (this test's parent): not provably a dead writer's
     live = out / "report_files" / f".accuracy.png.lowprec-tmp{os.getppid()}"
     live.write_bytes(b"someone's")
@@ -460,3 +480,23 @@ def test_a_signal_swallowed_by_an_import_still_ends_the_command(tmp_path, sig, c
                           preexec_fn=_ctrl_c_as_on_a_terminal)
     assert (proc.returncode, proc.stdout, proc.stderr.strip()) == (code, "",
                                                                     "lowprec: interrupted")
+
+
+def test_a_model_a_forced_resume_drops_keeps_its_folder(tmp_path, capsys):
+    """--resume --force-config with fewer models: the dropped model's folder stays the run
+    folder's own (models.json lists it as dropped), so later resumes accept the folder and
+    nothing of it is deleted; listing the model again takes it back."""
+    out = tmp_path / "several"
+    base = ARGS + ["--policies", "32-true", "--epochs", "1", "--out", str(out)]
+    assert main(base + ["--model", "mlp,lenet5"]) == 0
+    kept = _tree(out / "lenet5")
+    assert main(base + ["--model", "mlp", "--resume", "--force-config"]) == 0
+    listing = json.loads((out / "models.json").read_text())
+    assert listing == {"models": ["mlp"], "dropped": ["lenet5"]}
+    for argv in (["compare", "--out", str(out), "--resume", "--quiet"], ["report", str(out)]):
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+    after = _tree(out / "lenet5")
+    assert {k: v for k, v in after.items() if not k.endswith(".lock")} == \
+        {k: v for k, v in kept.items() if not k.endswith(".lock")}
+    assert main(base + ["--model", "mlp,lenet5", "--resume", "--force-config"]) == 0
+    assert json.loads((out / "models.json").read_text()) == {"models": ["mlp", "lenet5"]}

@@ -47,7 +47,7 @@ def failed_runs(out: str | Path, cfg: CompareConfig) -> list[tuple[str, str]]:
     """(run id, reason) of each requested run of ``cfg`` that failed, read from the run folder
     ``out``; over several models a run id is prefixed with its model (``MODEL/RUN``)."""
     models = split_models(cfg.model)
-    if len(models) == 1:
+    if len(models) == 1 and not (Path(out) / MODELS_FILE).is_file():
         return _model_failed_runs(Path(out), cfg)
     return [(f"{m}/{run_id}", reason) for m in models
             for run_id, reason in _model_failed_runs(Path(out) / m, replace(cfg, model=m))]

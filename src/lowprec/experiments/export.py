@@ -119,7 +119,8 @@ def _export_one(run_dir: Path, to: str, out: Path) -> tuple[int, list[str]]:
         files = writer(db, out, run_dir)
     finally:
         db.close()
-    return runs, sorted(str(Path(f).relative_to(out)) for f in files)
+    return runs, sorted(str(Path(f).relative_to(out)) for f in files
+                        if Path(f).name != EXPORT_MARK)
 
 
 @contextmanager
@@ -139,8 +140,10 @@ def _written_whole(out: Path, in_place: bool = False):
                        f"({err.strerror or err})") from None
     existed = out.is_dir()
     try:
-        yield tmp
+        # the mark first: a temp folder a kill leaves is then lowprec's (removed on --resume)
+        tmp.mkdir(exist_ok=True)
         (tmp / EXPORT_MARK).write_text("lowprec export\n")
+        yield tmp
         if not in_place:
             if out.is_dir():
                 out.rmdir()  # empty (checked): the rename takes its place

@@ -39,10 +39,13 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
     out = Path(cfg.out)
     listing = out / MODELS_FILE
     try:
-        listed = json.loads(listing.read_text()).get("models", []) if listing.is_file() else []
-    except (OSError, ValueError, AttributeError):
-        listed = []
-    refuse_foreign(out, models=True, model_names={*models, *map(str, listed)})
+        stored = json.loads(listing.read_text()) if listing.is_file() else {}
+        listed = [str(m) for m in stored.get("models", [])]
+        # models a forced resume dropped: their folders stay lowprec's (never deleted)
+        dropped = [str(m) for m in stored.get("dropped", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        listed, dropped = [], []
+    refuse_foreign(out, models=True, model_names={*models, *listed, *dropped})
     refuse_nested(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -61,8 +64,10 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
             check_resume(out / model, replace(cfg, model=model, out=str(out / model)),
                          force_config)
         remove_stale_temps(out)
-        atomic_write_bytes(listing, json.dumps({"models": list(models)}).encode(),
-                           "the list of models")
+        dropped = sorted({*listed, *dropped} - set(models))
+        atomic_write_bytes(listing, json.dumps(
+            {"models": list(models), **({"dropped": dropped} if dropped else {})}).encode(),
+            "the list of models")
         record_config_file(out, config_text)
         session = getattr(executor, "connected", None)  # one Ray instance for every model
         with session() if session else nullcontext():

@@ -25,6 +25,8 @@ import fcntl
 import json
 import os
 import re
+import shutil
+import socket
 from pathlib import Path
 
 __all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
@@ -56,8 +58,17 @@ WRITE_PROBE = "write-test"
 #: the files of a comparison over several models (each model's run folder is a sub-folder)
 MODELS_FOLDER_FILES = frozenset({LOCK_NAME, MODELS_FILE, "report.md", "report.html",
                                  "run.toml"})
-# ".NAME.lowprec-tmpPID": this module's temp files, the writer's PID in the name
-_TEMP_RE = re.compile(r"^\..+\.lowprec-tmp([1-9]\d{0,9})$", re.ASCII)
+# ".NAME.lowprec-tmpPID@HOST": this module's temp files, the writer's PID and host in the name
+# (a Ray task on another node writes checkpoints into the shared run folder); "-journal": the
+# rollback journal SQLite keeps beside a database being created; no "@HOST": earlier versions'
+_TEMP_RE = re.compile(r"^\..+\.lowprec-tmp([1-9]\d{0,9})(?:@([A-Za-z0-9._-]{1,64}))?(?:-journal)?$",
+                      re.ASCII)
+
+
+def _host() -> str:
+    """This machine's name as temp names carry it (letters, digits, '.', '_', '-')."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname() or "localhost")
+    return name[:64] or "localhost"
 
 
 def _pid_gone(pid: int) -> bool:
@@ -72,19 +83,33 @@ def _pid_gone(pid: int) -> bool:
 
 
 def _is_temp(name: str) -> bool:
-    """A temp file of this process, or of a lowprec process that is no longer alive: the only
-    files lowprec may delete without having been asked to."""
+    """A temp file (or an export's temp folder) of this process, of a lowprec process of this
+    machine that is no longer alive, or of another machine (a Ray task's: called only while
+    holding the folder's lock, when no task of this folder runs): the only entries lowprec may
+    delete without having been asked to."""
     m = _TEMP_RE.match(name)
     if not m:
         return False
-    pid = int(m.group(1))
+    pid, host = int(m.group(1)), m.group(2)
+    if host is not None and host != _host():
+        return True
     return pid == os.getpid() or _pid_gone(pid)
 
 
 def _is_run_folder(folder: Path) -> bool:
-    """The folder already holds a run of lowprec's (its lock file or results database): only
-    there are leftover temp files taken for a killed run's."""
+    """The folder already holds a run of lowprec's (its lock file, results database or list of
+    models): only there are leftover temp files taken for a killed run's."""
     return any(os.path.isfile(folder / n) for n in (LOCK_NAME, "results.db", MODELS_FILE))
+
+
+def _is_temp_entry(entry: os.DirEntry) -> bool:
+    """A leftover temp entry: a file, or an export's temp folder (it holds the export mark)."""
+    if not _is_temp(entry.name):
+        return False
+    if entry.is_file(follow_symlinks=False):
+        return True
+    return entry.is_dir(follow_symlinks=False) and \
+        os.path.isfile(os.path.join(entry.path, EXPORT_MARK))
 
 
 def _is_probe(name: str) -> bool:
@@ -158,7 +183,7 @@ class FolderLock:
 
 def temp_path(path: Path) -> Path:
     """This process's temp file for ``path``: hidden, beside it, named as no user file is."""
-    return path.with_name(f".{path.name}.lowprec-tmp{os.getpid()}")
+    return path.with_name(f".{path.name}.lowprec-tmp{os.getpid()}@{_host()}")
 
 
 def _replace_from_temp(path: Path, what: str, write) -> None:
@@ -204,10 +229,12 @@ def remove_stale_temps(folder: Path) -> list[Path]:
         except OSError:
             continue
         for e in entries:
-            if (_is_probe(e.name) if not ours else _is_temp(e.name)) \
-                    and e.is_file(follow_symlinks=False):
+            if _is_probe(e.name) if not ours else _is_temp_entry(e):
                 try:
-                    os.unlink(e.path)
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path)
+                    else:
+                        os.unlink(e.path)
                     removed.append(Path(e.path))
                 except OSError:
                     pass
@@ -229,7 +256,7 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
     ours = _is_run_folder(folder)  # temp files count as lowprec's only in its own run folder
     for e in entries:
         name = e.name
-        if (_is_probe(name) or (ours and _is_temp(name))) and e.is_file(follow_symlinks=False):
+        if (_is_probe(name) and e.is_file(follow_symlinks=False)) or (ours and _is_temp_entry(e)):
             continue
         if e.is_symlink():
             return name
@@ -253,7 +280,7 @@ def foreign_entry(folder: Path, *, models: bool = False, model_names=()) -> str 
             except OSError:
                 return name
             for f in inner:
-                if not ((ours and _is_temp(f.name)) or (f.name.endswith(suffixes)
+                if not ((ours and _is_temp_entry(f)) or (f.name.endswith(suffixes)
                                              and f.is_file(follow_symlinks=False))):
                     return f"{name}/{f.name}"
             continue
