@@ -721,6 +721,24 @@ def test_output_to_a_full_device_is_one_line(argv, capsys, monkeypatch):
     assert err == ["lowprec: error: cannot write the output: No space left on device"]
 
 
+def test_a_full_disk_elsewhere_is_not_taken_for_lost_output(monkeypatch, capsys):
+    """ENOSPC from a named file that nothing caught (a bug) keeps its traceback: it is not
+    reported as stdout that could not be written."""
+    import errno
+
+    import lowprec.cli as cli
+
+    def broken(args, console):
+        raise OSError(errno.ENOSPC, "No space left on device", "/somewhere/model.pt")
+
+    monkeypatch.setattr(cli, "cmd_formats", broken)
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser.commands["formats"].set_defaults(func=broken)
+    with pytest.raises(OSError, match="model.pt"):
+        main(["formats", "fp16"])
+
+
 def test_negative_numbers_are_values_not_flags(capsys):
     """argparse took -1e-3 and -inf for flags; the help says they are accepted values."""
     assert main(["quantize", "-f", "fp16", "-1e-3", "-inf", "1e30"]) == 0

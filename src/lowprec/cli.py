@@ -902,7 +902,11 @@ def _output_failed(err: BaseException) -> bool:
     device (``> /dev/full``), which no command catches as its own I/O."""
     import errno
 
-    return isinstance(err, OSError) and err.errno in (errno.EPIPE, errno.ENOSPC, errno.EIO)
+    if not (isinstance(err, OSError) and err.errno in (errno.EPIPE, errno.ENOSPC, errno.EIO)):
+        return False
+    # a write to a named file (open, rename, mkdir: a bug if uncaught, its traceback kept)
+    # carries the file's name; stdout's writes carry none
+    return err.filename is None
 
 
 def _output_lost(err: OSError) -> int:

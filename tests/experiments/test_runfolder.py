@@ -106,14 +106,20 @@ def test_resume_checks_the_configuration_marks_dropped_runs_and_records_force(tm
                  "--policies", "32-true", "--quiet"]) == 2
     assert "would change lr of runs already finished (32-true|seed=0)" in \
         capsys.readouterr().err
-    # ... and recorded where it applies: the interrupted 16-true run, asked for again
+    # ... even when only the interrupted 16-true run is asked for: the stored configuration is
+    # the folder's, and the finished 32-true run's results were trained with lr 0.02
     assert main(["compare", "--out", str(out), "--resume", "--lr", "0.3", "--force-config",
+                 "--policies", "16-true", "--quiet"]) == 2
+    assert "would change lr of runs already finished (32-true|seed=0)" in \
+        capsys.readouterr().err
+    # a forced change of the list of policies is recorded, and runs what it asks for
+    assert main(["compare", "--out", str(out), "--resume", "--force-config",
                  "--policies", "16-true", "--quiet"]) == 0
     db = ResultsDB(out / "results.db", create=False)
     forced = db.meta("forced_config")
     assert forced and sorted(forced[-1]["differences"]) == [
-        "lr: stored 0.02, given 0.3", "policies: stored ['32-true'], given ['16-true']"]
-    assert db.stored_config()["lr"] == 0.3
+        "policies: stored ['32-true'], given ['16-true']"]
+    assert db.stored_config()["lr"] == 0.02
     assert db.run("16-true|seed=0")["status"] == "finished"
     db.close()
 
@@ -300,7 +306,7 @@ def test_a_refused_resume_changes_nothing(tmp_path, capsys):
     base = ARGS + ["--policies", "32-true", "--epochs", "1", "--out", str(several)]
     assert main(base + ["--model", "mlp,lenet5"]) == 0
     before = _tree(several)
-    for models in ("mlp,cnn", "mlp", "lenet5,mlp"):
+    for models in ("mlp,vgg", "mlp", "lenet5,mlp"):
         assert main(base + ["--model", models, "--resume"]) == 2, models
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "model: stored 'mlp,lenet5'" in err[0], err
@@ -500,3 +506,29 @@ def test_a_model_a_forced_resume_drops_keeps_its_folder(tmp_path, capsys):
         {k: v for k, v in kept.items() if not k.endswith(".lock")}
     assert main(base + ["--model", "mlp,lenet5", "--resume", "--force-config"]) == 0
     assert json.loads((out / "models.json").read_text()) == {"models": ["mlp", "lenet5"]}
+
+
+def test_only_a_run_folder_encloses_another(tmp_path):
+    """--out below a lowprec run folder (its results.db beside its lock) is refused; below a
+    user's folder that merely holds a results.db it is not."""
+    from lowprec.experiments.runfolder import LOCK_NAME, enclosing_run
+
+    user = tmp_path / "data"
+    (user / "sub").mkdir(parents=True)
+    sqlite3.connect(user / "results.db").close()  # someone else's database
+    assert enclosing_run(user / "sub" / "run") is None
+    (user / LOCK_NAME).write_text("")
+    assert enclosing_run(user / "sub" / "run") == user.resolve()
+    (user / "sub" / "results.db").write_text("")  # a run folder already: its place accepted
+    assert enclosing_run(user / "sub") is None
+
+
+@pytest.mark.parametrize("extra", [["--model", "mlp,nosuch"], ["--model", "nosuch"],
+                                   ["--data", "nosuch"], ["--model", "mlp,lenet5",
+                                                          "--data", "nosuch"]])
+def test_a_refused_new_out_leaves_no_folder(tmp_path, capsys, extra):
+    """What needs no folder (the dataset, each model) is checked before one is made."""
+    out = tmp_path / "new" / "run"
+    assert main(ARGS + ["--policies", "32-true", "--out", str(out), *extra]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()

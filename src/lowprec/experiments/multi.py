@@ -22,8 +22,8 @@ from .render import html_table, md_table
 from .report import write_report
 from .results import ResultsDB
 from .run_analyses import certificate_formats
-from .runner import (check_resume, record_config_file, refuse_foreign, refuse_nested,
-                     run_model)
+from .runner import (check_inputs, check_resume, record_config_file, refuse_foreign,
+                     refuse_nested, run_model)
 from .runfolder import (MODELS_FILE, FolderLock, atomic_write_bytes, read_models_list,
                         remove_stale_temps)
 from .summary import BASELINE, acc_cell, summarize, time_cell
@@ -45,6 +45,7 @@ def run_models(cfg: CompareConfig, executor=None, *, force_config: bool = False,
         dropped = [str(m) for m in stored.get("dropped", [])]
     except (OSError, ValueError, AttributeError, TypeError):
         listed, dropped = [], []
+    check_inputs(cfg, models)  # before any folder is made
     refuse_foreign(out, models=True, model_names={*models, *listed, *dropped})
     refuse_nested(out)
     try:

@@ -315,7 +315,11 @@ def enclosing_run(folder: Path) -> Path | None:
         here = Path(folder).resolve()
     except (OSError, RuntimeError):
         return None
+    if (here / "results.db").is_file():
+        return None  # a run folder already (resumed): where it lies was accepted when made
     for parent in here.parents:
-        if (parent / "results.db").is_file():
+        # lowprec's own run folder: its results database beside its lock file (a user's
+        # results.db alone is not one)
+        if (parent / "results.db").is_file() and (parent / LOCK_NAME).is_file():
             return parent
     return None

@@ -45,7 +45,8 @@ from .timing import EpochMeter
 
 __all__ = ["run_model", "train_run", "evaluate", "config_differences", "check_policies",
            "failed_runs", "start_run_record", "failure_message", "mark_unrequested",
-           "refuse_foreign", "refuse_nested", "record_config_file", "check_resume"]
+           "refuse_foreign", "refuse_nested", "record_config_file", "check_resume",
+           "check_inputs"]
 
 
 def _prepare_out(out: Path) -> None:
@@ -132,9 +133,10 @@ def check_resume(out: Path, cfg: CompareConfig, force_config: bool = False) -> N
                        "): drop those flags to continue as stored, or add --force-config")
     given = resolved.to_json()
     changed = [k for k in _HYPER if k not in _FORCE_ANYTIME and stored.get(k) != given.get(k)]
-    wanted = {run_id_of(p, s) for p in cfg.policies for s in cfg.seeds}
+    # every finished run of the folder, asked for again or not: the stored configuration is
+    # the folder's, and would no longer be theirs
     done = [run_id for run_id, status in read_run_statuses(db_path).items()
-            if run_id in wanted and status in ("finished", "diverged")]
+            if status in ("finished", "diverged")]
     if changed and done:
         raise RunError(f"--force-config would change {', '.join(changed)} of runs already "
                        f"finished ({', '.join(done[:3])}{', ...' if len(done) > 3 else ''}), "
@@ -149,6 +151,19 @@ def check_policies(cfg: CompareConfig) -> None:
             Precision(p).resolve_backend(torch.device("cpu"))
         except ValueError as err:
             raise RunError(str(err)) from None
+
+
+def check_inputs(cfg: CompareConfig, models) -> Dataset:
+    """The policies, the dataset and each of ``models`` can be set up (RunError naming what
+    cannot): checked before any folder is made. Returns the dataset."""
+    check_policies(cfg)
+    try:
+        data = load_checked_dataset(cfg.data, quiet=cfg.quiet)
+        for model in models:
+            build_checked_model(model, data)
+    except ValueError as err:
+        raise RunError(str(err)) from None
+    return data
 
 
 def _make_optimizer(cfg: CompareConfig, model: nn.Module):
@@ -452,16 +467,12 @@ def run_model(cfg: CompareConfig, executor=None, *, force_config: bool = False,
         executor.preflight()
     tune_cpu_allocator()
     out = Path(cfg.out)
+    # every refusal comes before the first write: a refused command changes nothing (what
+    # needs no folder is checked before one is made)
+    data = check_inputs(cfg, [cfg.model])
     _prepare_out(out)
     with FolderLock(out, "lowprec compare"):
-        # every refusal comes before the first write: a refused command changes nothing
         check_resume(out, cfg, force_config)
-        check_policies(cfg)
-        try:
-            data = load_checked_dataset(cfg.data, quiet=cfg.quiet)
-            build_checked_model(cfg.model, data)
-        except ValueError as err:
-            raise RunError(str(err)) from None
         remove_stale_temps(out)
         record_config_file(out, config_text)
         db_path = out / "results.db"
