@@ -163,6 +163,34 @@ def test_compiled_roundings_have_the_eager_kernels_bits():
         assert not torch.equal(g[finite], x[finite]), f"{spec} {mode}: nothing was rounded"
 
 
+@pytest.mark.parametrize("spec", ["fp16", "bf16"])
+def test_native_casts_compiled_keeping_casts_have_the_kernels_bits(spec):
+    """Under ``native_casts`` (compiled emulation's backend) fp16/bf16 to nearest are a cast
+    round trip, which Inductor keeps with ``emulate_precision_casts``: the compiled output of
+    every pattern of an odd-length probe (vector loops and scalar tails: subnormals, ties,
+    overflow, both zeros, Infs) has the eager kernel's bits; a NaN stays a NaN of its sign, with
+    its payload too for bf16 (fp16 holds 10 of its bits)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lowprec.numerics.fused import native_casts, quantize_fused
+    from lowprec.numerics.rounding import Rounding
+
+    fmt = parse_format(spec)
+    x = _probe(fmt)
+    x = x[: x.numel() // 7 * 7 - 1]  # odd: a scalar tail
+    torch._dynamo.reset()
+    with native_casts(), torch._inductor.config.patch(emulate_precision_casts=True):
+        got, (code,) = run_and_get_code(torch.compile(
+            lambda t: quantize_fused(t, fmt, Rounding.NEAREST_EVEN, 0, None), fullgraph=True), x)
+    assert "int32_t" not in code  # the cast round trip, not the int32 decomposition
+    expected = quantize(x, spec)
+    nan = torch.isnan(x)
+    assert_same_bits(got[~nan], expected[~nan], f"compiled cast round trip, {spec}")
+    assert torch.isnan(got[nan]).all() and torch.equal(got[nan].signbit(), x[nan].signbit())
+    if spec == "bf16":
+        assert_same_bits(got[nan], x[nan], "bf16 NaN payloads")
+
+
 def _kernels(code: str) -> set[str]:
     return set(re.findall(r"\b(cpp_fused_\w+|triton_\w+)\(", code))
 

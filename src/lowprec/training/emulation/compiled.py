@@ -48,6 +48,7 @@ import warnings
 import torch
 from torch import nn
 
+from ...numerics import fused as _fused
 from ...numerics.formats import BlockFormat
 from ...numerics.ops import quantize_op
 from ...numerics.quantize import seed_tensor, tracing_graph
@@ -401,14 +402,29 @@ COMPILERS = ("inductor", "aten")
 def roundings_in(graph: torch.fx.Graph) -> int:
     """The roundings of a traced ATen graph: its opaque ``lowprec::quantize`` nodes plus the
     fused ones, which AOTAutograd has expanded into the int32 ops of
-    :mod:`lowprec.numerics.fused` (``lowprec::quantize_fused`` is CompositeImplicitAutograd) and
-    which each end in one bitcast of int32 bits back to float32 (no model op bitcasts)."""
+    :mod:`lowprec.numerics.fused` (``lowprec::quantize_fused`` is CompositeImplicitAutograd),
+    each ending in one bitcast of int32 bits back to float32 (no model op bitcasts), or, for
+    fp16/bf16 to nearest (:func:`lowprec.numerics.fused.native_casts`), into a cast to the
+    16-bit dtype and back to float32."""
     opaque = len(graph.find_nodes(op="call_function", target=quantize_op()))
     fused = sum(1 for n in graph.find_nodes(op="call_function",
                                             target=torch.ops.aten.view.dtype)
-                if n.args[1] == torch.float32 and n.args[0].meta.get("val") is not None
-                and n.args[0].meta["val"].dtype == torch.int32)
-    return opaque + fused
+                if n.args[1] == torch.float32 and _dtype_of(n.args[0]) == torch.int32)
+    return opaque + fused + sum(1 for n in graph.nodes if _cast_to(n) == torch.float32
+                                and _cast_to(n.args[0]) in (torch.float16, torch.bfloat16))
+
+
+def _dtype_of(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if torch.is_tensor(val) else None
+
+
+def _cast_to(node) -> torch.dtype | None:
+    """The dtype a cast node (prims.convert_element_type, aten._to_copy) casts to."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in (
+            torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default):
+        return None
+    return _dtype_of(node)
 
 
 # Model code that reads a tensor's dtype (``h.dtype``, ``torch.finfo(h.dtype)``) gets its
@@ -588,7 +604,8 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
 
         # the engine's roundings as graph ops while AOTAutograd traces the forward and, through
         # autograd, the backward (torch 2.11 reports is_compiling() False here)
-        with tracing_graph():
+        # fp16/bf16 roundings as cast round trips, which _inner keeps (emulate_precision_casts)
+        with tracing_graph(), _fused.native_casts():
             return aot_autograd(
                 fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
                 inference_compiler=counted("inference", is_inference=True),
