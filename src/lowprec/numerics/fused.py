@@ -60,10 +60,11 @@ __all__ = ["max_numel", "native_casts", "source_token", "quantize_fused", "rando
 _I32_MIN = -(2**31)
 _MAX_NUMEL = 2**31 - 1  # element indices are int32
 # fp16 and bf16 rounded to nearest-even: torch's own cast rounds exactly so (subnormals, ties,
-# overflow to Inf). A NaN: bf16's keeps its input bits, as in the kernel; fp16's keeps its sign
-# but only as much payload as fp16 holds (as model.half() does; the kernel keeps all), which
-# changes nothing for arithmetic NaNs (x86's default NaN and what propagates it). Used while
-# :func:`native_casts` is on, by a caller whose compiler keeps a cast round trip
+# overflow to Inf). A NaN keeps its sign but at most the payload the 16-bit format holds (as
+# model.half() does; the kernel keeps all of it; c10's scalar bf16 cast, on a vector's tail,
+# gives +NaN: the sign is copied back), which changes nothing for arithmetic NaNs (x86's default
+# NaN and what propagates it). Used while :func:`native_casts` is on, by a caller whose
+# compiler keeps a cast round trip
 _CASTS = {FloatFormat(5, 10): torch.float16, FloatFormat(8, 7): torch.bfloat16}
 _casts_on = 0
 
@@ -71,8 +72,9 @@ _casts_on = 0
 @contextlib.contextmanager
 def native_casts():
     """Inside: fp16/bf16 rounded to nearest-even are decomposed into torch's cast round trip
-    (``x.to(fp16).float()``; bf16: ``where(isnan(x), x, x.to(bf16).float())``), two or four
-    ops instead of some thirty int32 ops.
+    (``x.to(fp16).float()``; bf16: ``x.to(bf16).float().copysign(x)``), two or three ops
+    instead of some thirty int32 ops (a ``where(isnan(x), x, ...)`` keeping NaN payloads
+    doubled a ViT's bf16 compile).
     Only for a graph compiled with ``torch._inductor.config.emulate_precision_casts`` (else
     Inductor simplifies the round trip away): compiled emulation's backend sets both. The
     generated code is smaller, so Inductor's code generation takes a fraction of the time (a
@@ -332,7 +334,7 @@ def quantize_fused(x: torch.Tensor, fmt, mode: Rounding, random_bits: int,
     if cast is not None:
         out = xf.to(cast).to(torch.float32)
         if cast == torch.bfloat16:  # c10's scalar bf16 cast makes every NaN +NaN
-            out = torch.where(torch.isnan(xf), xf, out)
+            out = out.copysign(xf)
     elif isinstance(fmt, BinaryFormat):
         out = _binary(xf)
     elif isinstance(fmt, BlockFormat):
