@@ -2,7 +2,8 @@
 
 For each model and policy, one fresh process (its own empty Inductor cache, so nothing a
 previous measurement compiled is reused) builds the model, runs one training step (forward,
-backward, SGD step) and reports the step's wall time, compilation included; fp32 is
+backward, SGD step) and reports the step's wall time, compilation (and lowprec's set-up, a few
+milliseconds) included; fp32 is
 ``torch.compile(model)``, a policy is ``Precision(policy, compile=True)`` on the emulated
 backend. Printed: each time and its ratio to compiled fp32's first step of the same model, and
 whether the emulated model compiled (or ran eagerly, and why).
@@ -80,8 +81,8 @@ def _child(model: str, policy: str) -> None:
 def _measure(model: str, policy: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="lowprec-compile-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache,
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "src"),
-                                               os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"),
+                                                          os.environ.get("PYTHONPATH")) if p))
         try:
             done = subprocess.run([sys.executable, __file__, "--child", model, policy],
                                   env=env, capture_output=True, text=True, timeout=timeout)

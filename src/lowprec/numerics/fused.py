@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -60,13 +61,14 @@ __all__ = ["max_numel", "native_casts", "source_token", "quantize_fused", "rando
 _I32_MIN = -(2**31)
 _MAX_NUMEL = 2**31 - 1  # element indices are int32
 # fp16 and bf16 rounded to nearest-even: torch's own cast rounds exactly so (subnormals, ties,
-# overflow to Inf). A NaN keeps its sign but at most the payload the 16-bit format holds (as
-# model.half() does; the kernel keeps all of it; c10's scalar bf16 cast, on a vector's tail,
-# gives +NaN: the sign is copied back), which changes nothing for arithmetic NaNs (x86's default
-# NaN and what propagates it). Used while :func:`native_casts` is on, by a caller whose
-# compiler keeps a cast round trip
+# overflow to Inf). A NaN stays a NaN of its sign, but its payload bits are not the kernel's
+# (which keeps them all): fp16 keeps the top 10, ATen's vector bf16 cast makes every NaN 0xFFFF
+# and c10's scalar one +NaN (the sign is copied back). So once a NaN appears, compiled and eager
+# emulation agree on the values, not on the NaNs' bits. Used while :func:`native_casts` is on,
+# by a caller whose compiler keeps a cast round trip
 _CASTS = {FloatFormat(5, 10): torch.float16, FloatFormat(8, 7): torch.bfloat16}
-_casts_on = 0
+_casts = threading.local()  # .on: native_casts depth in this thread (a plain torch.compile in
+# another thread meanwhile keeps the int32 ops, which any compiler keeps)
 
 
 @contextlib.contextmanager
@@ -78,14 +80,13 @@ def native_casts():
     Only for a graph compiled with ``torch._inductor.config.emulate_precision_casts`` (else
     Inductor simplifies the round trip away): compiled emulation's backend sets both. The
     generated code is smaller, so Inductor's code generation takes a fraction of the time (a
-    one-layer transformer's first 16-true step 150 -> 27 s, AMD EPYC), and the same bits
-    (tests/numerics/test_fused_rounding.py)."""
-    global _casts_on
-    _casts_on += 1
+    one-layer transformer's first 16-true step 128-150 -> 27 s, AMD EPYC), with the same bits
+    but for NaN payloads (tests/numerics/test_fused_rounding.py)."""
+    _casts.on = getattr(_casts, "on", 0) + 1
     try:
         yield
     finally:
-        _casts_on -= 1
+        _casts.on -= 1
 
 
 def _s32(v: int) -> int:
@@ -330,7 +331,7 @@ def quantize_fused(x: torch.Tensor, fmt, mode: Rounding, random_bits: int,
         return torch.empty_like(x)
     xf = x.detach()
     xf = xf if xf.dtype == torch.float32 else xf.float()
-    cast = _CASTS.get(fmt) if _casts_on and code == 0 else None
+    cast = _CASTS.get(fmt) if code == 0 and getattr(_casts, "on", 0) else None
     if cast is not None:
         out = xf.to(cast).to(torch.float32)
         if cast == torch.bfloat16:  # c10's scalar bf16 cast makes every NaN +NaN

@@ -383,8 +383,9 @@ def _inner(gm, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
     _aten_kernels(gm)
-    # the engine rounds with lowprec::quantize, never with dtype casts; a cast the model makes
-    # itself (x.half().float()) is kept too rather than simplified away. No layout optimisation:
+    # the engine's fp16/bf16 roundings to nearest are cast round trips (fused.native_casts),
+    # which must be kept, not simplified away; so is a cast the model makes itself
+    # (x.half().float()). No layout optimisation:
     # a convolution's backward in channels-last sums in another order than eager's
     with torch._inductor.config.patch(emulate_precision_casts=True, layout_optimization=False):
         return compile_fx_inner(gm, example_inputs, **kwargs)
