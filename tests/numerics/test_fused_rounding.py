@@ -180,8 +180,8 @@ def test_native_casts_compiled_keeping_casts_have_the_kernels_bits(spec, simdlen
     x = _probe(fmt)
     x = x[1:] if x.numel() % 2 == 0 else x  # odd: a tail after the vector loop
     torch._dynamo.reset()
-    with native_casts(), torch._inductor.config.patch(emulate_precision_casts=True), \
-            torch._inductor.config.patch({"cpp.simdlen": simdlen}):
+    with native_casts(), torch._inductor.config.patch({"emulate_precision_casts": True,
+                                                       "cpp.simdlen": simdlen}):
         got, (code,) = run_and_get_code(torch.compile(
             lambda t: quantize_fused(t, fmt, Rounding.NEAREST_EVEN, 0, None), fullgraph=True), x)
     assert "int32_t" not in code  # the cast round trip, not the int32 decomposition

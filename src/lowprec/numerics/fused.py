@@ -52,11 +52,12 @@ import torch.nn.functional as F
 
 from . import params
 
-from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat
+from .formats import BF16, FP16, BinaryFormat, BlockFormat, FixedFormat, FloatFormat
 from .params import NAN_SHIFT, ROUNDING_CODES, ElementParams, element_params, random_mask
 from .rounding import Rounding
 
-__all__ = ["max_numel", "native_casts", "source_token", "quantize_fused", "random_words_i32", "quantize_bits_i32"]
+__all__ = ["max_numel", "native_casts", "source_token", "quantize_fused", "random_words_i32",
+           "quantize_bits_i32"]
 
 _I32_MIN = -(2**31)
 _MAX_NUMEL = 2**31 - 1  # element indices are int32
@@ -66,7 +67,7 @@ _MAX_NUMEL = 2**31 - 1  # element indices are int32
 # and c10's scalar one +NaN (the sign is copied back). So once a NaN appears, compiled and eager
 # emulation agree on the values, not on the NaNs' bits. Used while :func:`native_casts` is on,
 # by a caller whose compiler keeps a cast round trip
-_CASTS = {FloatFormat(5, 10): torch.float16, FloatFormat(8, 7): torch.bfloat16}
+_CASTS = {FP16: torch.float16, BF16: torch.bfloat16}
 _casts = threading.local()  # .on: native_casts depth in this thread (a plain torch.compile in
 # another thread meanwhile keeps the int32 ops, which any compiler keeps)
 
@@ -80,7 +81,7 @@ def native_casts():
     Only for a graph compiled with ``torch._inductor.config.emulate_precision_casts`` (else
     Inductor simplifies the round trip away): compiled emulation's backend sets both. The
     generated code is smaller, so Inductor's code generation takes a fraction of the time (a
-    one-layer transformer's first 16-true step 128-150 -> 27 s, AMD EPYC), with the same bits
+    one-layer transformer's first 16-true step 128-150 -> 27 s, AMD EPYC with AVX512-BF16), with the same bits
     but for NaN payloads (tests/numerics/test_fused_rounding.py)."""
     _casts.on = getattr(_casts, "on", 0) + 1
     try:
