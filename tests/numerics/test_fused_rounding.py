@@ -32,7 +32,7 @@ FUSED = torch.ops.lowprec.quantize_fused.default
 
 FLOATS = ["fp16", "bf16", "tf32", "e4m3fn", "e5m2", "e2m1fn", "e3m0", "e4m3fnuz", "e5m2fnuz",
           "e5m10-nosub", "e4m3-sat", "e3m2-ovnan", "e2m3fn", "e4m3-nosub-sat", "e8m23"]
-FIXED = ["q2.14", "uq4.4", "fixed<8,3>", "int<8>"]
+FIXED = ["q2.14", "uq4.4", "fixed<8,3>", "int<8>", "q6.10", "fixed<24,126>", "fixed<10,130>"]
 MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic", "sr4", "sr1"]
 BLOCKS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp4", "mxint8", "dfx<8>",
           "block<e2m1fn,16,axis=0>", "block<q1.6,tensor>"]
@@ -138,7 +138,9 @@ def test_any_exmy_has_the_kernels_bits(exp_bits, man_bits, subnormals, overflow,
 # -- compiled: Inductor with its default configuration --------------------------------------------
 COMPILED = [("fp16", "nearest"), ("bf16", "stochastic"), ("e4m3fn", "sr4"), ("e2m1fn", "up"),
             ("e3m2-ovnan", "toward_zero"), ("q2.14", "down"), ("e5m2fnuz", "nearest_away"),
-            ("mxfp4", "stochastic"), ("block<e2m1fn,16,axis=0>", "nearest")]
+            ("mxfp4", "stochastic"), ("block<e2m1fn,16,axis=0>", "nearest"),
+            ("q6.10", "stochastic"), ("uq4.4", "sr4"), ("q2.14", "nearest"),
+            ("fixed<8,3>", "nearest_away"), ("q2.14", "up")]
 
 
 def test_compiled_roundings_have_the_eager_kernels_bits():

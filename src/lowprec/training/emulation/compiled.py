@@ -404,15 +404,36 @@ def roundings_in(graph: torch.fx.Graph) -> int:
     """The roundings of a traced ATen graph: its opaque ``lowprec::quantize`` nodes plus the
     fused ones, which AOTAutograd has expanded into the int32 ops of
     :mod:`lowprec.numerics.fused` (``lowprec::quantize_fused`` is CompositeImplicitAutograd),
-    each ending in one bitcast of int32 bits back to float32 (no model op bitcasts), or, for
+    each ending in one bitcast of int32 bits back to float32 (no model op bitcasts); for
     fp16/bf16 to nearest (:func:`lowprec.numerics.fused.native_casts`), into a cast to the
-    16-bit dtype and back to float32."""
+    16-bit dtype and back to float32; for fixed point, into float ops ending in
+    ``where(isnan(x), x, where(_, neg(v), v))`` with ``v`` a ``minimum`` (the saturation)."""
     opaque = len(graph.find_nodes(op="call_function", target=quantize_op()))
     fused = sum(1 for n in graph.find_nodes(op="call_function",
                                             target=torch.ops.aten.view.dtype)
                 if n.args[1] == torch.float32 and _dtype_of(n.args[0]) == torch.int32)
-    return opaque + fused + sum(1 for n in graph.nodes if _cast_to(n) == torch.float32
-                                and _cast_to(n.args[0]) in (torch.float16, torch.bfloat16))
+    fixed = sum(1 for n in graph.find_nodes(op="call_function", target=torch.ops.aten.where.self)
+                if _is_fixed_rounding(n))
+    return opaque + fused + fixed + sum(
+        1 for n in graph.nodes
+        if _cast_to(n) == torch.float32 and _cast_to(n.args[0]) in (torch.float16,
+                                                                    torch.bfloat16))
+
+
+def _is_fixed_rounding(n) -> bool:
+    """Whether ``n`` is the last node of :func:`lowprec.numerics.fused._fixed`."""
+    cond, x, inner = n.args
+    if not (_called(cond, torch.ops.aten.isnan.default) and cond.args[0] is x
+            and _called(inner, torch.ops.aten.where.self)):
+        return False
+    v = inner.args[2]
+    return _called(v, torch.ops.aten.minimum.default) and _called(
+        inner.args[1], torch.ops.aten.neg.default) and inner.args[1].args[0] is v
+
+
+def _called(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+        node.target == target
 
 
 def _dtype_of(node) -> torch.dtype | None:
