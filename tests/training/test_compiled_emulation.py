@@ -365,3 +365,47 @@ def test_a_dtype_read_compiles_only_where_a_graph_cannot_freeze_it(finfo):
     else:
         assert said == [] and run[0].forward.reason is None
     _same_run(eager, run, f"finfo={finfo}")
+
+
+def test_the_forward_saves_no_boolean_mask_and_the_backward_reads_the_same_values():
+    """A ReLU's backward mask (``threshold_backward``'s ``self <= 0``) crosses from the forward
+    graph to the backward graph as float32 0/1 (Inductor stores a boolean vector element by
+    element), and becomes boolean again there: the gradient is unchanged."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    from lowprec.training.emulation.compiled import _partition
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+        return compiler
+
+    def f(x, w):  # the mask is saved (a matmul is not recomputed, its output is 4x the mask)
+        return torch.relu(x @ w).sum()
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 33, generator=g)
+    w = torch.randn(33, 17, generator=g, requires_grad=True)
+    wc = w.detach().clone().requires_grad_(True)
+    plain = aot_function(f, fw_compiler=keep("fw0"), bw_compiler=keep("bw0"),
+                         partition_fn=min_cut_rematerialization_partition,
+                         decompositions=select_decomp_table())
+    plain(x, wc).backward()
+    saved0 = [getattr(n, "meta", {}).get("val") for n in graphs["fw0"].graph.output_node().args[0]]
+    assert any(torch.is_tensor(v) and v.dtype == torch.bool for v in saved0)  # what is fixed
+
+    compiled = aot_function(f, fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                            partition_fn=_partition(min_cut_rematerialization_partition),
+                            decompositions=select_decomp_table())
+    loss = compiled(x, w)
+    loss.backward()
+    saved = [getattr(n, "meta", {}).get("val") for n in graphs["fw"].graph.output_node().args[0]]
+    assert not any(torch.is_tensor(v) and v.dtype == torch.bool for v in saved)
+    ref = w.detach().clone().requires_grad_(True)
+    f(x, ref).backward()
+    assert torch.equal(w.grad, ref.grad) and torch.equal(loss, f(x, ref.detach()))
