@@ -56,7 +56,9 @@ import torch.nn.functional as F
 from . import params
 
 from .formats import BF16, FP16, BinaryFormat, BlockFormat, FixedFormat, FloatFormat
-from .params import NAN_SHIFT, ROUNDING_CODES, ElementParams, element_params, random_mask
+from .params import (NAN_SHIFT, R_DOWN, R_NEAREST_AWAY, R_NEAREST_EVEN, R_STOCHASTIC,
+                     R_TOWARD_ZERO, R_UP, ROUNDING_CODES, ElementParams, element_params,
+                     random_mask)
 from .rounding import Rounding
 
 __all__ = ["max_numel", "native_casts", "source_token", "quantize_fused", "random_words_i32",
@@ -83,9 +85,9 @@ def native_casts():
     doubled a ViT's bf16 compile).
     Only for a graph compiled with ``torch._inductor.config.emulate_precision_casts`` (else
     Inductor simplifies the round trip away): compiled emulation's backend sets both. The
-    generated code is smaller, so Inductor's code generation takes a fraction of the time (a
-    one-layer transformer's first 16-true step 128-150 -> 27 s, AMD EPYC with AVX512-BF16), with the same bits
-    but for NaN payloads (tests/numerics/test_fused_rounding.py)."""
+    generated code is smaller, so Inductor's code generation takes a fraction of the time
+    (benchmarks/RESULTS.md, "Issue 37: compile time"), with the same bits but for NaN payloads
+    (tests/numerics/test_fused_rounding.py)."""
     _casts.on = getattr(_casts, "on", 0) + 1
     try:
         yield
@@ -153,18 +155,18 @@ def quantize_bits_i32(u: torch.Tensor, ep: ElementParams, code: int, rmask: int,
     sk = s.clamp(1, 24)  # M < 2**24: k = 0 and rem = M for every s >= 24
     k = m >> sk
     rem = m & ((1 << sk) - 1)
-    if code in (0, 1):  # nearest: compare the discarded part with half a quantum
+    if code in (R_NEAREST_EVEN, R_NEAREST_AWAY):  # the discarded part against half a quantum
         half = 1 << (sk - 1)
-        if code == 0:  # ties to even
+        if code == R_NEAREST_EVEN:  # ties to even
             up = (rem > half) | ((rem == half) & ((k & 1) == 1))
         else:  # ties away
             up = rem >= half
         up = up & (s <= 24)  # below half a quantum for every s > 24
-    elif code == 2:  # toward zero
+    elif code == R_TOWARD_ZERO:  # toward zero
         up = torch.zeros_like(neg)
-    elif code == 3:  # up (toward +inf)
+    elif code == R_UP:  # up (toward +inf)
         up = (rem != 0) & ~neg
-    elif code == 4:  # down (toward -inf)
+    elif code == R_DOWN:  # down (toward -inf)
         up = (rem != 0) & neg
     else:  # stochastic: carry out of (fraction + random bits), both cut to the random bits
         # t: the discarded fraction of the quantum as a 0.32 fixed-point word
@@ -187,11 +189,11 @@ def quantize_bits_i32(u: torch.Tensor, ep: ElementParams, code: int, rmask: int,
         special = lim
     else:
         special = torch.full_like(u, 0x7F800000 if ep.overflow == 0 else 0x7FC00000)
-    if code == 2:  # rounding went toward zero: IEEE 754 section 7.4 gives the largest finite
+    if code == R_TOWARD_ZERO:  # rounding toward zero: IEEE 754 section 7.4 gives the largest finite
         tz = torch.ones_like(neg)
-    elif code == 3:
+    elif code == R_UP:
         tz = neg
-    elif code == 4:
+    elif code == R_DOWN:
         tz = ~neg
     else:
         tz = torch.zeros_like(neg)
@@ -246,7 +248,8 @@ def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed,
     """``xf`` (contiguous when ``offset`` is given) rounded elementwise; ``offset``: the
     logical index of its first element in the tensor it is a slice of (the random words')."""
     ep = element_params(fmt)
-    r = random_words_i32(_index(xf.shape, xf.device, offset), seed) if code == 5 else None
+    r = (random_words_i32(_index(xf.shape, xf.device, offset), seed) if code == R_STOCHASTIC
+         else None)
     if isinstance(fmt, FixedFormat) and fmt.frac_bits <= _FIXED_FLOAT_MAX_FRAC:
         return _fixed(xf, fmt, ep, code, rmask, r)
     u = xf.view(torch.int32)
@@ -270,15 +273,15 @@ def _fixed(xf: torch.Tensor, fmt: FixedFormat, ep: ElementParams, code: int, rma
     y = xf.abs() * float(2.0 ** fmt.frac_bits)
     k = y.floor()
     frac = y - k
-    if code == 0:  # ties to even
+    if code == R_NEAREST_EVEN:  # ties to even
         odd = (k * 0.5).floor() * 2.0 != k
         up = (frac > 0.5) | ((frac == 0.5) & odd)
-    elif code == 1:
+    elif code == R_NEAREST_AWAY:
         up = frac >= 0.5
-    elif code == 2:
+    elif code == R_TOWARD_ZERO:
         up = torch.zeros_like(neg)
-    elif code in (3, 4):
-        up = (frac > 0) & (~neg if code == 3 else neg)
+    elif code in (R_UP, R_DOWN):
+        up = (frac > 0) & (~neg if code == R_UP else neg)
     else:
         bits = 32 - (rmask ^ 0xFFFFFFFF).bit_length()  # the mask keeps the top ``bits``
         top = _lsr(r, 32 - bits) if bits < 32 else r  # those bits as an integer (int32 words)
@@ -348,7 +351,7 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
     blocks = padded.reshape(nrows, nblocks, block)
     sh = _block_shifts(blocks, fmt)  # (rows, blocks, 1); zeros change no amax
     r = None
-    if code == 5:  # the counter of an element: its index in the moved, row-major layout
+    if code == R_STOCHASTIC:  # the counter of an element: its index in the moved, row-major layout
         pos = torch.arange(nblocks * block, dtype=torch.int32, device=xf.device)
         start = offset + torch.arange(nrows, dtype=torch.int32, device=xf.device) * row_len
         r = random_words_i32((start[:, None] + pos[None, :]).reshape(blocks.shape), seed)
@@ -376,7 +379,7 @@ def quantize_fused(x: torch.Tensor, fmt, mode: Rounding, random_bits: int,
         return torch.empty_like(x)
     xf = x.detach()
     xf = xf if xf.dtype == torch.float32 else xf.float()
-    cast = _CASTS.get(fmt) if code == 0 and getattr(_casts, "on", 0) else None
+    cast = _CASTS.get(fmt) if code == R_NEAREST_EVEN and getattr(_casts, "on", 0) else None
     if cast is not None:
         out = xf.to(cast).to(torch.float32)
         if cast == torch.bfloat16:  # c10's scalar bf16 cast makes every NaN +NaN

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from .params import ElementParams
+from .params import R_STOCHASTIC, ElementParams
 
 __all__ = ["available", "open_kernel", "quantize_f32", "quantize_blocks_f32", "LPParams",
            "gemm_acc", "gemm_acc_available", "quantize_transposed", "transposed_available",
@@ -62,7 +62,7 @@ def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
     """Fused optimizer step on contiguous CPU tensors (see lp_opt_step in _qkernel.c)."""
     from .params import random_mask
 
-    pp = _params(pq, p_rounding, random_mask(32) if p_rounding == 5 else 0, seed)
+    pp = _params(pq, p_rounding, random_mask(32) if p_rounding == R_STOCHASTIC else 0, seed)
     sp = _params(sq, 0, 0, (0, 0))
     dummy = p.data_ptr()
     _lib().lp_opt_step(p.data_ptr(), g.data_ptr(), s1.data_ptr() if s1 is not None else dummy,

@@ -15,16 +15,19 @@ from .formats import FixedFormat, FloatFormat, Overflow
 from .rounding import Rounding
 
 __all__ = ["ElementParams", "element_params", "ROUNDING_CODES", "OVERFLOW_CODES", "f32_bits",
-           "NAN_SHIFT", "FIXED_BEMIN"]
+           "NAN_SHIFT", "FIXED_BEMIN", "R_NEAREST_EVEN", "R_NEAREST_AWAY", "R_TOWARD_ZERO",
+           "R_UP", "R_DOWN", "R_STOCHASTIC"]
 
+# the rounding codes every quantization path takes (R_* in _qkernel.c, in this order)
+R_NEAREST_EVEN, R_NEAREST_AWAY, R_TOWARD_ZERO, R_UP, R_DOWN, R_STOCHASTIC = range(6)
 ROUNDING_CODES = {
-    Rounding.NEAREST_EVEN: 0,
-    Rounding.NEAREST_AWAY: 1,
-    Rounding.TOWARD_ZERO: 2,
-    Rounding.UP: 3,
-    Rounding.DOWN: 4,
-    Rounding.STOCHASTIC: 5,
-    Rounding.STOCHASTIC_LIMITED: 5,
+    Rounding.NEAREST_EVEN: R_NEAREST_EVEN,
+    Rounding.NEAREST_AWAY: R_NEAREST_AWAY,
+    Rounding.TOWARD_ZERO: R_TOWARD_ZERO,
+    Rounding.UP: R_UP,
+    Rounding.DOWN: R_DOWN,
+    Rounding.STOCHASTIC: R_STOCHASTIC,
+    Rounding.STOCHASTIC_LIMITED: R_STOCHASTIC,
 }
 OVERFLOW_CODES = {Overflow.INF: 0, Overflow.NAN: 1, Overflow.SATURATE: 2}
 NAN_SHIFT = 1000  # per-block shift marking a NaN scale (LP_NAN_SHIFT in the kernel)

@@ -29,7 +29,8 @@ from typing import Literal
 import torch
 
 from . import fused as _fused, kernel as _kernel, reference as _reference
-from .params import NAN_SHIFT, ROUNDING_CODES, element_params, random_mask
+from .params import (NAN_SHIFT, R_NEAREST_EVEN, R_STOCHASTIC, ROUNDING_CODES, element_params,
+                     random_mask)
 from .formats import BinaryFormat, BlockFormat, FixedFormat, FloatFormat, Format, parse_format
 from .rounding import Rounding, check_generator, parse_rounding
 
@@ -54,7 +55,7 @@ _PREPARED: dict = {}
 _PREPARED_KEYED: dict = {}
 
 
-_STOCHASTIC_CODE = ROUNDING_CODES[Rounding.STOCHASTIC]
+_STOCHASTIC_CODE = R_STOCHASTIC
 
 
 def _prepare(key, fmt, code: int, rmask: int, table: dict = _PREPARED) -> None:
@@ -271,7 +272,7 @@ def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
             out = torch.empty_like(xc, memory_format=torch.contiguous_format)
         _kernel.quantize_f32(xc, out, ep, code, rmask, seed)
         return out
-    native = _NATIVE_CASTS.get(fmt) if code == 0 else None
+    native = _NATIVE_CASTS.get(fmt) if code == R_NEAREST_EVEN else None
     if native is not None:
         # torch's own cast rounds to nearest-even with these exact overflow rules; NaNs keep
         # their input bits, as in the kernel. e4m3fn saturates: CPU casts do, CUDA's give NaN
@@ -456,7 +457,7 @@ def quantize(
                 elif keyed:
                     _prepare(key, fmt, code, rmask, _PREPARED_KEYED)
             if impl == "auto" and _on_accelerator(xf) and \
-                    not (code == 0 and fmt in _NATIVE_CASTS) and \
+                    not (code == R_NEAREST_EVEN and fmt in _NATIVE_CASTS) and \
                     xf.numel() <= _fused.max_numel(fmt):
                 # on a GPU: the fused decomposition's int32 ops over the whole tensor (a few
                 # dozen kernel launches; the reference path's chunk loop launched thousands)

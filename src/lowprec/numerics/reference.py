@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .params import NAN_SHIFT, ElementParams
+from .params import (NAN_SHIFT, R_DOWN, R_NEAREST_AWAY, R_NEAREST_EVEN, R_STOCHASTIC,
+                     R_TOWARD_ZERO, R_UP, ElementParams)
 
 __all__ = ["quantize_bits", "quantize_f32", "random_words", "mix32"]
 
@@ -86,15 +87,15 @@ def quantize_bits(
     k = torch.where(big, 0, M >> sl)
     rem = torch.where(big, M, M & ((torch.bitwise_left_shift(torch.ones_like(sl), sl)) - 1))
     t = torch.where(big, M >> sb, (rem << (32 - sl)) & _M32)
-    if rounding == 0:  # nearest even: carry out of t + 0x7fffffff + lsb(k)
+    if rounding == R_NEAREST_EVEN:  # nearest even: carry out of t + 0x7fffffff + lsb(k)
         up = (t + 0x7FFFFFFF + (k & 1)) >> 32
-    elif rounding == 1:  # nearest away
+    elif rounding == R_NEAREST_AWAY:  # nearest away
         up = t >> 31
-    elif rounding == 2:  # toward zero
+    elif rounding == R_TOWARD_ZERO:  # toward zero
         up = torch.zeros_like(t)
-    elif rounding == 3:  # up (toward +inf)
+    elif rounding == R_UP:  # up (toward +inf)
         up = ((rem != 0) & ~neg).to(torch.int64)
-    elif rounding == 4:  # down (toward -inf)
+    elif rounding == R_DOWN:  # down (toward -inf)
         up = ((rem != 0) & neg).to(torch.int64)
     else:  # stochastic: carry out of the fraction plus the random bits, both cut to r bits
         up = ((t & rmask) + (r & rmask)) >> 32
@@ -108,11 +109,11 @@ def quantize_bits(
         special = lim
     else:
         special = torch.full_like(u, 0x7F800000 if ep.overflow == 0 else 0x7FC00000)
-    if rounding == 2:
+    if rounding == R_TOWARD_ZERO:
         tz = torch.ones_like(neg)
-    elif rounding == 3:
+    elif rounding == R_UP:
         tz = neg
-    elif rounding == 4:
+    elif rounding == R_DOWN:
         tz = ~neg
     else:
         tz = torch.zeros_like(neg)
@@ -134,7 +135,7 @@ def quantize_f32(x: torch.Tensor, ep: ElementParams, rounding: int, rmask: int,
     for start in range(0, flat.numel(), CHUNK):
         stop = min(start + CHUNK, flat.numel())
         u = _f32_to_bits(flat[start:stop])
-        r = random_words(stop - start, seed, x.device, start) if rounding == 5 else None
+        r = random_words(stop - start, seed, x.device, start) if rounding == R_STOCHASTIC else None
         s = 0 if sh is None else sh[start:stop]
         out[start:stop] = _bits_to_f32(quantize_bits(u, ep, rounding, rmask, r, s))
     return out.reshape(x.shape)
