@@ -343,9 +343,9 @@ def _partition(split):
     """``split`` (AOTAutograd's partition function), then every boolean tensor the forward
     saves for the backward (a ReLU's mask, ``threshold_backward``'s ``self <= 0``) saved as
     float32 (0 or 1) and made boolean again where the backward reads it. Inductor's CPU code
-    stores a boolean vector mask element by element (``VecMask::store(bool*)``: 1.3-1.5 ms for
-    256 x 512 values against some 35 us for float32 on an AMD EPYC, torch 2.13), which made
-    the ReLUs of a compiled emulated MLP a third of its step. Same values: a comparison's 0/1
+    stores a boolean vector mask element by element (``VecMask::store(bool*)``, torch 2.13),
+    some forty times a float32 store: the ReLUs of a compiled emulated MLP were a third of its
+    step (benchmarks/RESULTS.md, "Issue 37, second session"). Same values: a comparison's 0/1
     in float32 and back."""
 
     def partition(joint, inputs, **kwargs):
