@@ -441,3 +441,26 @@ def test_a_gradient_on_the_grid_is_not_rounded_again_in_the_graph(monkeypatch):
                 trips += 1
                 doubled += round_trip(src) is not None
     assert len(graphs) == 2 and trips > 10 and doubled == 0, (trips, doubled)
+
+
+def test_max_pooling_runs_atens_kernel_in_the_compiled_graphs(monkeypatch):
+    """LeNet-5's max pooling and its backward are ATen's kernels in the compiled graphs (an
+    opaque op each: Inductor's window loop is scalar code), with the eager bits (above)."""
+    from lowprec.training.emulation import compiled as mod
+
+    graphs = []
+    inner = mod._inner
+
+    def keep(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(mod, "_inner", keep)
+    _train("lenet", "bf16-true", steps=1, compile=True)
+    targets = [{n.target for n in gm.graph.nodes} for gm in graphs]
+    lc = torch.ops.lowprec_compiled
+    assert len(targets) == 2 and lc.max_pool2d.default in targets[0] and \
+        lc.max_pool2d_backward.default in targets[1]
+    aten = torch.ops.aten
+    assert not any(aten.max_pool2d_with_indices.default in t or
+                   aten.max_pool2d_with_indices_backward.default in t for t in targets)

@@ -225,6 +225,29 @@ def _opaque_ops() -> dict:
 
     # an embedding's weight gradient adds the rows of each index in the order they come; the
     # decomposition (index_put with accumulate) adds them in another (zoo encoder, 16-mixed)
+    # max pooling: Inductor's loop over windows with indices is scalar code, and a bf16 cast
+    # round trip fused into it is c10's scalar conversion (a third of LeNet-5's compiled
+    # bf16-true step); ATen's kernel is vectorised and exact (kept undecomposed for it)
+    @torch.library.custom_op("lowprec_compiled::max_pool2d", mutates_args=())
+    def max_pool_(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
+                  dilation: list[int], ceil: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out, idx = aten.max_pool2d_with_indices.default(x, kernel, stride, padding, dilation,
+                                                        ceil)
+        return out, idx
+
+    @torch.library.custom_op("lowprec_compiled::max_pool2d_backward", mutates_args=())
+    def max_pool_bw_(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
+                     padding: list[int], dilation: list[int], ceil: bool,
+                     idx: torch.Tensor) -> torch.Tensor:
+        return aten.max_pool2d_with_indices_backward.default(g, x, kernel, stride, padding,
+                                                             dilation, ceil, idx)
+
+    max_pool_.register_fake(lambda x, k, s, p, d, c: aten.max_pool2d_with_indices.default(
+        x, k, s, p, d, c))
+    max_pool_bw_.register_fake(lambda g, x, k, s, p, d, c, i:
+                               aten.max_pool2d_with_indices_backward.default(g, x, k, s, p, d,
+                                                                             c, i))
+
     @torch.library.custom_op("lowprec_compiled::embedding_backward", mutates_args=())
     def embedding_bw_(g: torch.Tensor, idx: torch.Tensor, n: int, pad: int,
                       by_freq: bool) -> torch.Tensor:
@@ -314,6 +337,10 @@ def _opaque_ops() -> dict:
             lc.batch_norm_backward.default,
             lambda a, kw: (*a[:9], [bool(m) for m in a[9]]) if not kw and len(a) == 10
             and (a[2] is not None or not a[9][1]) else None),
+        aten.max_pool2d_with_indices.default: (lc.max_pool2d.default, _pool_args),
+        aten.max_pool2d_with_indices_backward.default: (
+            lc.max_pool2d_backward.default,
+            lambda a, kw: None if kw or len(a) != 8 else (a[0], *_pool_args(a[1:7], {}), a[7])),
         aten.embedding_dense_backward.default: (lc.embedding_backward.default,
                                                 lambda a, kw: None if kw else tuple(a)),
         aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
@@ -330,6 +357,23 @@ def _opaque_ops() -> dict:
                                                   kw.get("keepdim", False))),
     })
     return _OPAQUE
+
+
+def _pool_args(a, kw):
+    """max_pool2d_with_indices' arguments with its defaults filled in (None: keyword ones)."""
+    if kw:
+        return None
+    pair = (lambda v, d: [int(e) for e in v] if isinstance(v, (list, tuple)) and len(v) == 2
+            else [int(v)] * 2 if isinstance(v, int) else d)
+    x, k = a[0], pair(a[1], None)
+    if k is None:
+        return None
+    s = pair(a[2], None) if len(a) > 2 and a[2] not in ([], ()) else k
+    p = pair(a[3], None) if len(a) > 3 else [0, 0]
+    d = pair(a[4], None) if len(a) > 4 else [1, 1]
+    if s is None or p is None or d is None:
+        return None
+    return (x, k, s, p, d, bool(a[5]) if len(a) > 5 else False)
 
 
 def _activation(name: str, *args):
@@ -397,7 +441,8 @@ def _decompositions() -> dict:
             aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
             aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
             aten.embedding_dense_backward, aten.gelu, aten.gelu_backward, aten.silu,
-            aten.silu_backward)
+            aten.silu_backward, aten.max_pool2d_with_indices,
+            aten.max_pool2d_with_indices_backward)
     table = dict(select_decomp_table())
     for packet in keep:
         for name in packet.overloads():
