@@ -464,3 +464,23 @@ def test_max_pooling_runs_atens_kernel_in_the_compiled_graphs(monkeypatch):
     aten = torch.ops.aten
     assert not any(aten.max_pool2d_with_indices.default in t or
                    aten.max_pool2d_with_indices_backward.default in t for t in targets)
+
+
+class _Pool1(nn.Module):
+    """Max pooling spelled with one-element lists (ATen reads them as both sides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 10)
+
+    def forward(self, x):
+        y = F.max_pool2d(torch.relu(self.conv(x)), (3,), stride=1, padding=(1,))
+        return self.fc(y.flatten(1))
+
+
+def test_max_pooling_spelled_with_one_element_lists_compiles_with_the_eager_bits(monkeypatch):
+    monkeypatch.setitem(MODELS, "pool1", (_Pool1, (8, 1, 8, 8)))
+    compiled = _train("pool1", "16-true", compile=True)
+    assert compiled[0].forward.reason is None
+    _same_run(_train("pool1", "16-true"), compiled, "pool1 16-true")

@@ -340,7 +340,8 @@ def _opaque_ops() -> dict:
         aten.max_pool2d_with_indices.default: (lc.max_pool2d.default, _pool_args),
         aten.max_pool2d_with_indices_backward.default: (
             lc.max_pool2d_backward.default,
-            lambda a, kw: None if kw or len(a) != 8 else (a[0], *_pool_args(a[1:7], {}), a[7])),
+            lambda a, kw: None if kw or len(a) != 8 or (p := _pool_args(a[1:7], {})) is None
+            else (a[0], *p, a[7])),
         aten.embedding_dense_backward.default: (lc.embedding_backward.default,
                                                 lambda a, kw: None if kw else tuple(a)),
         aten.mm.default: (torch.ops.lowprec_compiled.mm.default, lambda a, kw: tuple(a)),
@@ -363,8 +364,13 @@ def _pool_args(a, kw):
     """max_pool2d_with_indices' arguments with its defaults filled in (None: keyword ones)."""
     if kw:
         return None
-    pair = (lambda v, d: [int(e) for e in v] if isinstance(v, (list, tuple)) and len(v) == 2
-            else [int(v)] * 2 if isinstance(v, int) else d)
+
+    def pair(v, d):  # ATen reads an int or a one-element list as both sides
+        if isinstance(v, (list, tuple)) and len(v) in (1, 2) and \
+                all(isinstance(e, int) for e in v):
+            return [int(e) for e in v] * (3 - len(v))
+        return [int(v)] * 2 if isinstance(v, int) else d
+
     x, k = a[0], pair(a[1], None)
     if k is None:
         return None
