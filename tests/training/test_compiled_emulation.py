@@ -411,12 +411,10 @@ def test_the_forward_saves_no_boolean_mask_and_the_backward_reads_the_same_value
     assert torch.equal(w.grad, ref.grad) and torch.equal(loss, f(x, ref.detach()))
 
 
-def test_a_gradient_on_the_grid_is_not_rounded_again_in_the_graph(monkeypatch):
-    """The gradient marks hold while a graph is traced: no fp16 cast round trip in the compiled
-    graphs of a 16-true transformer takes a value that such a round trip gave (19 of 68 did
-    before), and the run keeps the eager bits (the test above)."""
+def _compiled_graphs(monkeypatch, name: str, policy: str) -> list:
+    """The ATen graphs (forward, backward) Inductor gets for one compiled training step of
+    ``name`` under ``policy``, after lowprec's rewrites (opaque ops)."""
     from lowprec.training.emulation import compiled as mod
-    from lowprec.training.emulation.compiled import _cast_to
 
     graphs = []
     inner = mod._inner
@@ -426,7 +424,17 @@ def test_a_gradient_on_the_grid_is_not_rounded_again_in_the_graph(monkeypatch):
         return inner(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(mod, "_inner", keep)
-    _train("transformer", "16-true", steps=1, compile=True)
+    _train(name, policy, steps=1, compile=True)
+    return graphs
+
+
+def test_a_gradient_on_the_grid_is_not_rounded_again_in_the_graph(monkeypatch):
+    """The gradient marks hold while a graph is traced: no fp16 cast round trip in the compiled
+    graphs of a 16-true transformer takes a value that such a round trip gave (19 of 68 did
+    before), and the run keeps the eager bits (the test above)."""
+    from lowprec.training.emulation.compiled import _cast_to
+
+    graphs = _compiled_graphs(monkeypatch, "transformer", "16-true")
 
     def round_trip(n):  # what a round trip to fp16 that ends in ``n`` rounded, or None
         if _cast_to(n) == torch.float32 and _cast_to(n.args[0]) == torch.float16:
@@ -446,17 +454,7 @@ def test_a_gradient_on_the_grid_is_not_rounded_again_in_the_graph(monkeypatch):
 def test_max_pooling_runs_atens_kernel_in_the_compiled_graphs(monkeypatch):
     """LeNet-5's max pooling and its backward are ATen's kernels in the compiled graphs (an
     opaque op each: Inductor's window loop is scalar code), with the eager bits (above)."""
-    from lowprec.training.emulation import compiled as mod
-
-    graphs = []
-    inner = mod._inner
-
-    def keep(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        return inner(gm, example_inputs, **kwargs)
-
-    monkeypatch.setattr(mod, "_inner", keep)
-    _train("lenet", "bf16-true", steps=1, compile=True)
+    graphs = _compiled_graphs(monkeypatch, "lenet", "bf16-true")
     targets = [{n.target for n in gm.graph.nodes} for gm in graphs]
     lc = torch.ops.lowprec_compiled
     assert len(targets) == 2 and lc.max_pool2d.default in targets[0] and \

@@ -226,14 +226,12 @@ def _opaque_ops() -> dict:
     # an embedding's weight gradient adds the rows of each index in the order they come; the
     # decomposition (index_put with accumulate) adds them in another (zoo encoder, 16-mixed)
     # max pooling: Inductor's loop over windows with indices is scalar code, and a bf16 cast
-    # round trip fused into it is c10's scalar conversion (a third of LeNet-5's compiled
-    # bf16-true step); ATen's kernel is vectorised and exact (kept undecomposed for it)
+    # round trip fused into it is c10's scalar conversion (benchmarks/RESULTS.md, "Issue 37,
+    # second session"); ATen's kernel is vectorised and exact (kept undecomposed for it)
     @torch.library.custom_op("lowprec_compiled::max_pool2d", mutates_args=())
     def max_pool_(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
                   dilation: list[int], ceil: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        out, idx = aten.max_pool2d_with_indices.default(x, kernel, stride, padding, dilation,
-                                                        ceil)
-        return out, idx
+        return aten.max_pool2d_with_indices.default(x, kernel, stride, padding, dilation, ceil)
 
     @torch.library.custom_op("lowprec_compiled::max_pool2d_backward", mutates_args=())
     def max_pool_bw_(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
@@ -368,7 +366,7 @@ def _pool_args(a, kw):
     def pair(v, d):  # ATen reads an int or a one-element list as both sides
         if isinstance(v, (list, tuple)) and len(v) in (1, 2) and \
                 all(isinstance(e, int) for e in v):
-            return [int(e) for e in v] * (3 - len(v))
+            return list(v) * (3 - len(v))
         return [int(v)] * 2 if isinstance(v, int) else d
 
     x, k = a[0], pair(a[1], None)
@@ -393,10 +391,9 @@ def _partition(split):
     """``split`` (AOTAutograd's partition function), then every boolean tensor the forward
     saves for the backward (a ReLU's mask, ``threshold_backward``'s ``self <= 0``) saved as
     float32 (0 or 1) and made boolean again where the backward reads it. Inductor's CPU code
-    stores a boolean vector mask element by element (``VecMask::store(bool*)``, torch 2.13),
-    some forty times a float32 store: the ReLUs of a compiled emulated MLP were a third of its
-    step (benchmarks/RESULTS.md, "Issue 37, second session"). Same values: a comparison's 0/1
-    in float32 and back."""
+    stores a boolean vector mask element by element (``VecMask::store(bool*)``, torch 2.13;
+    measured in benchmarks/RESULTS.md, "Issue 37, second session"). Same values: a
+    comparison's 0/1 in float32 and back."""
 
     def partition(joint, inputs, **kwargs):
         fw, bw = split(joint, inputs, **kwargs)
@@ -539,8 +536,8 @@ def _dtype_of(node) -> torch.dtype | None:
 
 def _cast_to(node) -> torch.dtype | None:
     """The dtype a cast node (prims.convert_element_type, aten._to_copy) casts to."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in (
-            torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default):
+    if not (_called(node, torch.ops.prims.convert_element_type.default) or
+            _called(node, torch.ops.aten._to_copy.default)):
         return None
     return _dtype_of(node)
 
