@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py src/lowprec/numerics/_qkernel.
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
 	$(PIP) install -q -c constraints.txt "$(TORCH)"
-	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[data,test,integrations,ray,export,completion]"
+	$(PIP) install -q -c constraints.txt --no-build-isolation -e ".[data,test,integrations,ray,export,completion,results,docs]"
 	touch $(STAMP)
 
 $(SYSTEM_STAMP): | $(STAMP)

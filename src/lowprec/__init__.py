@@ -6,6 +6,8 @@ Four layers, data flowing one way: :mod:`lowprec.numerics` (formats, rounding, q
 (data, models, runner, report) -> :mod:`lowprec.cli`. This module re-exports the public API.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"  # first: lowprec.experiments records it with every run
 
 from .numerics.autograd import Quantizer, quantize_ste
@@ -40,6 +42,7 @@ __all__ = [
     "Precision",
     "Plan",
     "plan",
+    "results",
     "StaticLossScale",
     "find_loss_scale",
     "optim",
@@ -66,11 +69,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """``lowprec.plan``: :func:`lowprec.experiments.plan.plan`, imported on first use (the
-    experiments layer is not loaded by ``import lowprec``)."""
+def __getattr__(name: str) -> Any:
+    """``lowprec.plan``: :func:`lowprec.experiments.plan.plan`, and ``lowprec.results``: the
+    results API, imported on first use (the experiments layer is not loaded by ``import
+    lowprec``)."""
     if name == "plan":
         from .experiments.plan import plan
 
         return plan
+    if name == "results":
+        import importlib
+
+        return importlib.import_module(".results", __name__)
     raise AttributeError(f"module 'lowprec' has no attribute {name!r}")
