@@ -180,7 +180,7 @@ def test_public_api_is_importable_from_the_top():
 
 
 def test_optim_is_a_module_users_can_import_from():
-    """``from lowprec.optim import Adam`` (the README's spelling) works in a fresh interpreter,
+    """``from lowprec.optim import Adam`` (the docs' spelling) works in a fresh interpreter,
     with the very classes of ``lowprec.training.optim`` and the same ``__all__``."""
     import subprocess
     import sys

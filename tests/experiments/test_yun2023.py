@@ -35,7 +35,7 @@ def test_the_preset_is_the_papers_setup():
 @pytest.mark.timeout(3600)  # a hang guard only: a loaded machine is slow, not hung
 def test_preset_at_tiny_scale_has_every_architecture_and_policy(tmp_path, capsys):
     # the preset's models and policies at a size a test affords: 64 of the 8x8 digits, one
-    # epoch, one seed (the structure, not the numbers: those are the README's table)
+    # epoch, one seed (the structure, not the numbers: those are the table of docs/guides/compare.md)
     out = tmp_path / "yun"
     assert main(["compare", "--preset", "yun2023", "--data", "digits", "--train-subset", "64",
                  "--epochs", "1", "--seeds", "1", "--out", str(out)]) == 0
