@@ -67,10 +67,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``lowprec.plan``: :func:`lowprec.experiments.plan.plan`, imported on first use (the
+    """``lowprec.plan``: :func:`lowprec.experiments.planner.plan`, imported on first use (the
     experiments layer is not loaded by ``import lowprec``)."""
     if name == "plan":
-        from .experiments.plan import plan
+        from .experiments.planner import plan
 
         return plan
     raise AttributeError(f"module 'lowprec' has no attribute {name!r}")
