@@ -14,7 +14,7 @@ import pytest
 
 import lowprec
 from lowprec import _names
-from lowprec.experiments import config, data, models, plan as plan_mod
+from lowprec.experiments import config, data, models, planner
 from lowprec.numerics import rounding
 from lowprec.numerics.formats import NAMED_FORMATS
 from lowprec.training import plan, policy
@@ -29,7 +29,7 @@ def test_the_names_are_the_registries():
     assert _names.DATASET_NAMES == tuple(data.DATASETS)
     assert _names.MODEL_NAMES == tuple(models.MODELS)
     assert _names.FORMAT_NAMES == tuple(NAMED_FORMATS)
-    assert _names.PLAN_LEVELS == tuple(plan_mod.LEVELS)
+    assert _names.PLAN_LEVELS == tuple(planner.LEVELS)
     assert _names.PLAN_PREFIX == plan.PLAN_PREFIX
     # every role of a compact spec has its short key here, and nothing else is a key
     keys = policy._KEYS

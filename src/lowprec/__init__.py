@@ -70,11 +70,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``lowprec.plan``: :func:`lowprec.experiments.plan.plan`, and ``lowprec.results``: the
+    """``lowprec.plan``: :func:`lowprec.experiments.planner.plan`, and ``lowprec.results``: the
     results API, imported on first use (the experiments layer is not loaded by ``import
     lowprec``)."""
     if name == "plan":
-        from .experiments.plan import plan
+        from .experiments.planner import plan
 
         return plan
     if name == "results":

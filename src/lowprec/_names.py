@@ -41,5 +41,5 @@ FORMAT_NAMES = ("fp32", "tf32", "fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "fp8_e4m
                 "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8", "dfx<10>", "binary")
 #: the rounding modes by their long names (lowprec.numerics.rounding; srN is any N)
 ROUNDING_NAMES = ("nearest", "nearest_away", "toward_zero", "up", "down", "stochastic")
-#: lowprec.experiments.plan.LEVELS (lowprec plan --menu)
+#: lowprec.experiments.planner.LEVELS (lowprec plan --menu)
 PLAN_LEVELS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fixed16-sr", "mixed16", "nvfp4", "mxfp4")

@@ -477,7 +477,7 @@ def cmd_advise(args, console: Console) -> int:
 
 
 def cmd_plan(args, console: Console) -> int:
-    from .experiments.plan import plan, plan_markdown, plan_table, summary_rows
+    from .experiments.planner import plan, plan_markdown, plan_table, summary_rows
 
     from .training.plan import Plan
 

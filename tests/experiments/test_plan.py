@@ -14,8 +14,8 @@ from lowprec.analysis.plan_scores import ModuleProfile, judge_level, module_prof
 from lowprec.cli import main
 from lowprec.experiments.data import Dataset
 from lowprec.experiments.demo_models import RawInputMLP
-from lowprec.experiments.plan import (cheaper_uniform, parse_menu, plan, plan_markdown,
-                                     summary_rows)
+from lowprec.experiments.planner import (cheaper_uniform, parse_menu, plan, plan_markdown,
+                                        summary_rows)
 from lowprec.training.plan import Plan
 from lowprec.training.policy import parse_policy
 

@@ -19,8 +19,8 @@ from lowprec.analysis.plan_scores import judge_level, module_cost, module_profil
 from lowprec.analysis.roofline import PROFILES, get_profile, roofline_seconds, runs_as
 from lowprec.cli import main
 from lowprec.experiments.data import Dataset
-from lowprec.experiments.plan import (LEVELS, parse_compare_with, plan, plan_markdown,
-                                      summary_rows)
+from lowprec.experiments.planner import (LEVELS, parse_compare_with, plan, plan_markdown,
+                                         summary_rows)
 from lowprec.training.plan import Plan
 from lowprec.training.policy import parse_policy
 

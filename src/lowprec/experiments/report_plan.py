@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 
 from ..training.plan import Plan
-from .plan import plan_table, summary_rows
+from .planner import plan_table, summary_rows
 from .render import html_table, md_table
 from .results import ResultsDB
 

@@ -1,6 +1,6 @@
 """A per-layer precision plan as data: a base policy, per-module overrides, and the evidence.
 
-:func:`lowprec.experiments.plan.plan` finds a plan; this module holds what it returns, so that
+:func:`lowprec.experiments.planner.plan` finds a plan; this module holds what it returns, so that
 the training layer (``Precision(plan)``, ``Precision("plan:FILE")``, the integrations, which
 build a ``Precision``) can use one without importing the experiments::
 
