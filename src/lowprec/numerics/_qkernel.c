@@ -26,7 +26,11 @@
 #include <math.h>
 #include <string.h>
 
-enum { R_NE = 0, R_NA = 1, R_Z = 2, R_UP = 3, R_DOWN = 4, R_SR = 5 };
+/* Rounding codes: params.py's R_* names and values (what every quantization path takes); the
+ * short names are the same values as the kernel spells them. */
+enum { R_NEAREST_EVEN = 0, R_NEAREST_AWAY = 1, R_TOWARD_ZERO = 2, R_UP = 3, R_DOWN = 4,
+       R_STOCHASTIC = 5,
+       R_NE = R_NEAREST_EVEN, R_NA = R_NEAREST_AWAY, R_Z = R_TOWARD_ZERO, R_SR = R_STOCHASTIC };
 enum { OV_INF = 0, OV_NAN = 1, OV_SAT = 2 };
 #define LP_NAN_SHIFT 1000 /* per-block shift marking a block whose scale is NaN */
 
