@@ -4,8 +4,8 @@ ran, and whether the time ratio of two policies can be trusted.
 Runs of a comparison execute one after another (or side by side, as Ray tasks); the wall time
 of each also measures whatever else the machine did meanwhile. On a machine loaded by other
 work, ``make demo`` once printed 16-mixed far faster than fp32, where it is slower
-(benchmarks/RESULTS.md, figure F19). So every
-epoch records, beside its wall time (:class:`EpochMeter`):
+(benchmarks/RESULTS.md, figure F19). So every epoch records, beside its wall time
+(:class:`EpochMeter`):
 
 * ``cpu_seconds``: the CPU time of the training process (``time.process_time``: every thread,
   user and system) over the same span;

@@ -3,9 +3,8 @@
 torch runs fp16 and bf16 everywhere, but only some hardware runs them fast. On a CPU with AVX2
 only (no AVX-512, no AMX), native bf16 training steps are many times slower than fp32, while
 emulating bf16 (fp32 kernels, outputs rounded) costs far less (benchmarks/RESULTS.md, figure
-F22). On such CPUs torch has no oneDNN 16-bit path
-and falls back to ATen's generic kernels. The instructions that make 16-bit matmuls and
-convolutions fast on a CPU are:
+F22). On such CPUs torch has no oneDNN 16-bit path and falls back to ATen's generic kernels.
+The instructions that make 16-bit matmuls and convolutions fast on a CPU are:
 
 * bf16: AVX512-BF16 (``vdpbf16ps``, Cooper Lake, Zen 4 and later) or AMX-BF16 (Sapphire
   Rapids and later: large bf16 GEMMs much faster than fp32 there, figure F23); on Arm, the
