@@ -96,9 +96,9 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # this machine's class: 2 cores of an AMD EPYC (Zen 3, family 25, 2.45 GHz), AVX2 only:
     # two 256-bit FMA pipes per core = 32 fp32 flop/cycle (AMD Zen 3 software optimization
     # guide), 2 x 32 x 2.45e9 = 156.8 GFLOP/s; no bf16/fp16 GEMM instructions (torch's native
-    # 16-bit matmul measured 0.8 GFLOP/s here: emulated formats run as fp32). Bandwidth: a
-    # 256 MiB torch copy measured 7.1 GB/s (read + write) on this 2-vCPU KVM guest while it
-    # was shared, a lower bound.
+    # 16-bit matmul is far below that: emulated formats run as fp32; benchmarks/RESULTS.md,
+    # figure F30). Bandwidth: a 256 MiB torch copy (read + write) on a 2-vCPU KVM guest while
+    # it was shared, a lower bound (figure F31).
     HardwareProfile("cpu-avx2", "2 cores of an AMD EPYC (Zen 3), AVX2",
                     {"fp32": 156.8e9}, 7.1 * _GB,
                     "Zen 3 FMA throughput x 2 cores x 2.45 GHz; copy bandwidth measured"),

@@ -87,8 +87,7 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     Its workers run at the driver's priority (``RAY_worker_niceness=0`` unless the user set it,
     as Ray's own job manager does for its entrypoints): Ray starts workers at niceness 15, and
     on a machine loaded by other work the runs, which are this command's whole job, got almost
-    no CPU (measured on a 2-core AMD EPYC, AVX2: one Ray test took 941 s beside four busy
-    processes)."""
+    no CPU (benchmarks/RESULTS.md, figure F29)."""
     import logging
 
     ray = _import_ray()

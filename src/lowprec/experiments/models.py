@@ -315,9 +315,9 @@ def channels_last(model: nn.Module) -> bool:
     """Lay a model with 2-d convolutions out channels-last (NHWC), its 4-d floating inputs
     too (a forward pre-hook), as PyTorch's CPU performance guide advises: oneDNN's CPU
     convolutions run NHWC without reordering. The runner applies it to the built-in models
-    only: a user's model may ``.view()`` a convolution's output, which NHWC refuses. Measured
-    on an AMD EPYC with AVX512-BF16 (2 threads, batch 256, fp32 training steps): ResNet-20
-    410-458 -> 319-323 ms, the MobileNet 510-538 -> 291-304 ms, the VGG 228-232 -> 202-239 ms. Every policy of a comparison trains
+    only: a user's model may ``.view()`` a convolution's output, which NHWC refuses. It makes
+    the built-in CNNs' fp32 training steps faster (benchmarks/RESULTS.md, figure F21). Every
+    policy of a comparison trains
     the same layout; the emulated backend rounds channels-last tensors in place of their
     layout (:func:`lowprec.numerics.quantize.memory_order`). Returns whether it changed the
     model (False without ``nn.Conv2d``)."""

@@ -1,9 +1,9 @@
 """Process-level tuning that every regime benefits from alike.
 
 glibc returns large freed blocks to the kernel (mmap/munmap beyond a dynamic threshold, heap
-trimming), so the next step's activations are page-faulted in again. On this kind of virtual
-machine a fault costs a few microseconds per 4 KiB page, which made an emulated training step of a
-small CNN 2x slower than it needs to be. Raising the two thresholds keeps freed memory for reuse,
+trimming), so the next step's activations are page-faulted in again. On a virtual machine each
+4 KiB page's fault is costly enough to slow an emulated training step of a small CNN markedly
+(benchmarks/RESULTS.md, figure F16). Raising the two thresholds keeps freed memory for reuse,
 as the jemalloc/tcmalloc preloads PyTorch's CPU tuning guide recommends do. Disabled with
 LOWPREC_MALLOPT=0; a no-op where glibc is not the allocator.
 """
@@ -34,9 +34,9 @@ def tune_cpu_allocator() -> bool:
         ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1 and ok
         # glibc caps the mmap threshold at 32 MiB: a bigger block (a batch-256 activation of a
-        # CNN: 51 MB) would still be mmapped and faulted in afresh on every allocation (a 51 MB
-        # copy: 27 ms fresh, 5 ms from the heap on an AMD EPYC VM). No mmap at all: every block from the
-        # heap, at some cost in peak memory (MobileNet 16-true, 40 steps: 3.0 GB, 2.3 GB without)
+        # CNN: 51 MB) would still be mmapped and faulted in afresh on every allocation (slower
+        # than a block from the heap: benchmarks/RESULTS.md, figure F17). No mmap at all: every
+        # block from the heap, at some cost in peak memory (figure F18)
         ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and ok
     except (OSError, AttributeError):
         return False

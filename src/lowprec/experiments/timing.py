@@ -3,8 +3,9 @@ ran, and whether the time ratio of two policies can be trusted.
 
 Runs of a comparison execute one after another (or side by side, as Ray tasks); the wall time
 of each also measures whatever else the machine did meanwhile. On a machine loaded by other
-work, ``make demo`` once printed 16-mixed at 0.28x fp32's time where it is 1.2-1.5x. So every
-epoch records, beside its wall time (:class:`EpochMeter`):
+work, ``make demo`` once printed 16-mixed far faster than fp32, where it is slower
+(benchmarks/RESULTS.md, figure F19). So every epoch records, beside its wall time
+(:class:`EpochMeter`):
 
 * ``cpu_seconds``: the CPU time of the training process (``time.process_time``: every thread,
   user and system) over the same span;
@@ -20,10 +21,11 @@ epoch records, beside its wall time (:class:`EpochMeter`):
 epochs (means weighted by time),
 
 * **other processes took CPU the runs needed**: ``other_cpus`` exceeds the cores the run's
-  threads left free (``cpus - threads``) by more than ``LOAD_DIFF_MAX`` (0.5 core). Measured
-  here, with 2 threads on 2 cores beside 1.35 cores of other work, the same 1-epoch run took
-  1.7 s once and 7.8 s the next time, its CPU time 1.1 s and 5.2 s (threads spinning while a
-  sibling waits for a core): under contention neither clock measures the policy; or
+  threads left free (``cpus - threads``) by more than ``LOAD_DIFF_MAX`` (0.5 core). With 2
+  threads on 2 cores beside more than a core of other work, the same 1-epoch run's wall and CPU
+  times both changed severalfold from one run to the next (threads spinning while a sibling
+  waits for a core; benchmarks/RESULTS.md, figure F20): under contention neither clock
+  measures the policy; or
 * **the two saw different load**: their ``other_cpus`` differ by more than ``LOAD_DIFF_MAX``.
 
 Where ``other_cpus`` was not recorded, the 1-minute load averages stand in (the load average

@@ -26,7 +26,11 @@
 #include <math.h>
 #include <string.h>
 
-enum { R_NE = 0, R_NA = 1, R_Z = 2, R_UP = 3, R_DOWN = 4, R_SR = 5 };
+/* Rounding codes: params.py's R_* names and values (what every quantization path takes); the
+ * short names are the same values as the kernel spells them. */
+enum { R_NEAREST_EVEN = 0, R_NEAREST_AWAY = 1, R_TOWARD_ZERO = 2, R_UP = 3, R_DOWN = 4,
+       R_STOCHASTIC = 5,
+       R_NE = R_NEAREST_EVEN, R_NA = R_NEAREST_AWAY, R_Z = R_TOWARD_ZERO, R_SR = R_STOCHASTIC };
 enum { OV_INF = 0, OV_NAN = 1, OV_SAT = 2 };
 #define LP_NAN_SHIFT 1000 /* per-block shift marking a block whose scale is NaN */
 
@@ -112,7 +116,7 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
      * own addition (round to nearest even, never flushed: no -ffast-math, and the caller leaves
      * MXCSR at its default) keeps exactly the multiples of 2**qsub, ties to the even one, and
      * the subtraction is exact: the same bits, with no per-chunk fallback for the gradients'
-     * many subnormal values (fp16 backward passes: 3x the forward's time before). msub must be
+     * many subnormal values (benchmarks/RESULTS.md, figure F10). msub must be
      * a normal float32, and every float32 subnormal input rounds to zero (qsub >= -100), so a
      * denormals-are-zero mode could not change a result. */
     v.fsub = v.fast && v.qsub >= -100 && v.qsub + 23 <= 127;
@@ -120,8 +124,8 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
     /* Fixed point has no normal range: every value rounds to a multiple of 2**qsub, which the
      * same addition does for |x| < msub. Every value it cannot take (beyond the limits, so
      * also |x| >= msub when the limits lie below msub; Inf; NaN) comes out above the limit,
-     * which sends its chunk to quantize_one: the same bits (q6.10 of 917K elements: 0.76 ms in
-     * quantize_one, 0.32 ms here; AMD EPYC with AVX512-BF16, one thread). */
+     * which sends its chunk to quantize_one: the same bits, faster than quantize_one
+     * (benchmarks/RESULTS.md, figure F11). */
     v.fixed_ne = p->bemin + sh >= 255 && v.qsub >= -100 && v.qsub + 23 <= 127 &&
                  v.maxpos < pow2_bits(v.qsub + 23) && v.maxneg < pow2_bits(v.qsub + 23);
     if (v.fixed_ne) {
@@ -233,8 +237,8 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
  * quantum or 0 by the carry of its 32-bit fraction plus the random word. The loop sends s <= 0
  * (at least 2**(qsub + 24): beyond any fixed format's limit) and values beyond the limits to
  * quantize_one with their chunk. A mode of its own, so that each loop's branches fold at
- * compile time (a run-time branch inside the float loop stopped GCC vectorising it: fp16
- * stochastic rounding 8x slower on an AMD EPYC with AVX512-BF16). */
+ * compile time (a run-time branch inside the float loop stopped GCC vectorising it:
+ * benchmarks/RESULTS.md, figure F12). */
 LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_inv *p) {
     const int32_t s = p->qsub + 150 - imax(field, 1);
     const int32_t sc = imin(imax(s, 1), 23);
@@ -352,8 +356,8 @@ static loop_fn pick_loop(int mode) {
 /* IEEE binary16 rounded to nearest even, by the CPU's own conversion (F16C's vcvtps2ph with
  * the rounding in the instruction, then vcvtph2ps back): the same bits as loop_ne for that
  * format (subnormals, overflow to Inf, -0) in two instructions a vector; NaN keeps its input
- * bits, as quantize_one keeps them. About 2.5x the integer loop's speed at 2 MB here
- * (AMD EPYC, AVX2). Built where the clones are (the CPU is asked at run time) or where the
+ * bits, as quantize_one keeps them. Faster than the integer loop (benchmarks/RESULTS.md,
+ * figure F13). Built where the clones are (the CPU is asked at run time) or where the
  * -march has F16C (the per-ISA test builds: x86-64-v3 and v4 test it, the baseline the loop). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     (!defined(LP_NO_CLONES) || defined(__F16C__))
@@ -394,8 +398,8 @@ LP_INLINE int lp_is_fp16_ne(const lp_params *p) {
  * as bfloat16 keeps float32's exponent range: subnormals round at the same bit, a carry out of
  * the largest finite value gives the Inf pattern, Inf stays Inf, -0 stays -0; NaN keeps its
  * input bits (quantize_one keeps them). The same bits as loop_ne for that format, in four
- * operations per element: about 3.5x faster at 4 MB on an AMD EPYC with AVX512-BF16, loop_ne's
- * range checks per chunk being the cost. */
+ * operations per element: faster than loop_ne, whose range checks per chunk are the cost
+ * (benchmarks/RESULTS.md, figure F14). */
 LP_INLINE int lp_is_bf16_ne(const lp_params *p) {
     return p->rounding == R_NE && p->man == 7 && p->bemin == 1 && p->qsub == -133 &&
            p->overflow == OV_INF && p->signed_zero == 1 && p->maxpos == 0x7f7f0000u &&
@@ -585,10 +589,10 @@ static void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nth
  * each memory row (the C values of one position) is one run of the mode's tile whose random
  * counter starts at its first value's logical index and steps by `rows`. The caller keeps the
  * logical size below 2**32 (one high word of the counter). */
-/* Below LP_BT_RUNS channels a run is too short for a tile call (C = 6: 7.4 ms against 1.3 for a
- * (256, 6, 28, 28) tensor, q6.10, 2 threads): tiles of LP_BT_C columns x LP_BT_R rows are
- * gathered into logical order on the stack instead, each logical row rounded with its own
- * indices, then scattered back (C = 16: 0.54 ms against 0.37 in runs; C = 96: 7.2 against 2.9). */
+/* Below LP_BT_RUNS channels a run is too short for a tile call: tiles of LP_BT_C columns x
+ * LP_BT_R rows are gathered into logical order on the stack instead, each logical row rounded
+ * with its own indices, then scattered back; from LP_BT_RUNS channels on, runs are faster
+ * (benchmarks/RESULTS.md, figure F15). */
 #ifndef LP_BT_RUNS
 #define LP_BT_RUNS 16
 #endif

@@ -53,7 +53,7 @@ from . import kernel as _kernel
 from .formats import FP32, FixedFormat, FloatFormat, parse_format
 from .params import ROUNDING_CODES, random_mask
 from .quantize import draw_seed
-from .rounding import Rounding, RoundingSpec, check_generator
+from .rounding import Rounding, RoundingSpec, check_generator, round_up, toward_zero
 
 __all__ = ["Order", "Accumulator", "parse_accumulator", "matmul_acc", "gemm_acc", "round_f64",
            "acc_random_words", "FormatLimits", "limits_of"]
@@ -258,29 +258,17 @@ def round_f64(x: torch.Tensor, lim: FormatLimits, mode: Rounding, rmask: int,
     y = a * _pow2(-qe)
     k = torch.floor(y)
     f = y - k
-    if mode is Rounding.NEAREST_EVEN:
-        up = (f > 0.5) | ((f == 0.5) & (torch.remainder(k, 2) == 1))
-    elif mode is Rounding.NEAREST_AWAY:
-        up = f >= 0.5
-    elif mode is Rounding.TOWARD_ZERO:
-        up = torch.zeros_like(neg)
-    elif mode is Rounding.UP:
-        up = (f != 0) & ~neg
-    elif mode is Rounding.DOWN:
-        up = (f != 0) & neg
+    if not mode.is_stochastic:  # the mode's rule (rounding.RULES)
+        up = round_up(mode, lambda: f > 0.5, lambda: f == 0.5, lambda: f != 0,
+                      lambda: torch.remainder(k, 2) == 1, neg)
+        up = torch.zeros_like(neg) if up is None else up
     else:  # carry out of floor(f * 2**32) + r, both cut to the random bits
         t = torch.floor(f * 2.0**32).to(torch.int64)
         up = ((t & rmask) + (r & rmask)) >= 2**32
     v = (k + up.to(k.dtype)) * _pow2(qe)
     limv = torch.where(neg, lim.maxneg, lim.maxpos).to(x.dtype)
-    if mode is Rounding.TOWARD_ZERO:
-        tz = torch.ones_like(neg)
-    elif mode is Rounding.UP:
-        tz = neg
-    elif mode is Rounding.DOWN:
-        tz = ~neg
-    else:
-        tz = torch.zeros_like(neg)
+    tz = toward_zero(mode, neg)
+    tz = torch.full_like(neg, tz) if isinstance(tz, bool) else tz
     special = limv if lim.overflow == 2 else torch.full_like(x, math.inf if lim.overflow == 0
                                                               else math.nan)
     v = torch.where(v > limv, torch.where(tz, limv, special), v)

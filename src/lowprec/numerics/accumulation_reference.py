@@ -12,7 +12,7 @@ import math
 
 from .accumulation import Accumulator, Order, limits_of, parse_accumulator
 from .params import random_mask
-from .rounding import Rounding
+from .rounding import Rounding, round_up, toward_zero
 
 __all__ = ["round_scalar", "gemm_acc_reference"]
 
@@ -56,24 +56,15 @@ def round_scalar(x: float, fmt, mode: Rounding, rmask: int = 0, r: int = 0) -> f
             sh = qe - E
             k, rem_num, rem_den = M >> sh, M & ((1 << sh) - 1), 1 << sh
         # fraction f = rem_num / rem_den of the quantum, exactly
-        if mode is Rounding.NEAREST_EVEN:
-            up = 2 * rem_num > rem_den or (2 * rem_num == rem_den and k & 1)
-        elif mode is Rounding.NEAREST_AWAY:
-            up = 2 * rem_num >= rem_den
-        elif mode is Rounding.TOWARD_ZERO:
-            up = False
-        elif mode is Rounding.UP:
-            up = rem_num != 0 and not neg
-        elif mode is Rounding.DOWN:
-            up = rem_num != 0 and neg
+        if not mode.is_stochastic:  # the mode's rule (rounding.RULES)
+            up = round_up(mode, lambda: 2 * rem_num > rem_den, lambda: 2 * rem_num == rem_den,
+                          lambda: rem_num != 0, lambda: (k & 1) == 1, neg)
         else:
             t = (rem_num << 32) // rem_den  # floor(f * 2**32)
             up = (t & rmask) + (r & rmask) >= 2**32
-        v = math.ldexp(k + int(up), qe)
+        v = math.ldexp(k + int(bool(up)), qe)
         if v > limit:
-            toward_zero = {Rounding.TOWARD_ZERO: True, Rounding.UP: neg,
-                           Rounding.DOWN: not neg}.get(mode, False)
-            v = limit if toward_zero else special
+            v = limit if toward_zero(mode, neg) else special
     if v == 0 and not lim.signed_zero:
         return 0.0
     return -v if neg else v

@@ -56,10 +56,9 @@ import torch.nn.functional as F
 from . import params
 
 from .formats import BF16, FP16, BinaryFormat, BlockFormat, FixedFormat, FloatFormat
-from .params import (NAN_SHIFT, R_DOWN, R_NEAREST_AWAY, R_NEAREST_EVEN, R_STOCHASTIC,
-                     R_TOWARD_ZERO, R_UP, ROUNDING_CODES, ElementParams, element_params,
-                     random_mask)
-from .rounding import Rounding
+from .params import (NAN_SHIFT, R_NEAREST_EVEN, R_STOCHASTIC, ROUNDING_CODES, ElementParams,
+                     element_params, random_mask)
+from .rounding import Rounding, round_up, toward_zero
 
 __all__ = ["max_numel", "native_casts", "source_token", "quantize_fused", "random_words_i32",
            "quantize_bits_i32"]
@@ -155,19 +154,12 @@ def quantize_bits_i32(u: torch.Tensor, ep: ElementParams, code: int, rmask: int,
     sk = s.clamp(1, 24)  # M < 2**24: k = 0 and rem = M for every s >= 24
     k = m >> sk
     rem = m & ((1 << sk) - 1)
-    if code in (R_NEAREST_EVEN, R_NEAREST_AWAY):  # the discarded part against half a quantum
+    if code != R_STOCHASTIC:  # the mode's rule (rounding.RULES): the discarded part against
+        # half a quantum, below it for every s > 24
         half = 1 << (sk - 1)
-        if code == R_NEAREST_EVEN:  # ties to even
-            up = (rem > half) | ((rem == half) & ((k & 1) == 1))
-        else:  # ties away
-            up = rem >= half
-        up = up & (s <= 24)  # below half a quantum for every s > 24
-    elif code == R_TOWARD_ZERO:  # toward zero
-        up = torch.zeros_like(neg)
-    elif code == R_UP:  # up (toward +inf)
-        up = (rem != 0) & ~neg
-    elif code == R_DOWN:  # down (toward -inf)
-        up = (rem != 0) & neg
+        up = round_up(code, lambda: (rem > half) & (s <= 24), lambda: (rem == half) & (s <= 24),
+                      lambda: rem != 0, lambda: (k & 1) == 1, neg)
+        up = torch.zeros_like(neg) if up is None else up
     else:  # stochastic: carry out of (fraction + random bits), both cut to the random bits
         # t: the discarded fraction of the quantum as a 0.32 fixed-point word
         t = torch.where(s < 32, rem << (32 - s).clamp(1, 31), m >> (s - 32).clamp(0, 31))
@@ -189,14 +181,8 @@ def quantize_bits_i32(u: torch.Tensor, ep: ElementParams, code: int, rmask: int,
         special = lim
     else:
         special = torch.full_like(u, 0x7F800000 if ep.overflow == 0 else 0x7FC00000)
-    if code == R_TOWARD_ZERO:  # rounding toward zero: IEEE 754 section 7.4 gives the largest finite
-        tz = torch.ones_like(neg)
-    elif code == R_UP:
-        tz = neg
-    elif code == R_DOWN:
-        tz = ~neg
-    else:
-        tz = torch.zeros_like(neg)
+    tz = toward_zero(code, neg)  # rounded toward zero: IEEE 754 section 7.4's largest finite
+    tz = torch.full_like(neg, tz) if isinstance(tz, bool) else tz
     v = torch.where(v > lim, torch.where(tz, lim, special), v)
     v = torch.where(a == 0x7F800000, special, v)  # +-Inf in
     res = v | sign
@@ -273,15 +259,10 @@ def _fixed(xf: torch.Tensor, fmt: FixedFormat, ep: ElementParams, code: int, rma
     y = xf.abs() * float(2.0 ** fmt.frac_bits)
     k = y.floor()
     frac = y - k
-    if code == R_NEAREST_EVEN:  # ties to even
-        odd = (k * 0.5).floor() * 2.0 != k
-        up = (frac > 0.5) | ((frac == 0.5) & odd)
-    elif code == R_NEAREST_AWAY:
-        up = frac >= 0.5
-    elif code == R_TOWARD_ZERO:
-        up = torch.zeros_like(neg)
-    elif code in (R_UP, R_DOWN):
-        up = (frac > 0) & (~neg if code == R_UP else neg)
+    if code != R_STOCHASTIC:  # the mode's rule (rounding.RULES)
+        up = round_up(code, lambda: frac > 0.5, lambda: frac == 0.5, lambda: frac > 0,
+                      lambda: (k * 0.5).floor() * 2.0 != k, neg)
+        up = torch.zeros_like(neg) if up is None else up
     else:
         bits = 32 - (rmask ^ 0xFFFFFFFF).bit_length()  # the mask keeps the top ``bits``
         top = _lsr(r, 32 - bits) if bits < 32 else r  # those bits as an integer (int32 words)

@@ -12,23 +12,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .formats import FixedFormat, FloatFormat, Overflow
-from .rounding import Rounding
+from .rounding import RULES, Rounding
 
 __all__ = ["ElementParams", "element_params", "ROUNDING_CODES", "OVERFLOW_CODES", "f32_bits",
            "NAN_SHIFT", "FIXED_BEMIN", "R_NEAREST_EVEN", "R_NEAREST_AWAY", "R_TOWARD_ZERO",
            "R_UP", "R_DOWN", "R_STOCHASTIC"]
 
-# the rounding codes every quantization path takes (R_* in _qkernel.c, in this order)
-R_NEAREST_EVEN, R_NEAREST_AWAY, R_TOWARD_ZERO, R_UP, R_DOWN, R_STOCHASTIC = range(6)
-ROUNDING_CODES = {
-    Rounding.NEAREST_EVEN: R_NEAREST_EVEN,
-    Rounding.NEAREST_AWAY: R_NEAREST_AWAY,
-    Rounding.TOWARD_ZERO: R_TOWARD_ZERO,
-    Rounding.UP: R_UP,
-    Rounding.DOWN: R_DOWN,
-    Rounding.STOCHASTIC: R_STOCHASTIC,
-    Rounding.STOCHASTIC_LIMITED: R_STOCHASTIC,
-}
+# the rounding codes every quantization path takes (rounding.RULES; R_* in _qkernel.c)
+ROUNDING_CODES = {mode: rule.code for mode, rule in RULES.items()}
+R_NEAREST_EVEN, R_NEAREST_AWAY, R_TOWARD_ZERO, R_UP, R_DOWN, R_STOCHASTIC = (
+    ROUNDING_CODES[m] for m in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY, Rounding.TOWARD_ZERO,
+                                Rounding.UP, Rounding.DOWN, Rounding.STOCHASTIC))
 OVERFLOW_CODES = {Overflow.INF: 0, Overflow.NAN: 1, Overflow.SATURATE: 2}
 NAN_SHIFT = 1000  # per-block shift marking a NaN scale (LP_NAN_SHIFT in the kernel)
 FIXED_BEMIN = 1 << 20  # fixed point has no normal range: every value uses the fixed quantum

@@ -304,7 +304,7 @@ def block_shifts(x_rows: torch.Tensor, fmt: BlockFormat, block: int,
             and x_rows.dtype == torch.float32 and x_rows.is_contiguous()
             and not x_rows.requires_grad and x_rows.numel() and _kernel.available()
             and _kernel.block_shifts_available() and not emits_graph_ops()):
-        # one pass in the kernel: (256, 96, 14, 14) in blocks along W, 5.7 ms in torch ops
+        # one pass in the kernel, faster than torch ops (benchmarks/RESULTS.md, figure F8)
         return _kernel.block_shifts(x_rows, block, fmt.element.emax, fmt.scale_min_exp,
                                     fmt.scale_max_exp)
     a = x_rows.abs()
@@ -401,7 +401,8 @@ def quantize(
     if impl == "auto" and random_bits is None and type(x) in _PLAIN and \
             x.dtype == torch.float32 and x.device.type == "cpu":
         # the commonest calls (the engine rounds each op's output with them), whose kernel
-        # arguments a first call prepared (~20 us of Python per call otherwise): a
+        # arguments a first call prepared (Python's cost per call otherwise: figure F9 of
+        # benchmarks/RESULTS.md): a
         # deterministic mode to a float or fixed-point format, or stochastic rounding with its
         # keys given as two ints (the eager engine's), put into a copy of the arguments
         keyed = type(seed) is tuple and generator is None

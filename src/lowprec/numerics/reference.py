@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .params import (NAN_SHIFT, R_DOWN, R_NEAREST_AWAY, R_NEAREST_EVEN, R_STOCHASTIC,
-                     R_TOWARD_ZERO, R_UP, ElementParams)
+from .params import NAN_SHIFT, R_STOCHASTIC, ElementParams
+from .rounding import round_up, toward_zero
 
 __all__ = ["quantize_bits", "quantize_f32", "random_words", "mix32"]
 
@@ -87,18 +87,12 @@ def quantize_bits(
     k = torch.where(big, 0, M >> sl)
     rem = torch.where(big, M, M & ((torch.bitwise_left_shift(torch.ones_like(sl), sl)) - 1))
     t = torch.where(big, M >> sb, (rem << (32 - sl)) & _M32)
-    if rounding == R_NEAREST_EVEN:  # nearest even: carry out of t + 0x7fffffff + lsb(k)
-        up = (t + 0x7FFFFFFF + (k & 1)) >> 32
-    elif rounding == R_NEAREST_AWAY:  # nearest away
-        up = t >> 31
-    elif rounding == R_TOWARD_ZERO:  # toward zero
-        up = torch.zeros_like(t)
-    elif rounding == R_UP:  # up (toward +inf)
-        up = ((rem != 0) & ~neg).to(torch.int64)
-    elif rounding == R_DOWN:  # down (toward -inf)
-        up = ((rem != 0) & neg).to(torch.int64)
-    else:  # stochastic: carry out of the fraction plus the random bits, both cut to r bits
+    if rounding == R_STOCHASTIC:  # carry out of the fraction plus the random bits, cut to r bits
         up = ((t & rmask) + (r & rmask)) >> 32
+    else:  # the mode's rule (rounding.RULES); t is the fraction of the quantum as a 0.32 word
+        up = round_up(rounding, lambda: t > 0x80000000, lambda: t == 0x80000000,
+                      lambda: rem != 0, lambda: (k & 1) == 1, neg)
+        up = torch.zeros_like(t) if up is None else up.to(torch.int64)
     mag = (k + up).to(torch.float32) * _bits_to_f32(_pow2_bits(qe))
     v = torch.where(s <= 0, a, _f32_to_bits(mag))
     scale = _bits_to_f32(_pow2_bits(sh.clamp(-127, 127)))
@@ -109,14 +103,8 @@ def quantize_bits(
         special = lim
     else:
         special = torch.full_like(u, 0x7F800000 if ep.overflow == 0 else 0x7FC00000)
-    if rounding == R_TOWARD_ZERO:
-        tz = torch.ones_like(neg)
-    elif rounding == R_UP:
-        tz = neg
-    elif rounding == R_DOWN:
-        tz = ~neg
-    else:
-        tz = torch.zeros_like(neg)
+    tz = toward_zero(rounding, neg)
+    tz = torch.full_like(neg, tz) if isinstance(tz, bool) else tz
     v = torch.where(v > lim, torch.where(tz, lim, special), v)
     v = torch.where(a == 0x7F800000, special, v)
     res = v | sign

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Rounding", "RoundingSpec", "parse_rounding", "DEFAULT_LIMITED_BITS", "check_generator"]
+__all__ = ["Rounding", "RoundingSpec", "parse_rounding", "DEFAULT_LIMITED_BITS", "check_generator",
+           "RoundingRule", "RULES", "round_up", "toward_zero"]
 
 DEFAULT_LIMITED_BITS = 8
 
@@ -91,6 +92,83 @@ _NAMES = {
 }
 
 _LIMITED_RE = re.compile(r"^(?:sr|stochastic_limited|stochastic)(\d+)$")
+
+
+@dataclass(frozen=True)
+class RoundingRule:
+    """A mode's integer code and, for a deterministic mode, when it rounds a magnitude up, by
+    where the discarded part d of the quantum lies: ``above`` (d > 1/2), ``tie`` (d = 1/2),
+    ``below`` (0 < d < 1/2), each "never", "always", "odd" (the kept significand is odd),
+    "positive" or "negative" (the value's sign). Stochastic modes draw instead ("random")."""
+
+    code: int
+    above: str
+    tie: str
+    below: str
+
+
+#: every mode's rule: the one table the torch paths (reference, fused, accumulation and its
+#: scalar reference) read through :func:`round_up` and :func:`toward_zero`; ``code`` is what
+#: every quantization path takes (params.R_*, the kernel's enum in _qkernel.c: the C kernel
+#: spells each rule out in its own loops, quantize_one and round_f64)
+RULES = {
+    Rounding.NEAREST_EVEN: RoundingRule(0, "always", "odd", "never"),
+    Rounding.NEAREST_AWAY: RoundingRule(1, "always", "always", "never"),
+    Rounding.TOWARD_ZERO: RoundingRule(2, "never", "never", "never"),
+    Rounding.UP: RoundingRule(3, "positive", "positive", "positive"),
+    Rounding.DOWN: RoundingRule(4, "negative", "negative", "negative"),
+    Rounding.STOCHASTIC: RoundingRule(5, "random", "random", "random"),
+    Rounding.STOCHASTIC_LIMITED: RoundingRule(5, "random", "random", "random"),
+}
+_BY_CODE = {rule.code: rule for rule in RULES.values()}
+
+
+def _not(v):
+    return (not v) if isinstance(v, bool) else ~v
+
+
+def round_up(mode: "Rounding | int", gt, eq, nonzero, odd, neg):
+    """Whether the deterministic ``mode`` (a Rounding or its code) rounds a magnitude up, as a
+    bool or a bool tensor; None where it never does (toward zero). ``gt``, ``eq``, ``nonzero``:
+    thunks giving d > 1/2, d == 1/2 and d != 0 for the discarded part d of the quantum, ``odd``
+    one giving whether the kept significand is odd (each computed only where the rule asks);
+    ``neg``: the value's sign (a bool or a bool tensor)."""
+    rule = RULES[mode] if isinstance(mode, Rounding) else _BY_CODE[mode]
+    if rule.above == "random":
+        raise ValueError(f"round_up: {mode} is stochastic (its paths draw)")
+    if rule.above == rule.tie == rule.below:  # one condition wherever d is not 0
+        parts = ((rule.above, nonzero),)
+    else:
+        parts = ((rule.above, gt), (rule.tie, eq),
+                 (rule.below, lambda: nonzero() & _not(gt() | eq())))
+    up = None
+    for when, where in parts:
+        if when == "never":
+            continue
+        term = where()
+        if when == "odd":
+            term = term & odd()
+        elif when == "positive":
+            term = term & _not(neg)
+        elif when == "negative":
+            term = term & neg
+        up = term if up is None else up | term
+    return up
+
+
+def toward_zero(mode: "Rounding | int", neg):
+    """Whether a value beyond the format's largest finite one rounds to that largest finite
+    (IEEE 754-2019 section 7.4: the directed modes that round this sign toward zero) rather
+    than to the overflow value: where the mode never rounds a magnitude up beyond half a
+    quantum. True, False, or ``neg`` / not ``neg`` (bool or bool tensor)."""
+    above = (RULES[mode] if isinstance(mode, Rounding) else _BY_CODE[mode]).above
+    if above == "never":
+        return True
+    if above == "positive":
+        return neg
+    if above == "negative":
+        return _not(neg)
+    return False
 
 
 @dataclass(frozen=True)

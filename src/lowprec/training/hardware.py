@@ -1,18 +1,17 @@
 """What the device a model runs on computes fast: the facts the ``auto`` backend decides by.
 
-torch runs fp16 and bf16 everywhere, but only some hardware runs them fast. Measured on an AMD
-EPYC with AVX2 only (no AVX-512, no AMX): native bf16 training steps at batch 256 are 5.6x
-(LeNet-5), 14.6x (MLP) and 21x (small transformer) slower than fp32, while emulating bf16
-(fp32 kernels, outputs rounded) costs 1.15-2.5x. On such CPUs torch has no oneDNN 16-bit path
-and falls back to ATen's generic kernels. The instructions that make 16-bit matmuls and
-convolutions fast on a CPU are:
+torch runs fp16 and bf16 everywhere, but only some hardware runs them fast. On a CPU with AVX2
+only (no AVX-512, no AMX), native bf16 training steps are many times slower than fp32, while
+emulating bf16 (fp32 kernels, outputs rounded) costs far less (benchmarks/RESULTS.md, figure
+F22). On such CPUs torch has no oneDNN 16-bit path and falls back to ATen's generic kernels.
+The instructions that make 16-bit matmuls and convolutions fast on a CPU are:
 
 * bf16: AVX512-BF16 (``vdpbf16ps``, Cooper Lake, Zen 4 and later) or AMX-BF16 (Sapphire
-  Rapids and later: large bf16 GEMMs about 12x fp32 there); on Arm, the BF16 extension
-  (``BFMMLA``, Neoverse V1/N2, Graviton 3), which torch's oneDNN/ACL path checks for.
+  Rapids and later: large bf16 GEMMs much faster than fp32 there, figure F23); on Arm, the
+  BF16 extension (``BFMMLA``, Neoverse V1/N2, Graviton 3), which torch's oneDNN/ACL path checks for.
 * fp16: AVX512-FP16 or AMX-FP16 (the checks torch's ``mkldnn_fp16_device_check`` makes before
   it sends fp16 convolutions and matmuls to oneDNN; without them fp16 convolution backward is a
-  reference kernel, 15-70x slower than fp32); on Arm, FP16 arithmetic (``FEAT_FP16``).
+  reference kernel, far slower than fp32, figure F24); on Arm, FP16 arithmetic (``FEAT_FP16``).
 
 On CUDA, tensor cores run fp16 from compute capability 7.0 (Volta) and bf16 from 8.0 (Ampere).
 

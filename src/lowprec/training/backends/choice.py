@@ -3,10 +3,11 @@
 ``auto`` runs a policy natively when every low-precision format in it has a torch dtype and
 the device has fast kernels for it (:func:`lowprec.training.hardware.native_speed`:
 AVX512-BF16 or AMX for bf16 on a CPU, AVX512-FP16 or AMX-FP16 for fp16, tensor cores on CUDA),
-and emulated otherwise: on an AVX2-only CPU native bf16 steps were 5.6-21x slower than fp32
-and emulated ones 1.15-2.5x. The choice changes a run's numbers (native kernels sum in their
-own order, emulation rounds each op's output once), so :func:`announce` says it once per
-process, policy and device, with its reason, and the experiment runner stores it with each run.
+and emulated otherwise: on an AVX2-only CPU native bf16 steps were many times slower than
+fp32, emulated ones far less (benchmarks/RESULTS.md, figure F22). The choice changes a run's
+numbers (native kernels sum in their own order, emulation rounds each op's output once), so
+:func:`announce` says it once per process, policy and device, with its reason, and the
+experiment runner stores it with each run.
 """
 
 from __future__ import annotations

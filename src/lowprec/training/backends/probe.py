@@ -1,15 +1,14 @@
 """``auto`` checked by the model's own steps: native and emulated timed side by side.
 
 The device's facts (:mod:`lowprec.training.hardware`) say whether torch has fast kernels for a
-format, not whether this model's ops reach them: on an AMD EPYC with AVX512-BF16 the yun2023
-transformer's native bf16 step takes 2.1-2.5x its fp32 step (torch's bf16 attention backward
-is most of it), while its ResNet-20 takes 0.43x. So a caller holding a sample batch may time a
-few training steps of the model under both backends where the facts say native, and keep the
-faster: ``Precision.setup(model, example=inputs)``, through
+format, not whether this model's ops reach them: on a CPU with AVX512-BF16 the yun2023
+transformer's native bf16 step is slower than its fp32 step (torch's bf16 attention backward
+is most of it), while its ResNet-20's is faster (benchmarks/RESULTS.md, figure F25). So a
+caller holding a sample batch may time a few training steps of the model under both backends
+where the facts say native, and keep the faster: ``Precision.setup(model, example=inputs)``, through
 :func:`lowprec.training.precision.time_backends`; this module holds the timing loop and the
 rule (:func:`decide`). Native stays unless clearly slower (:data:`SLOWER`): for that
-transformer emulated bf16 was as slow (native / emulated 0.98-1.13 in three runs), and native
-was kept.
+transformer emulated bf16 was about as slow (figure F26), and native was kept.
 
 The choice changes a run's bits, and a timing on a loaded machine can differ from one call to
 the next: the facts alone decide unless a batch is given, and a caller that must reproduce a
@@ -32,8 +31,8 @@ from .choice import BackendChoice
 __all__ = ["BackendTiming", "time_steps", "build_copies", "loss_of", "decide", "SLOWER"]
 
 #: native is left for emulated only when its step takes more than this times emulation's:
-#: a margin wider than the spread of repeated timings on a shared machine (ratios measured
-#: side by side varied by about 10% there), so that a near tie keeps native
+#: a margin wider than the spread of repeated timings on a shared machine (of ratios measured
+#: side by side: benchmarks/RESULTS.md, figure F27), so that a near tie keeps native
 SLOWER = 1.25
 
 

@@ -95,8 +95,8 @@ class _BatchNorm(torch.autograd.Function):
     weight's format. The statistics are constants of the backward, as in the fused kernel.
     Computed by that kernel's fp32 instantiation (``native_batch_norm_backward``) given the
     16-bit statistics: 1,345 of 40.7 M dx elements off the fp16 kernel's by one unit, against
-    2,708 for the same formula in torch ops, and 3x faster (MobileNet, batch 256, AMD EPYC
-    AVX2: 1.25 s against 0.40 s for 44 calls)."""
+    2,708 for the same formula in torch ops, and faster than those ops (benchmarks/RESULTS.md,
+    figure F1)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, grad, stat, cuda=False):
@@ -187,10 +187,10 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
         return _BatchNorm.apply(x, weight, bias, mean, invstd, grad, stat, True)
     if not plain_formats(rule):  # dynamic fixed point, blocks, stochastic rounding
         # fp32 statistics from torch's fp32 kernel (which also updates the running ones; one
-        # pass, 2.0 ms against var_mean's 14.3 over a channels-last (256, 96, 14, 14) tensor),
-        # rounded to the format; y = x * a + b' and the backward through the statistics as the
-        # fp32 kernel computes them given the rounded statistics (:class:`_BatchNorm`), its
-        # gradients left to the roundings around the op
+        # pass, faster than var_mean: benchmarks/RESULTS.md, figure F2), rounded to the
+        # format; y = x * a + b' and the backward through the statistics as the fp32 kernel
+        # computes them given the rounded statistics (:class:`_BatchNorm`), its gradients
+        # left to the roundings around the op
         with torch.no_grad():
             _, mean, invstd = torch.ops.aten.native_batch_norm(
                 x, None, None, running_mean, running_var, True, momentum, eps)
@@ -223,8 +223,7 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
             # arithmetic (two passes: the mean, then the squared deviations), so its mean and
             # 1/std round to the 16-bit kernel's (22,800 of 22,800 equal, fp16), and its running
             # statistics are the kernel's update; the normalised output it also writes is
-            # discarded (one pass; 3.7 ms a call against var_mean's 9.6 on MobileNet, batch
-            # 256, AMD EPYC AVX2)
+            # discarded (one pass, faster than var_mean: benchmarks/RESULTS.md, figure F3)
             _, mean, invstd = torch.ops.aten.native_batch_norm(
                 x, None, None, running_mean, running_var, True, momentum, eps)
             mean_q = engine.round(mean, rule, key + ".stats", grads=False)
@@ -488,9 +487,10 @@ def plain_formats(rule) -> bool:
 
 
 # Rows per thread up to which layer norm's backward replays the kernel's sequential 16-bit
-# dgamma/dbeta accumulation (a Python loop, ~0.1 ms per row); beyond, the weight and bias
+# dgamma/dbeta accumulation (a Python loop, its cost per row); beyond, the weight and bias
 # gradients are fp32 sums rounded once: more accurate than the kernel, a departure kept for
-# speed (the benchmark transformer's 1024 rows per thread: 1.75x fp32 instead of ~3x).
+# speed (the benchmark transformer's 1024 rows per thread; benchmarks/RESULTS.md, figures F4
+# and F5).
 _MAX_SEQUENTIAL_ROWS = 256
 
 
@@ -532,8 +532,8 @@ class _LayerNorm(torch.autograd.Function):
         summed = cuda or chunk > _MAX_SEQUENTIAL_ROWS
         # dX (and, beyond the sequential limit, dgamma and dbeta as fp32 sums) from the fp32
         # instantiation of the kernel template, given the 16-bit statistics: its formula and
-        # per-row passes in one call (0.09 ms against 1.9 for the same formula in torch ops,
-        # 7168 x 64 rows, 2 threads; 58 against 63 of 458,752 fp16 dX elements off the 16-bit
+        # per-row passes in one call (faster than the same formula in torch ops:
+        # benchmarks/RESULTS.md, figure F6; 58 against 63 of 458,752 fp16 dX elements off the 16-bit
         # kernel's, 5 against 13 bf16)
         dx, dw, dbias = torch.ops.aten.native_layer_norm_backward(
             dy, x, shape, mean, rstd, weight, None,

@@ -19,8 +19,8 @@ strides and vector widths (which changes with the CPU's ISA: 16 lanes on AVX-512
 is computed by that kernel itself on the operands, which are on the 16-bit grid already, so
 the cast is exact: the result is native's bit for bit, forward and backward (the backward is
 the kernel's own backward, gradients held in the 16-bit dtype as native autograd holds them).
-It costs what native costs (fp16 ``linear`` is ~6x oneDNN's fp32 on an AMD EPYC with AVX2),
-which is why it is opt-in, as the convolution order is.
+It costs what native costs (fp16 ``linear`` is several times oneDNN's fp32 on a CPU with AVX2
+only: benchmarks/RESULTS.md, figure F28), which is why it is opt-in, as the convolution order is.
 
 Used only where it is exactly right: a format with a torch dtype (float16, bfloat16), operands
 on CPU, round-to-nearest-even, and gradients in the same format as compute (pure or mixed

@@ -36,9 +36,8 @@ Where the compiled kernel is loaded, an LSTM step with such formats runs fused: 
 node (:class:`_LSTMCell`) whose forward rounds and combines in C what torch's own sigmoid and
 tanh give, and whose backward replays the op-by-op backward's roundings in C, in the same
 order (the same bits, tested: tests/training/test_lstm_cell.py); a 16-bit sum of two
-gradients is one kernel pass (:class:`_Rounder`). On the benchmark LSTM (28 steps, hidden
-128, batch 256) this took the emulated step from 2.6-3.0x fp32 to 1.9-2.0x on an AMD EPYC
-with AVX512-BF16.
+gradients is one kernel pass (:class:`_Rounder`): a faster emulated step on the benchmark
+LSTM (benchmarks/RESULTS.md, figure F7).
 
 Dynamic fixed point, block formats and stochastic rounding run the same forward, differentiated
 op by op as the engine differentiates any op. Measured against ``model.half()`` and
