@@ -1,7 +1,9 @@
 /*
- * GEMM with a rounded accumulator (lowprec.numerics.accumulation), included by _qkernel.c so
- * that it shares quantize's hash, helpers and build.
+ * accumulate.c: sums of products in a given order and rounding: the GEMM with a rounded
+ * accumulator (lp_gemm_acc, lowprec.numerics.accumulation) and the reference-order dot products
+ * of torch's 16-bit CPU kernels (lp_dot4, lowprec.numerics.summation).
  *
+ * GEMM with a rounded accumulator:
  * C[b,i,j] = sum_k A[b,i,k] * B[b,k,j] where every product and every partial sum is rounded onto
  * the accumulator format, in one of three orders:
  *   sequential  acc = p0; acc = R(acc + p_l) for l = 1..K-1
@@ -21,6 +23,8 @@
  * of one output: product l is step l, the addition that brings in term l (sequential, chunked)
  * is step K + l - 1, the pairwise tree's additions are steps K, K+1, ... in level order.
  */
+
+#include "lp_common.h"
 
 /* memcpy, not a union: GCC turns it into a register move that the vectorizer understands */
 LP_INLINE uint64_t d2u(double d) { uint64_t u; memcpy(&u, &d, 8); return u; }
@@ -526,4 +530,53 @@ int lp_gemm_acc(const float *A, const float *B, float *C, const lp_acc_gemm *g,
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* Dot products in the order of torch's reference CPU kernel for 16-bit types: the `sum` of
+ * aten/src/ATen/native/cpu/BlasKernel.cpp, which slow_conv2d's gemm (and addmm without a bias)
+ * runs when oneDNN has no 16-bit path (CPUs without AVX512-FP16 for float16). Term l goes to
+ * fp32 partial sum l % 4 while four terms remain, the rest to partial 0; the result is
+ * ((s0 + s1) + s2) + s3. Products of 16-bit values are exact in fp32, so mul-then-add equals
+ * the reference's possible FMA. Vectorised across output positions only: each lane runs the
+ * reference's sequence.
+ * cols: N x (G*K) x L, w: (G*Cog) x K, out: N x (G*Cog) x L, all contiguous float32. */
+LP_CLONES static void dot4_row(const float *a, const float *w, float *o, int64_t K, int64_t L) {
+    enum { B = 256 };
+    float s0[B], s1[B], s2[B], s3[B];
+    for (int64_t p = 0; p < L; p += B) {
+        const int64_t nb = L - p < B ? L - p : B;
+        for (int64_t j = 0; j < nb; ++j) s0[j] = s1[j] = s2[j] = s3[j] = 0.0f;
+        int64_t l = 0;
+        for (; l + 4 <= K; l += 4) {
+            const float w0 = w[l], w1 = w[l + 1], w2 = w[l + 2], w3 = w[l + 3];
+            const float *a0 = a + l * L + p, *a1 = a0 + L, *a2 = a1 + L, *a3 = a2 + L;
+            for (int64_t j = 0; j < nb; ++j) {
+                s0[j] += w0 * a0[j];
+                s1[j] += w1 * a1[j];
+                s2[j] += w2 * a2[j];
+                s3[j] += w3 * a3[j];
+            }
+        }
+        for (; l < K; ++l) {
+            const float wl = w[l];
+            const float *al = a + l * L + p;
+            for (int64_t j = 0; j < nb; ++j) s0[j] += wl * al[j];
+        }
+        for (int64_t j = 0; j < nb; ++j) o[p + j] = ((s0[j] + s1[j]) + s2[j]) + s3[j];
+    }
+}
+
+void lp_dot4(const float *cols, const float *w, float *out, int64_t N, int64_t G, int64_t K,
+             int64_t L, int64_t Cog, int nthreads) {
+    const int64_t units = N * G * Cog;
+    int nt = (int)(units * K * L / LP_MIN_PER_THREAD);
+    if (nt > nthreads) nt = nthreads;
+    if (nt < 1) nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n = u / (G * Cog), co = u % (G * Cog), g = co / Cog;
+        dot4_row(cols + (n * G + g) * K * L, w + co * K, out + u * L, K, L);
+    }
 }
