@@ -77,7 +77,7 @@ def path_lib(request, tmp_path_factory):
 @pytest.fixture
 def on_path(path_lib, monkeypatch):
     """The kernel functions run the given build for the duration of a test."""
-    monkeypatch.setattr(kernel, "_lib", lambda: path_lib)
+    monkeypatch.setattr(kernel.library, "lib", lambda: path_lib)
     assert kernel.available()
 
 
@@ -176,7 +176,7 @@ def test_counting_and_reference_order_dot_products(on_path):
     installed = kernel.open_kernel(importlib.util.find_spec("lowprec.numerics._qkernel").origin)
     if installed is not None:  # the clone this CPU dispatches to: the same summation order
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(kernel, "_lib", lambda: installed)
+            m.setattr(kernel.library, "lib", lambda: installed)
             again = torch.empty_like(out)
             kernel.dot4(cols, w, again, 2)
         assert_same_bits(out, again, "dot4")
