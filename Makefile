@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 # headless browser) and the Fashion-MNIST files. Installed once when apt-get can run.
 SYSTEM_STAMP := $(VENV)/.system-deps
 
-$(STAMP): pyproject.toml constraints.txt setup.py src/lowprec/numerics/_qkernel.c
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/lowprec/numerics/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
 	$(PIP) install -q -c constraints.txt "$(TORCH)"

@@ -24,12 +24,19 @@ class OptionalBuildExt(build_ext):
             print(f"lowprec: kernel not built ({err}); using the plain-torch path", file=sys.stderr)
 
 
+# The kernel's C files, one job each (csrc/lp_common.h lists them), built into one library; the
+# binding (numerics/kernel/) has a module per file. Tests that build it per instruction set
+# compile every *.c of this folder (tests/numerics/test_kernel_paths.py).
+CSRC = "src/lowprec/numerics/csrc"
+SOURCES = [f"{CSRC}/{name}.c" for name in ("quantize", "block", "accumulate", "optimizer",
+                                           "recurrent", "fexp", "module")]
+
 setup(
     ext_modules=[
         Extension(
             "lowprec.numerics._qkernel",
-            sources=["src/lowprec/numerics/_qkernel.c"],
-            depends=["src/lowprec/numerics/_qkernel_acc.c"],  # #included by _qkernel.c
+            sources=SOURCES,
+            depends=[f"{CSRC}/lp_common.h"],  # #included by every source
             # No -ffast-math: the kernel relies on exact IEEE multiplication and subnormals.
             extra_compile_args=["-O3", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-ffp-contract=off",
                                 "-fno-math-errno"],

@@ -1,8 +1,9 @@
 """Every instruction-set path of the compiled kernel gives the plain-torch path's bits.
 
-``_qkernel.c`` compiles its loops three times (GCC target clones: x86-64-v4 with AVX-512, AVX2,
-baseline x86-64) and the loader runs the one this CPU supports, so the other tests only ever see
-one of them. Here the file is built once per instruction set with ``-DLP_NO_CLONES -march=...``
+The kernel (``numerics/csrc/*.c``) compiles its loops three times (GCC target clones: x86-64-v4
+with AVX-512, AVX2, baseline x86-64) and the loader runs the one this CPU supports, so the other
+tests only ever see one of them. Here the library is built once per instruction set with
+``-DLP_NO_CLONES -march=...``
 (setup.py's flags otherwise) and each build this CPU can execute is checked: quantization
 (elementwise, every rounding mode, and MX blocks) against the plain-torch path, the fused
 optimizer step against the torch path, the counting and reference-order dot-product loops
@@ -24,10 +25,12 @@ import torch
 
 from helpers import assert_same_bits
 from lowprec import quantize
+from lowprec import numerics
 from lowprec.numerics import kernel
 from lowprec.training.optim import SGD, Adam
 
-SOURCE = Path(kernel.__file__).with_name("_qkernel.c")
+# every C file of the kernel, as setup.py lists them (lp_common.h is found beside them)
+SOURCES = sorted(Path(numerics.__file__).with_name("csrc").glob("*.c"))
 # setup.py's flags (no -ffast-math: the kernel relies on IEEE multiplication and subnormals)
 CFLAGS = ["-O3", "-fno-trapping-math", "-std=gnu11", "-fopenmp", "-ffp-contract=off",
           "-fno-math-errno", "-fPIC", "-shared", "-DLP_NO_CLONES"]
@@ -60,10 +63,11 @@ def path_lib(request, tmp_path_factory):
     if missing:
         pytest.skip(f"this CPU cannot execute {march} code (no {', '.join(sorted(missing))}); "
                     "CPUs with it run this path")
+    assert SOURCES, "no C sources beside lowprec/numerics (csrc/*.c)"
     out = tmp_path_factory.mktemp(march) / "_qkernel_path.so"
     include = f"-I{sysconfig.get_paths()['include']}"  # Python.h: it is an extension module
-    build = subprocess.run([cc, *CFLAGS, include, f"-march={march}", str(SOURCE), "-o", str(out),
-                            "-lpthread"], capture_output=True, text=True)
+    build = subprocess.run([cc, *CFLAGS, include, f"-march={march}", *map(str, SOURCES), "-o",
+                            str(out), "-lpthread"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     lib = kernel.open_kernel(str(out))
     assert lib is not None, f"the {march} build did not load"
@@ -73,7 +77,7 @@ def path_lib(request, tmp_path_factory):
 @pytest.fixture
 def on_path(path_lib, monkeypatch):
     """The kernel functions run the given build for the duration of a test."""
-    monkeypatch.setattr(kernel, "_lib", lambda: path_lib)
+    monkeypatch.setattr(kernel.library, "lib", lambda: path_lib)
     assert kernel.available()
 
 
@@ -172,7 +176,7 @@ def test_counting_and_reference_order_dot_products(on_path):
     installed = kernel.open_kernel(importlib.util.find_spec("lowprec.numerics._qkernel").origin)
     if installed is not None:  # the clone this CPU dispatches to: the same summation order
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(kernel, "_lib", lambda: installed)
+            m.setattr(kernel.library, "lib", lambda: installed)
             again = torch.empty_like(out)
             kernel.dot4(cols, w, again, 2)
         assert_same_bits(out, again, "dot4")

@@ -2,7 +2,7 @@
 
 Under an emulated policy with plain formats (IEEE-style or fixed point, rounded to nearest),
 each step of an ``nn.LSTM`` runs as one autograd node whose roundings are the C kernel's
-(``_LSTMCell`` in emulation/recurrent_kernels.py, ``lp_lstm_*`` in _qkernel.c) instead of some
+(``_LSTMCell`` in emulation/recurrent_kernels.py, ``lp_lstm_*`` in csrc/recurrent.c) instead of some
 forty ops and roundings. The reference is the op-by-op replay itself (the kernel's cell
 switched off), which tests/training/test_fidelity.py checks bit for bit against torch's own
 ``.half()`` / ``.bfloat16()`` layers: outputs, every parameter gradient and the parameters

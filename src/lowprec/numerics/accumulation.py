@@ -34,7 +34,7 @@ Spec string (``str(acc)`` prints it back): ``FORMAT[:ORDER][:ROUNDING]``, defaul
     bf16:pairwise
     q12.12:chunk64         # fixed point <12, 12>, saturating at +-2048
 
-Three paths give the same bits: the compiled kernel (``lp_gemm_acc`` in ``_qkernel_acc.c``,
+Three paths give the same bits: the compiled kernel (``lp_gemm_acc`` in ``csrc/accumulate.c``,
 float32 CPU tensors), a plain-torch path (any device; float64 arithmetic vectorised over the
 outputs) and, for the tests only, the scalar Python reference of :mod:`.accumulation_reference`.
 """

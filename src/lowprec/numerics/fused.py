@@ -1,6 +1,6 @@
 """A fusible decomposition of ``quantize``: the kernel's integer algorithm on int32 bit patterns.
 
-``_qkernel.c`` and :mod:`.reference` round a float32 value by integer operations on its bit
+``csrc/quantize.c`` and :mod:`.reference` round a float32 value by integer operations on its bit
 pattern. This module writes the same algorithm once more, as pure elementwise torch ops on
 ``int32`` tensors (``x.view(torch.int32)``, shifts, masks, ``torch.where``; no Python loop over
 data, no data-dependent Python branch, no int64), so that ``torch.compile`` traces it and

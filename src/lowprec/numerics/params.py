@@ -1,6 +1,6 @@
 """The integer description of an element format that both quantization paths consume.
 
-See ``_qkernel.c`` for the meaning of each field; this module is the only place that turns a
+See ``csrc/lp_common.h`` for the meaning of each field; this module is the only place that turns a
 format object into those numbers, so the compiled kernel and the plain-torch reference path
 cannot disagree about a format.
 """
@@ -18,7 +18,7 @@ __all__ = ["ElementParams", "element_params", "ROUNDING_CODES", "OVERFLOW_CODES"
            "NAN_SHIFT", "FIXED_BEMIN", "R_NEAREST_EVEN", "R_NEAREST_AWAY", "R_TOWARD_ZERO",
            "R_UP", "R_DOWN", "R_STOCHASTIC"]
 
-# the rounding codes every quantization path takes (rounding.RULES; R_* in _qkernel.c)
+# the rounding codes every quantization path takes (rounding.RULES; R_* in csrc/lp_common.h)
 ROUNDING_CODES = {mode: rule.code for mode, rule in RULES.items()}
 R_NEAREST_EVEN, R_NEAREST_AWAY, R_TOWARD_ZERO, R_UP, R_DOWN, R_STOCHASTIC = (
     ROUNDING_CODES[m] for m in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY, Rounding.TOWARD_ZERO,

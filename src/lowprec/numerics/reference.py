@@ -1,8 +1,9 @@
 """The plain-torch quantization path: the kernel's integer algorithm written with torch ops.
 
 It runs wherever torch runs (CUDA, MPS, a machine without a C compiler) and gives the same bits
-as ``_qkernel.c``; the tests check this. uint32 values are held in int64 tensors (torch has few
-uint32 ops), and 32-bit products are split into 16-bit halves so that no intermediate overflows.
+as the C kernel (``csrc/quantize.c``); the tests check this. uint32 values are held in int64
+tensors (torch has few uint32 ops), and 32-bit products are split into 16-bit halves so that no
+intermediate overflows.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ class _LSTMCell(torch.autograd.Function):
     """One LSTM step of the replay, fused: from the step's ``linear_hh`` output ``lin`` (not
     rounded), its input projection ``xw`` and the cell state ``c`` to (h, the new cell state),
     with every rounding of the op-by-op cell (:meth:`_Replay.cell`) and of its backward, in the
-    same order, by the C kernel (lp_lstm_* in _qkernel.c): four kernel calls and four torch
+    same order, by the C kernel (lp_lstm_* in csrc/recurrent.c): four kernel calls and four torch
     activations a step instead of some forty ops and roundings, each with its autograd node.
     sigmoid and tanh are torch's own float32 kernels on the same tensors as the op-by-op cell,
     so the bits are that cell's (tested against it). The new cell state's gradient is the sum

@@ -27,7 +27,7 @@ class Adam(LowPrecisionOptimizer):
       (``exp_avg_sq_sqrt``): it has the magnitude of g, like m, so both fit or underflow together.
 
     The update of one element, in float32 (the definition both the torch path below and the
-    fused kernel, lp_opt_step in numerics/_qkernel.c, implement, bit for bit). Every operation is
+    fused kernel, lp_opt_step in csrc/optimizer.c, implement, bit for bit). Every operation is
     one correctly rounded IEEE 754 float32 operation; ``fma(a, b, c)`` is a * b + c rounded once
     (torch's CPU ``add`` with alpha, ``lerp`` and ``addcmul`` compute exactly this:
     ``vec::fmadd``); ``addcdiv`` is w + (value * m) / d, unfused. Constants are float64 Python

@@ -17,7 +17,7 @@ class SGD(LowPrecisionOptimizer):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD's rule).
 
     The update of one element, in float32 (the definition both the torch path below and the
-    fused kernel, lp_opt_step in numerics/_qkernel.c, implement, bit for bit). Every operation is
+    fused kernel, lp_opt_step in csrc/optimizer.c, implement, bit for bit). Every operation is
     one correctly rounded IEEE 754 float32 operation; ``fma(a, b, c)`` is a * b + c rounded once,
     what torch's CPU ``add(x, alpha=a)`` computes (``vec::fmadd``). Constants are float64
     Python numbers rounded to float32, as torch rounds a scalar given to a float32 tensor op::

@@ -1,7 +1,9 @@
 /*
- * GEMM with a rounded accumulator (lowprec.numerics.accumulation), included by _qkernel.c so
- * that it shares quantize's hash, helpers and build.
+ * accumulate.c: sums of products in a given order and rounding: the GEMM with a rounded
+ * accumulator (lp_gemm_acc, lowprec.numerics.accumulation) and the reference-order dot products
+ * of torch's 16-bit CPU kernels (lp_dot4, lowprec.numerics.summation).
  *
+ * GEMM with a rounded accumulator:
  * C[b,i,j] = sum_k A[b,i,k] * B[b,k,j] where every product and every partial sum is rounded onto
  * the accumulator format, in one of three orders:
  *   sequential  acc = p0; acc = R(acc + p_l) for l = 1..K-1
@@ -21,6 +23,8 @@
  * of one output: product l is step l, the addition that brings in term l (sequential, chunked)
  * is step K + l - 1, the pairwise tree's additions are steps K, K+1, ... in level order.
  */
+
+#include "lp_common.h"
 
 /* memcpy, not a union: GCC turns it into a register move that the vectorizer understands */
 LP_INLINE uint64_t d2u(double d) { uint64_t u; memcpy(&u, &d, 8); return u; }
@@ -104,20 +108,11 @@ LP_INLINE double round_f64(double x, uint32_t r, const lp_acc_inv *p, const int 
                                                           GCC narrows that shift and gives up */
     const uint64_t T = sel64(mbig, M >> sb, rem << (64 - sl)); /* fraction of the quantum, 0.64 */
     uint64_t up;
-    if (mode == R_NE) {
-        const uint64_t c = 0x7fffffffffffffffull + (k & 1ull);
-        up = (uint64_t)((T + c) < T);
-    } else if (mode == R_NA) {
-        up = T >> 63;
-    } else if (mode == R_Z) {
-        up = 0;
-    } else if (mode == R_UP) {
-        up = (uint64_t)(rem != 0) & ~mneg & 1ull;
-    } else if (mode == R_DOWN) {
-        up = (uint64_t)(rem != 0) & mneg & 1ull;
-    } else { /* stochastic: carry out of the 32-bit fraction plus the random bits, cut to r */
+    if (mode == R_STOCHASTIC) { /* carry out of the 32-bit fraction plus the random bits, cut to r */
         const uint64_t tm = (T >> 32) & p->rmask, rm = (uint64_t)r & p->rmask;
         up = (tm + rm) >> 32;
+    } else {
+        up = lp_up64(mode, T, k, (uint64_t)(rem != 0), mneg);
     }
     /* (k + up) * 2**qe: k + up < 2**53, converted exactly by the 2**52 trick (AVX2 has no
      * int64 -> double conversion); 2**qe is a normal double (qe >= -149 - 23) */
@@ -125,11 +120,7 @@ LP_INLINE double round_f64(double x, uint32_t r, const lp_acc_inv *p, const int 
     uint64_t v = d2u(kd * u2d((uint64_t)(qe + 1023) << 52));
     v = sel64(m64(s <= 0), a, v); /* already on the grid */
     const uint64_t lim = sel64(mneg, p->maxneg, p->maxpos);
-    uint64_t tz; /* rounding went toward zero: IEEE 754 section 7.4 gives the largest finite */
-    if (mode == R_Z) tz = ~0ull;
-    else if (mode == R_UP) tz = mneg;
-    else if (mode == R_DOWN) tz = ~mneg;
-    else tz = 0;
+    const uint64_t tz = (uint64_t)lp_tz(mode, (int64_t)mneg); /* went toward zero */
     const uint64_t special = sel64(p->saturate, lim, p->special);
     /* non-negative float64 patterns order as the values: a signed compare (vpcmpgtq) */
     v = sel64(m64((int64_t)v > (int64_t)lim), sel64(tz, lim, special), v);
@@ -153,7 +144,7 @@ LP_INLINE double round_fast(double x, uint32_t r32, const lp_acc_inv *p, const i
     const uint64_t sign = u & 0x8000000000000000ull, a = u & 0x7fffffffffffffffull;
     const uint64_t fs = p->fshift;
     uint64_t add;
-    if (mode == R_NE) {
+    if (mode == R_NEAREST_EVEN) {
         add = p->fhalf + (((a >> fs) | p->fodd) & 1ull);
     } else {
         const uint64_t r = (uint64_t)r32 & p->rmask;
@@ -174,7 +165,7 @@ LP_INLINE double round_fast(double x, uint32_t r32, const lp_acc_inv *p, const i
  * unit either way, so cutting both to the random bits changes nothing). */
 LP_INLINE void round_tile(const double *x, double *y, const uint32_t *rnd, int64_t nb,
                           const lp_acc_inv *p, const int mode) {
-    if ((mode == R_NE || mode == R_SR) && p->fast) {
+    if ((mode == R_NEAREST_EVEN || mode == R_STOCHASTIC) && p->fast) {
         uint64_t bad = 0;
         for (int64_t j = 0; j < nb; ++j) y[j] = round_fast(x[j], rnd[j], p, mode, &bad);
         if (!bad) return;
@@ -197,7 +188,7 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
     double *acc = accb, *prod = prodb;
     uint32_t base[LP_ACC_NB], rnd[LP_ACC_NB], rnd2[LP_ACC_NB];
     uint64_t flag[LP_ACC_NB];
-    if (mode == R_SR) {
+    if (mode == R_STOCHASTIC) {
         for (int64_t j = 0; j < nb; ++j) {
             const uint64_t e = e0 + (uint64_t)j;
             base[j] = mix32(mix32((uint32_t)e ^ k0) + (k1 ^ mix32((uint32_t)(e >> 32))));
@@ -209,7 +200,7 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
             const double al = (double)arow[l * sa_k];
             const float *bl = bcol + l * sb_k;
             double *pl = buf + l * LP_ACC_NB;
-            if (mode == R_SR) {
+            if (mode == R_STOCHASTIC) {
                 const uint32_t sk = acc_step_key((uint32_t)l);
                 for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sk);
             }
@@ -222,7 +213,7 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
             for (int64_t i = 0; i < n / 2; ++i, ++step) {
                 const double *x0 = buf + 2 * i * LP_ACC_NB, *x1 = x0 + LP_ACC_NB;
                 double *y = buf + i * LP_ACC_NB;
-                if (mode == R_SR) {
+                if (mode == R_STOCHASTIC) {
                     const uint32_t sk = acc_step_key(step);
                     for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sk);
                 }
@@ -243,7 +234,7 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
             const double al = (double)arow[l * sa_k];
             const float *bl = bcol + l * sb_k;
             uint32_t sa = 0;
-            if (mode == R_SR) {
+            if (mode == R_STOCHASTIC) {
                 const uint32_t sk = acc_step_key((uint32_t)l);
                 sa = acc_step_key((uint32_t)(K + l - 1));
                 for (int64_t j = 0; j < nb; ++j) rnd[j] = mix32(base[j] ^ sk);
@@ -253,9 +244,9 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
                 round_tile(raw, acc, rnd, nb, &P, mode);
                 continue;
             }
-            if (mode == R_SR)
+            if (mode == R_STOCHASTIC)
                 for (int64_t j = 0; j < nb; ++j) rnd2[j] = mix32(base[j] ^ sa);
-            if ((mode == R_NE || mode == R_SR) && P.fast) {
+            if ((mode == R_NEAREST_EVEN || mode == R_STOCHASTIC) && P.fast) {
                 /* product and addition fused on the fast path, into prod; kept only when every
                  * lane stayed on it (else the step is redone below from acc) */
                 uint64_t bad = 0;
@@ -284,7 +275,7 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
             for (int64_t j = 0; j < nb; ++j) wide[j] = acc[j];
         } else {
             for (int64_t j = 0; j < nb; ++j) raw[j] = wide[j] + acc[j];
-            round_tile(raw, wide, rnd, nb, &W, R_NE);
+            round_tile(raw, wide, rnd, nb, &W, R_NEAREST_EVEN);
         }
     }
     for (int64_t j = 0; j < nb; ++j) crow[j] = (float)wide[j];
@@ -306,12 +297,9 @@ LP_INLINE void acc_tile(const float *arow, int64_t sa_k, const float *bcol, int6
         }                                                                                          \
     }
 
-LP_ACC_DEFINE(acc_rows_ne, R_NE)
-LP_ACC_DEFINE(acc_rows_na, R_NA)
-LP_ACC_DEFINE(acc_rows_z, R_Z)
-LP_ACC_DEFINE(acc_rows_up, R_UP)
-LP_ACC_DEFINE(acc_rows_down, R_DOWN)
-LP_ACC_DEFINE(acc_rows_sr, R_SR)
+#define LP_ACC_OF(SUFFIX, MODE) LP_ACC_DEFINE(acc_rows_##SUFFIX, MODE)
+LP_DETERMINISTIC_MODES(LP_ACC_OF)
+LP_ACC_DEFINE(acc_rows_sr, R_STOCHASTIC)
 
 /* ---- float32 lanes: nearest rounding onto a format of at most 11 significant bits ----------
  * When every element of A and B has at most 12 significant bits (the low 12 bits of its float32
@@ -344,7 +332,7 @@ static lp_acc_inv32 acc_inv32(const lp_acc_fmt *p) {
 
 /* the conditions of the float32 lanes that depend on the format and the mode only */
 static int acc_f32_format(const lp_acc_fmt *p, const lp_acc_gemm *g) {
-    return p->rounding == R_NE && g->order != 1 && p->emin < (1 << 19) && p->man <= 10 &&
+    return p->rounding == R_NEAREST_EVEN && g->order != 1 && p->emin < (1 << 19) && p->man <= 10 &&
            p->signed_zero && p->emin >= -126 && p->maxpos == p->maxneg;
 }
 
@@ -376,7 +364,7 @@ LP_INLINE void acc_tile_f32(const float *arow, int64_t sa_k, const float *bcol, 
                 for (int64_t j = 0; j < nb; ++j) acc[j] = round_fast32(al * bl[j], Q, &bad);
                 if (bad)
                     for (int64_t j = 0; j < nb; ++j)
-                        acc[j] = (float)round_f64((double)al * (double)bl[j], 0, P, R_NE);
+                        acc[j] = (float)round_f64((double)al * (double)bl[j], 0, P, R_NEAREST_EVEN);
                 continue;
             }
             for (int64_t j = 0; j < nb; ++j) {
@@ -389,8 +377,8 @@ LP_INLINE void acc_tile_f32(const float *arow, int64_t sa_k, const float *bcol, 
             if (bad) /* only the lanes that left the fast path, on the float64 path */
                 for (int64_t j = 0; j < nb; ++j)
                     if (flag[j]) {
-                        const double pj = round_f64((double)al * (double)bl[j], 0, P, R_NE);
-                        prod[j] = (float)round_f64((double)acc[j] + pj, 0, P, R_NE);
+                        const double pj = round_f64((double)al * (double)bl[j], 0, P, R_NEAREST_EVEN);
+                        prod[j] = (float)round_f64((double)acc[j] + pj, 0, P, R_NEAREST_EVEN);
                     }
             float *t = acc;
             acc = prod;
@@ -400,7 +388,7 @@ LP_INLINE void acc_tile_f32(const float *arow, int64_t sa_k, const float *bcol, 
             for (int64_t j = 0; j < nb; ++j) wide[j] = (double)acc[j];
         } else {
             for (int64_t j = 0; j < nb; ++j) raw[j] = wide[j] + (double)acc[j];
-            round_tile(raw, wide, zero, nb, W, R_NE);
+            round_tile(raw, wide, zero, nb, W, R_NEAREST_EVEN);
         }
     }
     for (int64_t j = 0; j < nb; ++j) crow[j] = (float)wide[j];
@@ -447,7 +435,7 @@ static int acc_plain32(const lp_acc_fmt *p, const lp_acc_fmt *w, const lp_acc_ge
                      p->signed_zero;
     const int wide32 = w->man == 23 && w->emin == -126 && w->qsub == -149 &&
                        w->overflow == OV_INF && w->signed_zero;
-    return fp32 && p->rounding == R_NE && g->order != 1 && (g->order == 0 || wide32);
+    return fp32 && p->rounding == R_NEAREST_EVEN && g->order != 1 && (g->order == 0 || wide32);
 }
 
 LP_CLONES static void acc_rows_plain32(const float *A, const float *B, float *C,
@@ -489,11 +477,8 @@ int lp_gemm_acc(const float *A, const float *B, float *C, const lp_acc_gemm *g,
                 const lp_acc_fmt *p, const lp_acc_fmt *w, int nthreads) {
     acc_fn f;
     switch (p->rounding) {
-    case R_NE: f = acc_rows_ne; break;
-    case R_NA: f = acc_rows_na; break;
-    case R_Z: f = acc_rows_z; break;
-    case R_UP: f = acc_rows_up; break;
-    case R_DOWN: f = acc_rows_down; break;
+#define LP_ACC_CASE(SUFFIX, MODE) case MODE: f = acc_rows_##SUFFIX; break;
+    LP_DETERMINISTIC_MODES(LP_ACC_CASE)
     default: f = acc_rows_sr; break;
     }
     if (acc_plain32(p, w, g)) f = acc_rows_plain32;
@@ -526,4 +511,53 @@ int lp_gemm_acc(const float *A, const float *B, float *C, const lp_acc_gemm *g,
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* Dot products in the order of torch's reference CPU kernel for 16-bit types: the `sum` of
+ * aten/src/ATen/native/cpu/BlasKernel.cpp, which slow_conv2d's gemm (and addmm without a bias)
+ * runs when oneDNN has no 16-bit path (CPUs without AVX512-FP16 for float16). Term l goes to
+ * fp32 partial sum l % 4 while four terms remain, the rest to partial 0; the result is
+ * ((s0 + s1) + s2) + s3. Products of 16-bit values are exact in fp32, so mul-then-add equals
+ * the reference's possible FMA. Vectorised across output positions only: each lane runs the
+ * reference's sequence.
+ * cols: N x (G*K) x L, w: (G*Cog) x K, out: N x (G*Cog) x L, all contiguous float32. */
+LP_CLONES static void dot4_row(const float *a, const float *w, float *o, int64_t K, int64_t L) {
+    enum { B = 256 };
+    float s0[B], s1[B], s2[B], s3[B];
+    for (int64_t p = 0; p < L; p += B) {
+        const int64_t nb = L - p < B ? L - p : B;
+        for (int64_t j = 0; j < nb; ++j) s0[j] = s1[j] = s2[j] = s3[j] = 0.0f;
+        int64_t l = 0;
+        for (; l + 4 <= K; l += 4) {
+            const float w0 = w[l], w1 = w[l + 1], w2 = w[l + 2], w3 = w[l + 3];
+            const float *a0 = a + l * L + p, *a1 = a0 + L, *a2 = a1 + L, *a3 = a2 + L;
+            for (int64_t j = 0; j < nb; ++j) {
+                s0[j] += w0 * a0[j];
+                s1[j] += w1 * a1[j];
+                s2[j] += w2 * a2[j];
+                s3[j] += w3 * a3[j];
+            }
+        }
+        for (; l < K; ++l) {
+            const float wl = w[l];
+            const float *al = a + l * L + p;
+            for (int64_t j = 0; j < nb; ++j) s0[j] += wl * al[j];
+        }
+        for (int64_t j = 0; j < nb; ++j) o[p + j] = ((s0[j] + s1[j]) + s2[j]) + s3[j];
+    }
+}
+
+void lp_dot4(const float *cols, const float *w, float *out, int64_t N, int64_t G, int64_t K,
+             int64_t L, int64_t Cog, int nthreads) {
+    const int64_t units = N * G * Cog;
+    int nt = (int)(units * K * L / LP_MIN_PER_THREAD);
+    if (nt > nthreads) nt = nthreads;
+    if (nt < 1) nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n = u / (G * Cog), co = u % (G * Cog), g = co / Cog;
+        dot4_row(cols + (n * G + g) * K * L, w + co * K, out + u * L, K, L);
+    }
 }

@@ -1,0 +1,218 @@
+/*
+ * optimizer.c: the fused optimizer step (lp_opt_step) for low-precision storage: read the parameter, gradient and state in
+ * their storage dtype (float32, bfloat16 or float16), do the update in float32, and write each
+ * stored value back once, rounded onto its format with quantize_one. One pass instead of the ten
+ * tensor operations of the torch path (lowprec/training/optim), and the same bits: both follow
+ * the per-element definition written in lowprec/training/optim/sgd.py and adam.py. In it every
+ * operation is one IEEE 754 float32 operation, correctly rounded: +, -, *, /, sqrt, and
+ * fma(a, b, c) = a * b + c rounded once, which is what torch's CPU kernels compute for add with
+ * alpha, lerp, addcmul (vec::fmadd). The build uses -ffp-contract=off so that the compiler adds
+ * no fusion of its own; every fusion is an explicit fmaf(). The constants (1 - beta1, -lr, ...)
+ * come from Python, computed in float64 and rounded to float32 as torch rounds a Python scalar.
+ * The arithmetic loops are LP_OPT_CLONES (fmaf; see lp_common.h); rounding runs quantize.c's
+ * tile loops.
+ */
+#include "lp_common.h"
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+typedef struct {
+    int32_t kind; /* 0 SGD, 1 Adam */
+    int32_t p_dtype, g_dtype, s_dtype;
+    int32_t nesterov, first, decoupled, sqrt_storage, has_momentum;
+    /* float32 constants, each the float32 rounding of a float64 value computed in Python */
+    float neg_lr;     /* -lr (SGD) */
+    float momentum;   /* SGD momentum */
+    float damp_c;     /* 1 - dampening */
+    float wd;         /* weight decay (L2 for SGD and Adam) */
+    float decay;      /* 1 - lr * wd (AdamW) */
+    float lerp_w;     /* 1 - beta1, the weight of torch.lerp */
+    float beta2;
+    float beta2_c;    /* 1 - beta2 */
+    float eps;
+    float neg_step;   /* -lr / (1 - beta1**step) */
+    float bc2_sqrt;   /* sqrt(1 - beta2**step) */
+    float grad_scale;
+    int32_t p_is_bf16, s_is_bf16; /* the format is exactly IEEE bfloat16 (round by bit trick) */
+} lp_opt;
+
+/* float16 <-> float32 by integer operations, so that every clone vectorizes (no AVX512-FP16 or
+ * F16C needed). The store only ever sees values already on the float16 grid, so it is exact. */
+LP_INLINE float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, mag = h & 0x7fffu;
+    /* shifting the 15 magnitude bits into place and scaling by 2**112 is exact for normal and
+     * subnormal values; the all-ones exponent maps to Inf/NaN */
+    const uint32_t finite = f2u(u2f(mag << 13) * 0x1p112f);
+    const uint32_t special = 0x7f800000u | ((mag & 0x3ffu) << 13);
+    return u2f(sign | sel(mask_if(mag >= 0x7c00u), special, finite));
+}
+
+LP_INLINE uint16_t f32_to_f16_exact(uint32_t b) {
+    const uint32_t sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+    const uint32_t normal = ((a >> 13) - (112u << 10)) & 0x7fffu;
+    const uint32_t sub = (uint32_t)(int32_t)(u2f(a) * 0x1p24f); /* k of k * 2**-24 */
+    const uint32_t special = 0x7c00u | ((a & 0x7fffffu) ? 0x200u : 0u);
+    uint32_t h = sel(mask_if(a < 0x38800000u), sub, normal); /* below 2**-14: subnormal */
+    h = sel(mask_if(a >= 0x7f800000u), special, h);
+    h = sel(mask_if(a >= 0x477ff000u && a < 0x7f800000u), 0x7c00u, h); /* beyond fp16: Inf */
+    return (uint16_t)(sign | h);
+}
+
+LP_INLINE float load_as(const void *base, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)base)[i];
+    if (dt == DT_BF16) return u2f((uint32_t)((const uint16_t *)base)[i] << 16);
+    return f16_to_f32(((const uint16_t *)base)[i]);
+}
+
+/* vbits is already on the storage format's grid: the narrowing is exact. */
+LP_INLINE void store_as(void *base, int64_t i, int dt, uint32_t vbits) {
+    if (dt == DT_F32) ((uint32_t *)base)[i] = vbits;
+    else if (dt == DT_BF16) ((uint16_t *)base)[i] = (uint16_t)(vbits >> 16);
+    else ((uint16_t *)base)[i] = f32_to_f16_exact(vbits);
+}
+
+typedef struct {
+    void *p;
+    const void *g;
+    void *s1, *s2;
+    const lp_opt *o;
+    const lp_params *pq, *sq;
+} lp_opt_job;
+
+/* A tile pipeline: each stage is a plain loop over LP_OT elements in L1 (load and widen, the
+ * fp32 arithmetic of one state, rounding with the quantize tile loop, narrow and store), so every
+ * stage vectorizes and rounding takes the fast path of quantize. */
+#define LP_OT 256
+
+LP_CLONES static void load_tile(float *dst, const void *src, int dt, int64_t off, int n) {
+    if (dt == DT_F32) {
+        for (int l = 0; l < n; ++l) dst[l] = ((const float *)src)[off + l];
+    } else if (dt == DT_BF16) {
+        for (int l = 0; l < n; ++l) dst[l] = u2f((uint32_t)((const uint16_t *)src)[off + l] << 16);
+    } else {
+        for (int l = 0; l < n; ++l) dst[l] = f16_to_f32(((const uint16_t *)src)[off + l]);
+    }
+}
+
+LP_CLONES static void store_tile(void *dst, const uint32_t *src, int dt, int64_t off, int n) {
+    if (dt == DT_F32) {
+        for (int l = 0; l < n; ++l) ((uint32_t *)dst)[off + l] = src[l];
+    } else if (dt == DT_BF16) {
+        for (int l = 0; l < n; ++l) ((uint16_t *)dst)[off + l] = (uint16_t)(src[l] >> 16);
+    } else {
+        for (int l = 0; l < n; ++l) ((uint16_t *)dst)[off + l] = f32_to_f16_exact(src[l]);
+    }
+}
+
+/* Round to nearest even onto bfloat16 (IEEE: subnormals, overflow to Inf) by the integer trick;
+ * NaN stays NaN. The same bits as quantize_one with the bf16 format, in four operations. */
+LP_CLONES static void round_tile_bf16(const uint32_t *a, uint32_t *q, int n) {
+    for (int l = 0; l < n; ++l) {
+        const uint32_t b = a[l];
+        const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+        q[l] = sel(mask_if((b & 0x7fffffffu) > 0x7f800000u), b | 0x00400000u, r);
+    }
+}
+
+/* ne: quantize.c's nearest-even tile loop */
+static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si, int is_bf16,
+                        tile_fn ne) {
+    if (is_bf16) round_tile_bf16(a, q, n);
+    else ne(a, q, n, 0, 1u, 0, 0, si);
+}
+
+LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t end) {
+    const lp_opt o = *j->o;
+    const lp_inv pi = make_inv(j->pq, 0), si = make_inv(j->sq, 0);
+    const uint32_t k0 = j->pq->k0, k1 = j->pq->k1;
+    const int sr = j->pq->rounding == R_STOCHASTIC;
+    const tile_fn ne = tile_of(pick_loop(R_NEAREST_EVEN)), sr_tile = tile_of(pick_loop(R_STOCHASTIC));
+    /* torch.lerp (ATen Lerp.h / LerpKernel.cpp): weight w with |w| < 0.5 gives
+     * fma(w, end - self, self), otherwise fma(w - 1, end - self, end) */
+    const int lerp_small = fabsf(o.lerp_w) < 0.5f;
+    const float lerp_c = lerp_small ? o.lerp_w : o.lerp_w - 1.0f;
+    float w[LP_OT], g[LP_OT], s1[LP_OT], s2[LP_OT];
+    uint32_t a[LP_OT], q1[LP_OT], q2[LP_OT];
+    for (int64_t t0 = begin; t0 < end; t0 += LP_OT) {
+        const int n = (int)(end - t0 < LP_OT ? end - t0 : LP_OT);
+        load_tile(w, j->p, o.p_dtype, t0, n);
+        load_tile(g, j->g, o.g_dtype, t0, n);
+        if (o.grad_scale != 1.0f) /* g * 1 is exact: skipping it changes no bit */
+            for (int l = 0; l < n; ++l) g[l] = g[l] * o.grad_scale;
+        if (o.kind == 0) { /* SGD: see lowprec/training/optim/sgd.py */
+            if (o.wd != 0.0f)
+                for (int l = 0; l < n; ++l) g[l] = fmaf(w[l], o.wd, g[l]);
+            if (o.has_momentum) {
+                if (o.first) {
+                    for (int l = 0; l < n; ++l) a[l] = f2u(g[l]);
+                } else {
+                    load_tile(s1, j->s1, o.s_dtype, t0, n);
+                    for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(g[l], o.damp_c, s1[l] * o.momentum));
+                }
+                round_state(a, q1, n, &si, o.s_is_bf16, ne);
+                store_tile(j->s1, q1, o.s_dtype, t0, n);
+                if (o.nesterov) {
+                    for (int l = 0; l < n; ++l) g[l] = fmaf(u2f(q1[l]), o.momentum, g[l]);
+                } else {
+                    for (int l = 0; l < n; ++l) g[l] = u2f(q1[l]);
+                }
+            }
+            for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(g[l], o.neg_lr, w[l]));
+        } else { /* Adam / AdamW: see lowprec/training/optim/adam.py */
+            if (o.wd != 0.0f) {
+                if (o.decoupled) {
+                    for (int l = 0; l < n; ++l) w[l] = w[l] * o.decay;
+                } else {
+                    for (int l = 0; l < n; ++l) g[l] = fmaf(w[l], o.wd, g[l]);
+                }
+            }
+            load_tile(s1, j->s1, o.s_dtype, t0, n);
+            if (lerp_small) {
+                for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(lerp_c, g[l] - s1[l], s1[l]));
+            } else {
+                for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(lerp_c, g[l] - s1[l], g[l]));
+            }
+            round_state(a, q1, n, &si, o.s_is_bf16, ne);
+            store_tile(j->s1, q1, o.s_dtype, t0, n);
+            load_tile(s2, j->s2, o.s_dtype, t0, n);
+            if (o.sqrt_storage) { /* sqrt(v) is stored: square it, update, store its root */
+                for (int l = 0; l < n; ++l)
+                    a[l] = f2u(sqrtf(fmaf(o.beta2_c * g[l], g[l], (s2[l] * s2[l]) * o.beta2)));
+                round_state(a, q2, n, &si, o.s_is_bf16, ne);
+                for (int l = 0; l < n; ++l) s2[l] = u2f(q2[l]);
+            } else {
+                for (int l = 0; l < n; ++l)
+                    a[l] = f2u(fmaf(o.beta2_c * g[l], g[l], s2[l] * o.beta2));
+                round_state(a, q2, n, &si, o.s_is_bf16, ne);
+                for (int l = 0; l < n; ++l) s2[l] = sqrtf(u2f(q2[l]));
+            }
+            store_tile(j->s2, q2, o.s_dtype, t0, n);
+            /* torch.addcdiv: self + (value * t1) / t2, no fusion possible around the division */
+            for (int l = 0; l < n; ++l)
+                a[l] = f2u(w[l] + (o.neg_step * u2f(q1[l])) / (s2[l] / o.bc2_sqrt + o.eps));
+        }
+        if (sr)
+            sr_tile(a, q1, n, (uint32_t)t0, 1u, k0, k1, &pi);
+        else
+            round_state(a, q1, n, &pi, o.p_is_bf16, ne);
+        store_tile(j->p, q1, o.p_dtype, t0, n);
+    }
+}
+
+void lp_opt_step(void *p, const void *g, void *s1, void *s2, int64_t n, const lp_opt *o,
+                 const lp_params *pq, const lp_params *sq, int nthreads) {
+    lp_opt_job j = {p, g, s1, s2, o, pq, sq};
+    const int nt = lp_threads_for(n, nthreads);
+#ifdef _OPENMP
+    /* thread shares aligned to tiles, so that a tile never straddles two threads */
+    const int64_t per = ((n + nt - 1) / nt + LP_OT - 1) / LP_OT * LP_OT;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = omp_get_thread_num();
+        const int64_t b = t * per < n ? t * per : n, e = (t + 1) * per < n ? (t + 1) * per : n;
+        if (b < e) opt_range(&j, b, e);
+    }
+#else
+    opt_range(&j, 0, n);
+#endif
+}

@@ -1,0 +1,424 @@
+/*
+ * quantize.c: lowprec's fused quantization, float32 in, float32 out, one pass (the format
+ * parameters and the rounding rule are described in lp_common.h). quantize_one rounds one value
+ * by integer operations; one loop per rounding mode runs it, with a fast path for the common
+ * cases and float16 / bfloat16 shortcuts that give the same bits. The other files round through
+ * these loops (run_range, the tile loops), and run_parallel splits every job over the threads.
+ */
+#include <pthread.h>
+
+#include "lp_common.h"
+
+LP_INLINE uint32_t quantize_one(uint32_t u, uint32_t r, const lp_inv *p, const int mode) {
+    const uint32_t sign = u & 0x80000000u;
+    const uint32_t msign = mask_if(sign != 0);
+    const uint32_t a = u & 0x7fffffffu;
+    const int32_t field = (int32_t)(a >> 23);
+    const int32_t ef = imax(field, 1);
+    int32_t qe = (int32_t)sel(mask_if(field >= p->bemin), (uint32_t)(field - 127 - p->man),
+                              (uint32_t)p->qsub);
+    qe = imin(imax(qe, -149), 127);
+    const int32_t s = qe - ef + 150; /* bits of M below the target quantum */
+    const uint32_t M = (a & 0x7fffffu) | ((uint32_t)(field > 0) << 23);
+    const int32_t sl = imin(imax(s, 1), 31);
+    const int32_t sb = imin(imax(s - 32, 0), 31);
+    const uint32_t mbig = mask_if(s >= 32);
+    const uint32_t k = ~mbig & (M >> sl);
+    const uint32_t rem = sel(mbig, M, M & ((1u << sl) - 1u));
+    const uint32_t t = sel(mbig, M >> sb, rem << (32 - sl)); /* fraction of the quantum, 0.32 */
+    uint32_t up;
+    if (mode == R_STOCHASTIC) { /* carry out of (fraction + random bits), both cut to r bits */
+        const uint32_t tm = t & p->rmask, rm = r & p->rmask;
+        up = (uint32_t)((uint32_t)(tm + rm) < tm);
+    } else {
+        up = lp_up32(mode, t, k, (uint32_t)(rem != 0), msign);
+    }
+    const uint32_t pw = sel(mask_if(qe >= -126), (uint32_t)(qe + 127) << 23,
+                            1u << ((qe + 149) & 31));
+    uint32_t v = f2u((float)(int32_t)(k + up) * u2f(pw));
+    v = sel(mask_if(s <= 0), a, v); /* already on the grid */
+    const uint32_t lim = sel(msign, p->maxneg, p->maxpos);
+    const uint32_t tz = (uint32_t)lp_tz(mode, (int32_t)msign); /* went toward zero */
+    const uint32_t special = sel(p->saturate, lim, p->special);
+    v = sel(mask_if(v > lim), sel(tz, lim, special), v);
+    v = sel(mask_if(a == 0x7f800000u), special, v); /* +-Inf in */
+    uint32_t res = v | sign;
+    res &= ~mask_if((v == 0) & (p->signed_zero == 0));
+    return sel(mask_if(a > 0x7f800000u), u, res); /* NaN passes through */
+}
+
+/* The loop is compute-heavy, so the hardware prefetcher alone leaves memory idle: before each
+ * tile of LP_TILE elements, ask for the input and output lines of the tile LP_AHEAD ahead. */
+#ifndef LP_TILE
+#define LP_TILE 256
+#endif
+#ifndef LP_AHEAD
+#define LP_AHEAD 1024
+#endif
+LP_INLINE void lp_prefetch(const uint32_t *in, uint32_t *out, int64_t start, int64_t n) {
+    int64_t stop = start + LP_TILE < n ? start + LP_TILE : n;
+    for (int64_t j = start; j < stop; j += 16) {
+        __builtin_prefetch(in + j, 0, 0);
+        __builtin_prefetch(out + j, 1, 0);
+    }
+}
+
+/* One loop per rounding mode, so that the mode is a constant and the loop vectorizes. */
+/* The fast path: in the normal range, without overflow, rounding to nearest even is the classic
+ * integer trick on the float32 pattern (add 2**(s-1) - 1 + lsb, clear the s low bits), and
+ * stochastic rounding with 32 random bits is "add the top s random bits, clear the s low bits"
+ * (the same carry as the general rule: (rem + R_hi) >= 2**s  <=>  t + R >= 2**32). A chunk of 16
+ * values takes it when every nonzero value is normal and within range; otherwise the whole chunk
+ * goes through quantize_one. Both give the same bits, so this is only a shortcut. */
+#define LP_CHUNK 16
+
+LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
+    return mix32(mix32(idx ^ k0) + k1);
+}
+
+/* Stochastic rounding to fixed point (the loop of mode R_SRFX, a variant of R_STOCHASTIC chosen by
+ * run_range for fixed formats and 32 random bits): a value with s = qsub + 150 - max(field, 1)
+ * bits of its significand below the quantum (1 <= s <= 23) rounds as the float path does,
+ * adding the top s random bits to the pattern and clearing the s low bits (quantize_one's
+ * carry rule, the exponent's carry included); one below the quantum (s >= 24) becomes the
+ * quantum or 0 by the carry of its 32-bit fraction plus the random word. The loop sends s <= 0
+ * (at least 2**(qsub + 24): beyond any fixed format's limit) and values beyond the limits to
+ * quantize_one with their chunk. A mode of its own, so that each loop's branches fold at
+ * compile time (a run-time branch inside the float loop stopped GCC vectorising it:
+ * benchmarks/RESULTS.md, figure F12). */
+LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_inv *p) {
+    const int32_t s = p->qsub + 150 - imax(field, 1);
+    const int32_t sc = imin(imax(s, 1), 23);
+    const uint32_t near = (a + (r >> (32 - sc))) & ~((1u << sc) - 1u);
+    const uint32_t M = (a & 0x7fffffu) | ((uint32_t)(field > 0) << 23);
+    const uint32_t t = sel(mask_if(s >= 32), M >> imin(imax(s - 32, 0), 31),
+                           M << imin(imax(32 - s, 0), 31));
+    const uint32_t tiny = sel(mask_if((uint32_t)(t + r) < t), p->quantum, 0u);
+    return sel(mask_if(s >= 24), tiny, near);
+}
+
+#define LP_BASE(MODE) ((MODE) == R_SRFX ? R_STOCHASTIC : (MODE))
+/* the random counter of element j of a tile: logical indices lo0, lo0 + st, ... */
+#define LP_CTR(j) (lo0 + (uint32_t)(j) * st)
+
+#define LP_DEFINE_LOOP(NAME, MODE)                                                               \
+    LP_CLONES static void NAME##_tile(const uint32_t *in, uint32_t *out, int64_t n, uint32_t lo0, \
+                                      uint32_t st, uint32_t k0, uint32_t k1,                     \
+                                      const lp_inv *pp) {                                        \
+        const lp_inv p = *pp;                                                                     \
+        int64_t i = 0;                                                                            \
+        const int fast = (MODE == R_NEAREST_EVEN && (p.fast || p.fixed_ne)) ||                            \
+                         (MODE == R_STOCHASTIC && p.rmask == 0xffffffffu && p.fast) ||                    \
+                         (MODE == R_SRFX && p.rmask == 0xffffffffu && p.fixed_sr);               \
+        if (fast) {                                                                        \
+            for (; i < n; i += LP_CHUNK) {                                                       \
+                /* a last, shorter chunk is padded with zeros (each rounds to itself and         \
+                 * flags nothing): short MX blocks (14 values) take this path too */             \
+                const int64_t cnt = n - i < LP_CHUNK ? n - i : LP_CHUNK;                         \
+                uint32_t pad[LP_CHUNK];                                                          \
+                const uint32_t *src = in + i;                                                    \
+                if (cnt < LP_CHUNK) {                                                            \
+                    for (int l = 0; l < LP_CHUNK; ++l) pad[l] = l < cnt ? in[i + l] : 0u;        \
+                    src = pad;                                                                   \
+                }                                                                                \
+                uint32_t tmp[LP_CHUNK];                                                          \
+                uint32_t bad = 0;                                                                \
+                for (int l = 0; l < LP_CHUNK; ++l) {                                             \
+                    const uint32_t u = src[l], sign = u & 0x80000000u, a = u & 0x7fffffffu;      \
+                    const int32_t field = (int32_t)(a >> 23);                                     \
+                    uint32_t add, rf;                                                             \
+                    if (MODE == R_SRFX) {                                                         \
+                        rf = fixed_sr_one(a, field, lp_rand(LP_CTR(i + l), k0, k1), &p);         \
+                    } else {                                                                      \
+                        if (MODE == R_NEAREST_EVEN) add = p.fhalf + (((a >> p.fshift) | p.fodd) & 1u);      \
+                        else add = lp_rand(LP_CTR(i + l), k0, k1) >> (32 - p.fshift);            \
+                        rf = (a + add) & ~p.fmask;                                                \
+                    }                                                                             \
+                    const uint32_t lim = sel(mask_if(sign != 0), p.maxneg, p.maxpos);             \
+                    if (MODE == R_SRFX) {                                                         \
+                        bad |= (uint32_t)(p.qsub + 150 - imax(field, 1) <= 0);                    \
+                    } else if (MODE == R_NEAREST_EVEN && p.fsub) {                                          \
+                        const uint32_t fs = f2u((u2f(a) + p.msub) - p.msub);                      \
+                        rf = sel(mask_if(field < p.bemin), fs, rf);                               \
+                    } else {                                                                      \
+                        bad |= (uint32_t)((field < p.bemin) & (a != 0));                          \
+                    }                                                                             \
+                    bad |= (uint32_t)(rf > lim);                                                  \
+                    uint32_t res = rf | sign;                                                     \
+                    res &= ~mask_if((rf == 0) & (p.signed_zero == 0));                            \
+                    tmp[l] = res;                                                                 \
+                }                                                                                 \
+                if (bad) {                                                                       \
+                    for (int l = 0; l < cnt; ++l) {                                              \
+                        uint32_t r = 0;                                                          \
+                        if (LP_BASE(MODE) == R_STOCHASTIC) r = lp_rand(LP_CTR(i + l), k0, k1);           \
+                        out[i + l] = quantize_one(in[i + l], r, &p, LP_BASE(MODE));              \
+                    }                                                                            \
+                } else if (cnt == LP_CHUNK) {                                                    \
+                    for (int l = 0; l < LP_CHUNK; ++l) out[i + l] = tmp[l];                      \
+                } else {                                                                         \
+                    for (int l = 0; l < cnt; ++l) out[i + l] = tmp[l];                           \
+                }                                                                                \
+            }                                                                                     \
+        }                                                                                         \
+        for (; i < n; ++i) {                                                                      \
+            uint32_t r = 0;                                                                       \
+            if (LP_BASE(MODE) == R_STOCHASTIC) r = lp_rand(LP_CTR(i), k0, k1);                           \
+            out[i] = quantize_one(in[i], r, &p, LP_BASE(MODE));                                   \
+        }                                                                                         \
+    }                                                                                             \
+    static void NAME(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, int32_t sh,      \
+                     const lp_params *pp) {                                                       \
+        const lp_inv p = make_inv(pp, sh);                                                        \
+        const uint32_t k0 = pp->k0, k1 = pp->k1 ^ mix32((uint32_t)(off >> 32));                   \
+        for (int64_t t0 = 0; t0 < n; t0 += LP_TILE) {                                             \
+            const int64_t len = n - t0 < LP_TILE ? n - t0 : LP_TILE;                              \
+            if (t0 + LP_AHEAD < n) lp_prefetch(in, out, t0 + LP_AHEAD, n);                        \
+            NAME##_tile(in + t0, out + t0, len, (uint32_t)off + (uint32_t)t0, 1u, k0, k1, &p);    \
+        }                                                                                         \
+    }
+
+#define LP_LOOP_OF(SUFFIX, MODE) LP_DEFINE_LOOP(loop_##SUFFIX, MODE)
+LP_DETERMINISTIC_MODES(LP_LOOP_OF)
+LP_DEFINE_LOOP(loop_sr, R_STOCHASTIC)
+LP_DEFINE_LOOP(loop_sr_fixed, R_SRFX)
+
+loop_fn pick_loop(int mode) {
+#define LP_LOOP_CASE(SUFFIX, MODE) case MODE: return loop_##SUFFIX;
+    switch (mode) {
+    LP_DETERMINISTIC_MODES(LP_LOOP_CASE)
+    default: return loop_sr;
+    }
+}
+
+/* IEEE binary16 rounded to nearest even, by the CPU's own conversion (F16C's vcvtps2ph with
+ * the rounding in the instruction, then vcvtph2ps back): the same bits as loop_ne for that
+ * format (subnormals, overflow to Inf, -0) in two instructions a vector; NaN keeps its input
+ * bits, as quantize_one keeps them. Faster than the integer loop (benchmarks/RESULTS.md,
+ * figure F13). Built where the clones are (the CPU is asked at run time) or where the
+ * -march has F16C (the per-ISA test builds: x86-64-v3 and v4 test it, the baseline the loop). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    (!defined(LP_NO_CLONES) || defined(__F16C__))
+#include <immintrin.h>
+#define LP_F16C_PATH 1
+__attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in,
+                                                               uint32_t *out, int64_t n,
+                                                               const lp_params *p) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps((const float *)(in + i));
+        const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 y = _mm256_cvtph_ps(h);
+        const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+        _mm256_storeu_ps((float *)(out + i), _mm256_blendv_ps(y, x, nan));
+    }
+    if (i < n) loop_ne(in + i, out + i, n - i, 0, 0, p); /* the tail: the integer loop */
+}
+
+static int lp_has_f16c(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    }
+    return known;
+}
+
+LP_INLINE int lp_is_fp16_ne(const lp_params *p) {
+    return p->rounding == R_NEAREST_EVEN && p->man == 10 && p->bemin == 113 && p->qsub == -24 &&
+           p->overflow == OV_INF && p->signed_zero == 1 && p->maxpos == 0x477fe000u &&
+           p->maxneg == 0x477fe000u;
+}
+#endif
+
+/* IEEE bfloat16 rounded to nearest even by the integer trick on the float32 pattern: add
+ * 0x7fff plus the kept part's lowest bit, clear the 16 low bits. It holds over the whole range,
+ * as bfloat16 keeps float32's exponent range: subnormals round at the same bit, a carry out of
+ * the largest finite value gives the Inf pattern, Inf stays Inf, -0 stays -0; NaN keeps its
+ * input bits (quantize_one keeps them). The same bits as loop_ne for that format, in four
+ * operations per element: faster than loop_ne, whose range checks per chunk are the cost
+ * (benchmarks/RESULTS.md, figure F14). */
+LP_INLINE int lp_is_bf16_ne(const lp_params *p) {
+    return p->rounding == R_NEAREST_EVEN && p->man == 7 && p->bemin == 1 && p->qsub == -133 &&
+           p->overflow == OV_INF && p->signed_zero == 1 && p->maxpos == 0x7f7f0000u &&
+           p->maxneg == 0x7f7f0000u;
+}
+
+LP_CLONES static void bf16_ne(const uint32_t *in, uint32_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t b = in[i];
+        const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+        out[i] = sel(mask_if((b & 0x7fffffffu) > 0x7f800000u), b, r);
+    }
+}
+
+/* The loop run_range uses for these parameters (no float16/bfloat16 shortcut). */
+static loop_fn loop_for(const lp_params *p) {
+    if (p->rounding == R_STOCHASTIC && p->rmask == 0xffffffffu && p->bemin >= 255 && p->qsub >= -126 &&
+        p->qsub <= 100)
+        return loop_sr_fixed;
+    return pick_loop(p->rounding);
+}
+
+/* Elements [begin, end) of the logical tensor; the random counter's high word changes only at
+ * 2**32 boundaries, so a range is split there. */
+void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
+                      const lp_params *p) {
+#ifdef LP_F16C_PATH
+    if (lp_is_fp16_ne(p) && lp_has_f16c()) {
+        fp16_ne_f16c(in + begin, out + begin, end - begin, p);
+        return;
+    }
+#endif
+    if (lp_is_bf16_ne(p)) {
+        bf16_ne(in + begin, out + begin, end - begin);
+        return;
+    }
+    loop_fn f = loop_for(p); /* fixed point with 32 random bits: fixed_sr_one's loop */
+    while (begin < end) {
+        int64_t stop = (int64_t)(((uint64_t)begin | 0xffffffffULL) + 1ULL);
+        if (stop > end) stop = end;
+        f(in + begin, out + begin, stop - begin, (uint64_t)begin, 0, p);
+        begin = stop;
+    }
+}
+
+tile_fn tile_of(loop_fn f) {
+#define LP_TILE_OF(SUFFIX, MODE) if (f == loop_##SUFFIX) return loop_##SUFFIX##_tile;
+    LP_DETERMINISTIC_MODES(LP_TILE_OF)
+    if (f == loop_sr_fixed) return loop_sr_fixed_tile;
+    return loop_sr_tile;
+}
+
+/* lp_quantize_f32's share of the elements */
+static void run_range_job(const lp_job *j) { run_range(j->in, j->out, j->begin, j->end, j->p); }
+
+static void *run_job(void *arg) {
+    const lp_job *j = (const lp_job *)arg;
+    j->run(j);
+    return NULL;
+}
+
+#ifdef _OPENMP
+/* OpenMP, so that the kernel shares torch's thread pool: the library is linked by its soname
+ * libgomp.so.1, which the dynamic loader resolves to the copy torch already loaded. Separate
+ * pthreads would compete with torch's spinning OpenMP workers for the same cores. */
+void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) {
+    int64_t by_size = (units * unit_elems) / LP_MIN_PER_THREAD;
+    if (by_size < nthreads) nthreads = by_size < 1 ? 1 : (int)by_size;
+    if (nthreads > units) nthreads = units < 1 ? 1 : (int)units;
+    if (nthreads <= 1) {
+        base.begin = 0;
+        base.end = units;
+        run_job(&base);
+        return;
+    }
+    const int64_t per = (units + nthreads - 1) / nthreads;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num();
+        lp_job job = base;
+        job.begin = t * per < units ? t * per : units;
+        job.end = (t + 1) * per < units ? (t + 1) * per : units;
+        if (job.begin < job.end) run_job(&job);
+    }
+}
+#else
+void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) {
+    if (nthreads > LP_MAX_THREADS) nthreads = LP_MAX_THREADS;
+    int64_t by_size = (units * unit_elems) / LP_MIN_PER_THREAD;
+    if (by_size < nthreads) nthreads = by_size < 1 ? 1 : (int)by_size;
+    if (nthreads > units) nthreads = units < 1 ? 1 : (int)units;
+    lp_job jobs[LP_MAX_THREADS];
+    pthread_t tids[LP_MAX_THREADS];
+    int started[LP_MAX_THREADS];
+    const int64_t per = (units + nthreads - 1) / nthreads;
+    for (int t = 0; t < nthreads; ++t) {
+        jobs[t] = base;
+        jobs[t].begin = t * per < units ? t * per : units;
+        jobs[t].end = (t + 1) * per < units ? (t + 1) * per : units;
+        started[t] = 0;
+    }
+    for (int t = 1; t < nthreads; ++t)
+        started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int t = 1; t < nthreads; ++t) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            run_job(&jobs[t]); /* could not start a thread: do its share here */
+    }
+}
+#endif
+
+/* A batched transpose: the memory holds (batch, rows, cols) row-major, the logical tensor is
+ * (batch, cols, rows) (a channels-last activation: rows = H*W, cols = C; a transposed matrix:
+ * batch 1). Every element is rounded with the random word of its LOGICAL index
+ * n*cols*rows + c*rows + r, as the row-major copy would be, in memory order and with no copy:
+ * each memory row (the C values of one position) is one run of the mode's tile whose random
+ * counter starts at its first value's logical index and steps by `rows`. The caller keeps the
+ * logical size below 2**32 (one high word of the counter). */
+/* Below LP_BT_RUNS channels a run is too short for a tile call: tiles of LP_BT_C columns x
+ * LP_BT_R rows are gathered into logical order on the stack instead, each logical row rounded
+ * with its own indices, then scattered back; from LP_BT_RUNS channels on, runs are faster
+ * (benchmarks/RESULTS.md, figure F15). */
+#ifndef LP_BT_RUNS
+#define LP_BT_RUNS 16
+#endif
+#define LP_BT_R 512
+#define LP_BT_C 16
+static void bt_unit(const uint32_t *in, uint32_t *out, int64_t rows, int64_t cols, int64_t n,
+                    int64_t r0, const lp_params *p, loop_fn f) {
+    uint32_t tin[LP_BT_C][LP_BT_R], tout[LP_BT_C][LP_BT_R];
+    const int64_t rn = rows - r0 < LP_BT_R ? rows - r0 : LP_BT_R;
+    const uint32_t *src = in + (n * rows + r0) * cols;
+    uint32_t *dst = out + (n * rows + r0) * cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += LP_BT_C) {
+        const int64_t cn = cols - c0 < LP_BT_C ? cols - c0 : LP_BT_C;
+        for (int64_t r = 0; r < rn; ++r)
+            for (int64_t c = 0; c < cn; ++c) tin[c][r] = src[r * cols + c0 + c];
+        for (int64_t c = 0; c < cn; ++c)
+            f(tin[c], tout[c], rn, (uint64_t)((n * cols + c0 + c) * rows + r0), 0, p);
+        for (int64_t r = 0; r < rn; ++r)
+            for (int64_t c = 0; c < cn; ++c) dst[r * cols + c0 + c] = tout[c][r];
+    }
+}
+
+void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
+                        int64_t cols, const lp_params *p, int nthreads) {
+    if (cols < LP_BT_RUNS) {
+        const loop_fn f = loop_for(p);
+        const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
+        const int nt = lp_threads_over(batch * rows * cols, units, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static)
+#endif
+        for (int64_t u = 0; u < units; ++u)
+            bt_unit(in, out, rows, cols, u / rblocks, (u % rblocks) * LP_BT_R, p, f);
+        return;
+    }
+    const tile_fn t = tile_of(loop_for(p));
+    const lp_inv inv = make_inv(p, 0);
+    const uint32_t k0 = p->k0, k1 = p->k1; /* high word 0: the key's mix32(0) is 0 */
+    const int64_t units = batch * rows;
+    const int nt = lp_threads_over(units * cols, units, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static)
+#endif
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t n = u / rows, r = u % rows;
+        const uint32_t lo = (uint32_t)(n * cols * rows + r);
+        for (int64_t c0 = 0; c0 < cols; c0 += LP_TILE) {
+            const int64_t len = cols - c0 < LP_TILE ? cols - c0 : LP_TILE;
+            t(in + u * cols + c0, out + u * cols + c0, len, lo + (uint32_t)(c0 * rows),
+              (uint32_t)rows, k0, k1, &inv);
+        }
+    }
+}
+
+/* Public entry points (called through ctypes). in may equal out. */
+void lp_quantize_f32(const uint32_t *in, uint32_t *out, int64_t n, const lp_params *p,
+                     int nthreads) {
+    lp_job base = {run_range_job, in, out, 0, n, 0, 0, NULL, p};
+    run_parallel(base, n, 1, nthreads);
+}

@@ -1,0 +1,181 @@
+/*
+ * recurrent.c: the fused LSTM cell (lp_lstm_*) and the 16-bit sum of two gradients
+ * (lp_round_add2), every operation rounded by quantize.c's run_range.
+ */
+#include "lp_common.h"
+
+/* out = rnd(rnd(a) + rnd(b)), rounded to `p` (a deterministic mode): one step of a 16-bit sum
+ * of gradients (autograd adding a 16-bit tensor's uses in its dtype), in one pass. */
+#define LP_ADD_TILE 2048
+void lp_round_add2(const float *a, const float *b, float *out, int64_t n, const lp_params *p,
+                   int nthreads) {
+    const int nt = lp_threads_for(n, nthreads);
+    const int64_t tiles = (n + LP_ADD_TILE - 1) / LP_ADD_TILE;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t s = t * LP_ADD_TILE, len = n - s < LP_ADD_TILE ? n - s : LP_ADD_TILE;
+        float u[LP_ADD_TILE], v[LP_ADD_TILE];
+        run_range((const uint32_t *)(a + s), (uint32_t *)u, 0, len, p);
+        run_range((const uint32_t *)(b + s), (uint32_t *)v, 0, len, p);
+        for (int64_t k = 0; k < len; ++k) u[k] = u[k] + v[k];
+        run_range((const uint32_t *)u, (uint32_t *)(out + s), 0, len, p);
+    }
+}
+
+/* ---- The LSTM cell of ATen's CPU composite run in a 16-bit dtype (RNN.cpp's LSTMCell), each
+ * op's output rounded: what lowprec/training/emulation/recurrent_kernels.py replays op by op,
+ * fused into four calls a step for IEEE-style formats rounded to nearest (`pc` the compute
+ * format, `pg` the gradients'). sigmoid and tanh are not here: torch computes them (its own
+ * float32 kernels, as the op-by-op replay does) and these functions round and combine. Every
+ * operation is one float32 operation rounded by run_range, in the order of the op-by-op replay
+ * (no contraction: -ffp-contract=off), so the bits are the replay's; the tests compare them.
+ * Rows are independent; a row is processed in pieces of LP_CELL_COLS columns on the stack. */
+#define LP_CELL_COLS 256
+
+static void lp_round_row(float *x, int64_t n, const lp_params *p) {
+    run_range((const uint32_t *)x, (uint32_t *)x, 0, n, p);
+}
+
+static int lp_cell_threads(int64_t rows, int64_t work, int nthreads) {
+    const int nt = lp_threads_for(work, nthreads);
+    return nt > rows ? (rows < 1 ? 1 : (int)rows) : nt;
+}
+
+/* G = rc(rc(lin) + xw): linear_hh(hx) rounded, then .add_(input) rounded; B rows of N. */
+void lp_lstm_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, int64_t B,
+                   int64_t N, const lp_params *pc, int nthreads) {
+    const int nt = lp_cell_threads(B, B * N, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+        float *g = G + b * N;
+        const float *x = xw + b * xw_rs;
+        memcpy(g, lin + b * N, (size_t)N * sizeof(float));
+        lp_round_row(g, N, pc);
+        for (int64_t k = 0; k < N; ++k) g[k] = g[k] + x[k];
+        lp_round_row(g, N, pc);
+    }
+}
+
+/* From torch's sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) (rows of H, row stride a_rs) and
+ * the cell state c (row stride c_rs): acts = the four rounded (B x 4H: i, f, g, o), and
+ * cn = rc(rc(f * c) + rc(i * g)). */
+void lp_lstm_fwd(const float *si, const float *sf, const float *tg, const float *so,
+                 int64_t a_rs, const float *c, int64_t c_rs, float *acts, float *cn, int64_t B,
+                 int64_t H, const lp_params *pc, int nthreads) {
+    const int nt = lp_cell_threads(B, 4 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+        float *A = acts + b * 4 * H, *out = cn + b * H;
+        const float *cr = c + b * c_rs;
+        memcpy(A, si + b * a_rs, (size_t)H * sizeof(float));
+        memcpy(A + H, sf + b * a_rs, (size_t)H * sizeof(float));
+        memcpy(A + 2 * H, tg + b * a_rs, (size_t)H * sizeof(float));
+        memcpy(A + 3 * H, so + b * a_rs, (size_t)H * sizeof(float));
+        lp_round_row(A, 4 * H, pc);
+        for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
+            const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
+            float fc[LP_CELL_COLS], ig[LP_CELL_COLS];
+            for (int64_t k = 0; k < n; ++k) fc[k] = A[H + j + k] * cr[j + k];
+            lp_round_row(fc, n, pc);
+            for (int64_t k = 0; k < n; ++k) ig[k] = A[j + k] * A[2 * H + j + k];
+            lp_round_row(ig, n, pc);
+            for (int64_t k = 0; k < n; ++k) out[j + k] = fc[k] + ig[k];
+            lp_round_row(out + j, n, pc);
+        }
+    }
+}
+
+/* tc = rc(tanh(cn)) in place (torch's tanh given), h = rc(o * tc). */
+void lp_lstm_fwd2(float *tc, const float *acts, float *h, int64_t B, int64_t H,
+                  const lp_params *pc, int nthreads) {
+    const int nt = lp_cell_threads(B, 2 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+        float *t = tc + b * H, *hr = h + b * H;
+        const float *o = acts + b * 4 * H + 3 * H;
+        lp_round_row(t, H, pc);
+        for (int64_t k = 0; k < H; ++k) hr[k] = o[k] * t[k];
+        lp_round_row(hr, H, pc);
+    }
+}
+
+/* sigmoid's backward from its rounded output y, dy = rg(raw): fp16 in c10::Half arithmetic,
+ * rg(rg(dy * rg(1 - y)) * y); other formats in float32, rg(dy * (1 - y) * y). In place. */
+static void lp_sigmoid_bwd(float *d, const float *y, int64_t n, int half, const lp_params *pg) {
+    lp_round_row(d, n, pg);
+    if (half) {
+        float t[LP_CELL_COLS];
+        for (int64_t k = 0; k < n; ++k) t[k] = 1.0f - y[k];
+        lp_round_row(t, n, pg);
+        for (int64_t k = 0; k < n; ++k) d[k] = d[k] * t[k];
+        lp_round_row(d, n, pg);
+        for (int64_t k = 0; k < n; ++k) d[k] = d[k] * y[k];
+    } else {
+        for (int64_t k = 0; k < n; ++k) d[k] = (d[k] * (1.0f - y[k])) * y[k];
+    }
+    lp_round_row(d, n, pg);
+}
+
+/* tanh's backward from its rounded output y: rg(rg(raw) * (1 - y * y)). In place. */
+static void lp_tanh_bwd(float *d, const float *y, int64_t n, const lp_params *pg) {
+    lp_round_row(d, n, pg);
+    for (int64_t k = 0; k < n; ++k) d[k] = d[k] * (1.0f - y[k] * y[k]);
+    lp_round_row(d, n, pg);
+}
+
+/* The backward of lp_lstm_gates .. lp_lstm_fwd2 as the op-by-op replay's autograd runs it:
+ * dh the gradient reaching h (row stride dh_rs), dcn the one reaching the next step's use of
+ * cn (NULL: none); dG (B x 4H) the gates' gradient (that of lin and of xw alike), dcp the raw
+ * float32 gradient of c (its use's rounding is the caller's). */
+void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_rs,
+                 const float *acts, const float *tc, const float *c, int64_t c_rs, float *dG,
+                 float *dcp, int64_t B, int64_t H, const lp_params *pg, int half, int nthreads) {
+    const int nt = lp_cell_threads(B, 4 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+        const float *A = acts + b * 4 * H, *t = tc + b * H, *cr = c + b * c_rs;
+        const float *dhr = dh + b * dh_rs;
+        float *D = dG + b * 4 * H, *dc = dcp + b * H;
+        for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
+            const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
+            const float *i = A + j, *f = A + H + j, *g = A + 2 * H + j, *o = A + 3 * H + j;
+            float d[LP_CELL_COLS], dt[LP_CELL_COLS], tot[LP_CELL_COLS];
+            for (int64_t k = 0; k < n; ++k) d[k] = dhr[j + k];
+            lp_round_row(d, n, pg); /* h's rounding: the gradient reaching it */
+            float *Do = D + 3 * H + j, *Di = D + j, *Df = D + H + j, *Dg = D + 2 * H + j;
+            for (int64_t k = 0; k < n; ++k) Do[k] = d[k] * t[j + k];
+            for (int64_t k = 0; k < n; ++k) dt[k] = d[k] * o[k];
+            lp_tanh_bwd(dt, t + j, n, pg); /* the gradient of the cell state's tanh use */
+            memcpy(tot, dt, (size_t)n * sizeof(float));
+            if (dcn) { /* its other use, then their 16-bit sum */
+                float u[LP_CELL_COLS];
+                const float *dr = dcn + b * dcn_rs + j;
+                for (int64_t k = 0; k < n; ++k) u[k] = dr[k];
+                lp_round_row(u, n, pg);
+                for (int64_t k = 0; k < n; ++k) tot[k] = tot[k] + u[k];
+                lp_round_row(tot, n, pg);
+            }
+            for (int64_t k = 0; k < n; ++k) {
+                Df[k] = tot[k] * cr[j + k];
+                dc[j + k] = tot[k] * f[k];
+                Di[k] = tot[k] * g[k];
+                Dg[k] = tot[k] * i[k];
+            }
+            lp_sigmoid_bwd(Di, i, n, half, pg);
+            lp_sigmoid_bwd(Df, f, n, half, pg);
+            lp_tanh_bwd(Dg, g, n, pg);
+            lp_sigmoid_bwd(Do, o, n, half, pg);
+        }
+    }
+}
+

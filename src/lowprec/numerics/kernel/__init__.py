@@ -1,0 +1,44 @@
+"""ctypes binding of the compiled kernel ``_qkernel`` (built by setup.py at install time from
+``numerics/csrc/``), one module per C file:
+
+    library      finding, opening and declaring the library; the C structs (lp_common.h, module.c)
+    quantize     elementwise rounding, the batched transpose (quantize.c)
+    block        MX block scales and blocked rounding, overflow counts (block.c)
+    accumulate   the GEMM with a rounded accumulator, reference-order dot products (accumulate.c)
+    optimizer    the fused optimizer step (optimizer.c)
+    recurrent    the fused LSTM cell, the 16-bit sum of two gradients (recurrent.c)
+    fexp         ATen's vectorised exp of the 16-bit flash attention (fexp.c)
+
+``available()`` says whether it loaded; ``LOWPREC_KERNEL=0`` in the environment disables it, and
+lowprec then uses the plain-torch path, which gives the same bits. Callers use this package's
+names (``kernel.quantize_f32``); a test that runs another build of the library replaces
+``library.lib``, which every function here calls.
+"""
+
+from . import library
+from .accumulate import dot4, gemm_acc, gemm_acc_available
+from .block import block_shifts, block_shifts_available, count_abs_ge, quantize_blocks_f32
+from .fexp import fexp_available, fexp_u20
+from .library import (LPAccFmt, LPAccGemm, LPOpt, LPParams, available, open_kernel, prepare,
+                      with_keys)
+from .optimizer import opt_dtype_code, opt_step
+from .quantize import quantize_f32, quantize_prepared, quantize_transposed, transposed_available
+from .recurrent import (lstm_available, lstm_backward, lstm_forward, lstm_forward2, lstm_gates,
+                        round_add2)
+
+__all__ = [
+    "library", "available", "open_kernel", "LPParams", "LPOpt", "LPAccFmt", "LPAccGemm", "prepare",
+    "with_keys",
+    # quantize.c
+    "quantize_f32", "quantize_prepared", "quantize_transposed", "transposed_available",
+    # block.c
+    "block_shifts", "block_shifts_available", "quantize_blocks_f32", "count_abs_ge",
+    # accumulate.c
+    "gemm_acc", "gemm_acc_available", "dot4",
+    # optimizer.c
+    "opt_dtype_code", "opt_step",
+    # recurrent.c
+    "lstm_available", "lstm_gates", "lstm_forward", "lstm_forward2", "lstm_backward", "round_add2",
+    # fexp.c
+    "fexp_available", "fexp_u20",
+]

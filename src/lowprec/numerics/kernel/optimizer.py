@@ -1,0 +1,34 @@
+"""The fused optimizer step on low-precision storage (csrc/optimizer.c, ``lp_opt_step``)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..params import R_STOCHASTIC, ElementParams, random_mask
+from . import library
+from .library import LPOpt
+
+__all__ = ["opt_dtype_code", "opt_step"]
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # DT_* in optimizer.c
+
+
+def opt_dtype_code(dtype: torch.dtype) -> int | None:
+    """The kernel's code of a storage dtype, None for one it does not read."""
+    return _DT.get(dtype)
+
+
+def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
+             sq: ElementParams) -> None:
+    """Fused optimizer step on contiguous CPU tensors (see lp_opt_step in csrc/optimizer.c)."""
+    pp = library.params(pq, p_rounding, random_mask(32) if p_rounding == R_STOCHASTIC else 0,
+                        seed)
+    sp = library.params(sq, 0, 0, (0, 0))
+    dummy = p.data_ptr()
+    library.lib().lp_opt_step(p.data_ptr(), g.data_ptr(),
+                              s1.data_ptr() if s1 is not None else dummy,
+                              s2.data_ptr() if s2 is not None else dummy, p.numel(),
+                              ctypes.byref(opt), ctypes.byref(pp), ctypes.byref(sp),
+                              torch.get_num_threads())

@@ -1,0 +1,88 @@
+"""The LSTM cell of ATen's CPU composite in a 16-bit dtype (csrc/recurrent.c, ``lp_lstm_*``)
+and the 16-bit sum of two gradients (``lp_round_add2``)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import library
+from .library import LPParams
+
+__all__ = ["lstm_available", "lstm_backward", "lstm_forward", "lstm_forward2", "lstm_gates",
+           "round_add2"]
+
+
+def lstm_available() -> bool:
+    """True when the loaded kernel has the fused LSTM cell (builds since these functions)."""
+    lib = library.lib()
+    return lib is not None and hasattr(lib, "lp_lstm_bwd")
+
+def round_add2(a: torch.Tensor, b: torch.Tensor, prm: LPParams) -> torch.Tensor | None:
+    """rnd(rnd(a) + rnd(b)) in one pass (lp_round_add2), ``prm`` a deterministic rounding from
+    :func:`~.library.prepare`; None where ``a`` and ``b`` are not contiguous float32 CPU tensors
+    of one shape (the caller then rounds with torch ops: the same bits)."""
+    if not (a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu" and
+            a.shape == b.shape and a.is_contiguous() and b.is_contiguous()):
+        return None
+    out = torch.empty_like(a)
+    library.lib().lp_round_add2(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(),
+                                ctypes.byref(prm), torch.get_num_threads())
+    return out
+
+
+def _rows(t: torch.Tensor, name: str, cols: int) -> int:
+    """The row stride of a 2-D float32 CPU tensor of ``cols`` columns with unit column stride
+    (a single row's stride is never read: a size-1 dimension may have any, even 0)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or \
+            t.shape[1] != cols or (t.stride(1) != 1 and t.shape[1] > 1) or \
+            (t.stride(0) < cols and t.shape[0] > 1):
+        raise ValueError(f"lstm cell: {name} must be a 2-D float32 CPU tensor of {cols} columns "
+                         f"with rows of unit stride, got {t.dtype} {tuple(t.shape)} strides "
+                         f"{t.stride()} on {t.device}")
+    return t.stride(0) if t.shape[0] > 1 else cols
+
+
+def lstm_gates(lin, xw, out, prm: LPParams) -> None:
+    """``out`` = rc(rc(lin) + xw) (lp_lstm_gates); ``lin`` and ``out`` contiguous."""
+    b, n = out.shape
+    for t, name in ((lin, "lin"), (out, "out")):
+        _rows(t, name, n)
+    if not (lin.is_contiguous() and out.is_contiguous()):
+        raise ValueError("lstm cell: lin and out must be contiguous")
+    library.lib().lp_lstm_gates(lin.data_ptr(), xw.data_ptr(), _rows(xw, "xw", n),
+                                out.data_ptr(), b, n, ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_forward(si, sf, tg, so, c, acts, cn, prm: LPParams) -> None:
+    """acts = the rounded activations (i, f, g, o), cn the new cell state (lp_lstm_fwd)."""
+    b, h = cn.shape
+    rs = _rows(si, "si", h)
+    if any(_rows(t, "activation", h) != rs for t in (sf, tg, so)):
+        raise ValueError("lstm cell: the four activations must share one row stride")
+    if not (acts.is_contiguous() and cn.is_contiguous()) or acts.shape != (b, 4 * h):
+        raise ValueError("lstm cell: acts (B, 4H) and cn (B, H) must be contiguous")
+    library.lib().lp_lstm_fwd(si.data_ptr(), sf.data_ptr(), tg.data_ptr(), so.data_ptr(), rs,
+                              c.data_ptr(), _rows(c, "c", h), acts.data_ptr(), cn.data_ptr(), b,
+                              h, ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_forward2(tc, acts, h_out, prm: LPParams) -> None:
+    """tc rounded in place (torch's tanh of the cell state), h = rc(o * tc) (lp_lstm_fwd2)."""
+    b, h = tc.shape
+    if not all(t.is_contiguous() for t in (tc, acts, h_out)):
+        raise ValueError("lstm cell: tc, acts and h must be contiguous")
+    library.lib().lp_lstm_fwd2(tc.data_ptr(), acts.data_ptr(), h_out.data_ptr(), b, h,
+                               ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_backward(dh, dcn, acts, tc, c, dG, dcp, prm: LPParams, half: bool) -> None:
+    """The cell's backward (lp_lstm_bwd): dG the gates' gradient, dcp the cell state's."""
+    b, h = tc.shape
+    library.lib().lp_lstm_bwd(dh.data_ptr(), _rows(dh, "dh", h),
+                              dcn.data_ptr() if dcn is not None else None,
+                              _rows(dcn, "dcn", h) if dcn is not None else 0, acts.data_ptr(),
+                              tc.data_ptr(), c.data_ptr(), _rows(c, "c", h), dG.data_ptr(),
+                              dcp.data_ptr(), b, h, ctypes.byref(prm), int(half),
+                              torch.get_num_threads())
