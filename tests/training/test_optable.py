@@ -1,9 +1,14 @@
-"""The op table (lowprec.training.emulation.optable): the dispatch the engine's tests check bit
-for bit, seen from its structure."""
+"""The op table (lowprec.training.emulation.optable) and the compiled backend's registration:
+the dispatch the engine's tests check bit for bit, seen from its structure."""
 
 import torch
+from torch import nn
 
+from lowprec import Precision
+from lowprec.training.backends import (COMPILED_BACKENDS, CompiledEmulatedBackend,
+                                       EmulatedBackend, NativeBackend, backend_class)
 from lowprec.training.emulation import optable
+from lowprec.training.policy import Backend
 
 
 def _names(op: str) -> list[str]:
@@ -39,3 +44,16 @@ def test_a_declining_handler_hands_the_op_to_the_next():
         optable.PURE["exp"] = saved
     assert calls == [1]
 
+
+def test_compile_selects_the_compiled_backend_of_the_emulated_kind():
+    assert COMPILED_BACKENDS == {Backend.EMULATED: CompiledEmulatedBackend}
+    assert backend_class(Backend.EMULATED, compiled=True) is CompiledEmulatedBackend
+    assert backend_class(Backend.NATIVE, compiled=True) is NativeBackend
+    assert backend_class(Backend.EMULATED) is EmulatedBackend
+    prec = Precision("p=fp16,c=fp16,g=fp16,b=emulated", compile=True)
+    prec.setup(nn.Linear(2, 2))
+    assert type(prec._backend) is CompiledEmulatedBackend and prec.backend is Backend.EMULATED
+    assert prec._backend.compiled is not None
+    prec = Precision("p=fp16,c=fp16,g=fp16,b=emulated")
+    prec.setup(nn.Linear(2, 2))
+    assert type(prec._backend) is EmulatedBackend and prec._backend.compiled is None
