@@ -287,29 +287,29 @@ def test_a_gradient_its_one_consumer_rounded_is_not_rounded_again(policy, monkey
     norm, batch norm, tanh, sigmoid) rounded itself. The bits are those of rounding every time; fewer kernel calls; block
     formats (whose shared scale can move) round every time; formats with no torch dtype (fixed
     point) have no per-consumer rounding, but skip the output's after a replayed kernel's."""
-    from lowprec.training.emulation import engine
+    from lowprec.training.emulation import autograd_fns
 
     def net():
         return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16),
                              nn.BatchNorm1d(16), nn.Sigmoid(), nn.Linear(16, 4))
 
     _same_bits_fewer_roundings(monkeypatch, policy, net, (32, 8),
-                               (engine, "rounded_already", lambda g, fmt: False))
+                               (autograd_fns, "rounded_already", lambda g, fmt: False))
 
 
 def _same_bits_fewer_roundings(monkeypatch, policy, build, shape, patch):
     """3 SGD steps of ``build()`` under ``policy``, as it is and with ``patch`` (module, name,
     value: a skip turned off): the same gradients and parameters bit for bit, and fewer kernel
     calls as it is (as many for block formats, never noted)."""
-    from lowprec.training.emulation import engine
+    from lowprec.training.emulation import autograd_fns
 
     def run(patched: bool):
         calls = []
         with monkeypatch.context() as m:
             if patched:
                 m.setattr(*patch)
-            q = engine._q
-            m.setattr(engine, "_q", lambda *a: calls.append(1) or q(*a))
+            q = autograd_fns.quantize_keyed
+            m.setattr(autograd_fns, "quantize_keyed", lambda *a: calls.append(1) or q(*a))
             torch.manual_seed(0)
             net = build()
             prec = Precision(policy, seed=1)
@@ -388,7 +388,7 @@ def test_a_forward_failing_while_its_inputs_are_rounded_leaves_no_mode_behind(mo
     """call_root (compiled emulation's trace and fallback) entered the engine's mode before
     rounding the inputs; a failure there left it entered, and every later op was rounded (seen
     on a GPU: a model built afterwards failed in its weights' initialisation)."""
-    from lowprec.training.emulation import engine
+    from lowprec.training.emulation import autograd_fns
 
     prec = Precision("p=fp16,c=fp16,g=fp16,o=fp16,b=emulated")
     model, _ = prec.setup(nn.Linear(3, 3))
@@ -397,7 +397,7 @@ def test_a_forward_failing_while_its_inputs_are_rounded_leaves_no_mode_behind(mo
     def fails(*args, **kwargs):
         raise RuntimeError("rounding failed")
 
-    monkeypatch.setattr(engine, "_q", fails)
+    monkeypatch.setattr(autograd_fns, "quantize_keyed", fails)
     with pytest.raises(RuntimeError, match="rounding failed"):
         em.call_root(em.original_forward, (torch.randn(2, 3),))
     monkeypatch.undo()

@@ -704,8 +704,8 @@ def test_every_recurrent_option_tracks_the_native_16_bit_layer(case, policy):
 _GRID_NODES = ("View", "Reshape", "Unsafe", "Transpose", "T", "Permute", "Expand", "Squeeze",
                "Unsqueeze", "Select", "Slice", "Split", "Cat", "Stack", "Threshold", "Relu",
                "MaxPool", "Index", "Embedding", "Clone", "Alias", "Unbind", "Chunk",
-               "AsStrided", "Narrow", "_RoundBackward", "_RoundInplace", "_ConsumedBackward",
-               "_UpcastBackward", "_BroadcastBackward",
+               "AsStrided", "Narrow", "RoundBackward", "RoundInplace", "ConsumedBackward",
+               "UpcastBackward", "BroadcastBackward",
                "torch::autograd::AccumulateGrad")
 
 

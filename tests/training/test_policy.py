@@ -58,21 +58,21 @@ def test_training_draws_the_policys_random_bits(monkeypatch):
     (lowprec.numerics.keys); with 8 bits it differs (so the bits do reach the kernel)."""
     from lowprec.numerics.keys import derive_keys
     from lowprec.numerics.quantize import draw_seed
-    from lowprec.training.emulation import engine
+    from lowprec.training.emulation import autograd_fns
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 32)
     x0 = torch.randn(16, 64)
     c = torch.randn(16, 32)
     used = {}  # shape -> the keys its stochastic rounding used
-    real = engine.quantize
+    real = autograd_fns.quantize
 
     def recording(x, fmt, mode, **kw):
         if kw.get("seed") is not None:
             used[tuple(x.shape)] = kw["seed"]
         return real(x, fmt, mode, **kw)
 
-    monkeypatch.setattr(engine, "quantize", recording)
+    monkeypatch.setattr(autograd_fns, "quantize", recording)
 
     def input_grad(spec):
         model = copy.deepcopy(layer)

@@ -54,7 +54,8 @@ from torch import nn
 from ..numerics.formats import FP32, Format
 from ..numerics.rounding import check_generator
 from ..numerics.storage import compact, format_of_dtype
-from .backends import BackendChoice, PrecisionBackend, announce, backend_class, choose_backend
+from .backends import (BackendChoice, PrecisionBackend, announce, backend_class, choose_backend,
+                       compile_ignored)
 from .backends.probe import BackendTiming, build_copies, decide, loss_of, time_steps
 from .emulation import Emulation
 from .emulation.engine import check_target
@@ -242,11 +243,11 @@ class Precision:
         self.kernel_target = self.target or (
             "cuda" if torch.device(device).type == "cuda" and not self.match_cpu_kernels
             else "cpu")
-        self._backend = backend_class(choice.backend)(
+        # compile=True: the kind's compiled backend, where it has one (emulated: Inductor)
+        self._backend = backend_class(choice.backend, compiled=self.compile)(
             self.policy, self.device, generator=self.generator, resolve=self._resolve,
             engine_options=self._engine_options(), overrides=self.overrides,
-            match_cpu_kernels=self.match_cpu_kernels, compile=self.compile,
-            target=self.kernel_target)
+            match_cpu_kernels=self.match_cpu_kernels, target=self.kernel_target)
         self.model = model
         names = {id(p): n for n, p in model.named_parameters()}
         added: list = []
@@ -254,8 +255,11 @@ class Precision:
             added += regime.prepare(model)
         # a regime's prepared model may compute in the policy's compute format itself: then
         # the backend installs no casts or engine
-        self._backend.convert_module(
-            model, names, compute_replaced=any(r.replaces_compute for r in self.regimes))
+        replaced = any(r.replaces_compute for r in self.regimes)
+        self._backend.convert_module(model, names, compute_replaced=replaced)
+        if self.compile and not replaced and \
+                (why := compile_ignored(choice.backend, self.policy)) is not None:
+            warnings.warn(why, stacklevel=2)  # (the caller of setup())
         self._added = added
         if optimizer is not None:
             optimizer = self.setup_optimizer(optimizer)

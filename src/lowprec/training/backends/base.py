@@ -7,7 +7,9 @@ backend keeps what depends on how low-precision values are represented. Two are 
 operator-level engine; :mod:`.emulated`). A backend is one module with one
 :class:`PrecisionBackend` subclass registered with :func:`register_backend`, as Lightning's
 precision plugins are one class per regime; ``Precision`` calls the hooks below and knows no
-backend by name.
+backend by name. A kind may also register the backend that runs it compiled
+(:func:`register_compiled_backend`: the emulated kind's is :mod:`.compiled`), which
+``Precision(..., compile=True)`` takes instead (:func:`backend_class`).
 
 | hook | called by ``Precision`` | native | emulated |
 |---|---|---|---|
@@ -33,7 +35,8 @@ from ...numerics.quantize import quantize_
 from ..policy import Backend, Policy
 from ..regimes import GroupKey, Role
 
-__all__ = ["PrecisionBackend", "register_backend", "backend_class", "BACKENDS"]
+__all__ = ["PrecisionBackend", "register_backend", "register_compiled_backend",
+           "backend_class", "compile_ignored", "BACKENDS", "COMPILED_BACKENDS"]
 
 
 def _no_refinement(fmt: Format, key: GroupKey, x: torch.Tensor) -> Format:
@@ -46,9 +49,9 @@ class PrecisionBackend:
     Built by ``Precision.setup`` once the backend is chosen, with the policy, the model's device,
     the generator of stochastic rounding, ``resolve(fmt, key, x)`` (the regimes' refinement of a
     format for a group, e.g. dynamic fixed point's current range), the regimes'
-    ``engine_options``, the per-module overrides, ``match_cpu_kernels``, ``compile`` (run
-    the converted model compiled where the backend can: the emulated one does) and ``target``
-    (whose 16-bit kernels an emulation follows where a CPU's and CUDA's differ).
+    ``engine_options``, the per-module overrides, ``match_cpu_kernels`` and ``target``
+    (whose 16-bit kernels an emulation follows where a CPU's and CUDA's differ). Compiling is
+    a backend of its own (:func:`register_compiled_backend`), not an argument.
     """
 
     #: the :class:`~lowprec.training.policy.Backend` value this class implements
@@ -57,15 +60,16 @@ class PrecisionBackend:
     #: optimizer must apply the storage formats at its write-back (lowprec's optimizers
     #: configured, any other wrapped in ``FormatOptimizer``)
     carriers = False
+    #: why ``compile=True`` does nothing on this backend, where no compiled backend is
+    #: registered for its kind (the warning's parenthesis: :func:`compile_ignored`)
+    compile_note = ""
 
     def __init__(self, policy: Policy, device: torch.device, *,
                  generator: torch.Generator | None = None, resolve=None,
                  engine_options: dict | None = None, overrides: dict | None = None,
-                 match_cpu_kernels: bool = False, compile: bool = False,
-                 target: str | None = None) -> None:
+                 match_cpu_kernels: bool = False, target: str | None = None) -> None:
         self.policy = policy
         self.target = target
-        self.compile = compile
         self.device = device
         self.generator = generator
         self.resolve = resolve if resolve is not None else _no_refinement
@@ -147,10 +151,46 @@ def register_backend(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
     return cls
 
 
-def backend_class(kind: Backend) -> type[PrecisionBackend]:
-    """The class registered for ``kind``; ValueError naming the registered ones else."""
+#: kind -> the backend that runs it compiled (``Precision(..., compile=True)``)
+COMPILED_BACKENDS: dict[Backend, type[PrecisionBackend]] = {}
+
+
+def register_compiled_backend(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
+    """Register ``cls`` as the compiled backend of its ``kind`` (usable as a decorator): the
+    class :func:`backend_class` gives with ``compiled=True``; one class per kind."""
+    if not (isinstance(cls, type) and issubclass(cls, PrecisionBackend)):
+        raise TypeError(f"a backend must be a PrecisionBackend subclass, got {cls!r}")
+    kind = getattr(cls, "kind", None)
+    kind = Backend.parse(kind) if isinstance(kind, str) else None
+    if kind is None or kind is Backend.AUTO:
+        raise ValueError(f"{cls.__name__}.kind must be a Backend other than auto")
+    if COMPILED_BACKENDS.get(kind, cls) is not cls:
+        raise ValueError(f"a compiled backend for {kind} is already registered "
+                         f"({COMPILED_BACKENDS[kind].__name__})")
+    COMPILED_BACKENDS[kind] = cls
+    return cls
+
+
+def backend_class(kind: Backend, compiled: bool = False) -> type[PrecisionBackend]:
+    """The class registered for ``kind`` (with ``compiled``: its compiled backend, where one is
+    registered); ValueError naming the registered ones else."""
     try:
-        return BACKENDS[Backend.parse(kind)]
+        kind = Backend.parse(kind)
+        if compiled and kind in COMPILED_BACKENDS:
+            return COMPILED_BACKENDS[kind]
+        return BACKENDS[kind]
     except KeyError:
         raise ValueError(f"no backend is registered for {kind}; registered: "
                          f"{', '.join(str(k) for k in BACKENDS)}") from None
+
+
+def compile_ignored(kind: Backend, policy) -> str | None:
+    """What to warn where ``compile=True`` asks for a kind with no compiled backend (None
+    where it has one)."""
+    kind = Backend.parse(kind)
+    if kind in COMPILED_BACKENDS:
+        return None
+    note = getattr(BACKENDS.get(kind), "compile_note", "")
+    compiles = ", ".join(f"{k} policies (b={k})" for k in COMPILED_BACKENDS)
+    return (f"compile=True has no effect: policy {policy} runs on the {kind} backend{note}; "
+            f"it compiles {compiles}")

@@ -17,7 +17,6 @@ from torch import nn
 from ...numerics.formats import FP32, Format
 from ...numerics.quantize import quantize_
 from ..emulation import Emulation
-from ..emulation.compiled import compile_model
 from ..policy import Backend, Scope
 from ..regimes import GroupKey, Role
 from .base import PrecisionBackend, register_backend
@@ -31,7 +30,7 @@ class EmulatedBackend(PrecisionBackend):
 
     kind = Backend.EMULATED
     carriers = True
-    #: the model's compiled forward (``compile=True``; None otherwise)
+    #: the model's compiled forward (:class:`.compiled.CompiledEmulatedBackend`; None here)
     compiled = None
 
     def convert_module(self, model: nn.Module, names: dict[int, str], *,
@@ -46,8 +45,6 @@ class EmulatedBackend(PrecisionBackend):
                                 target=self.target,
                                 **self.engine_options)
         self._store(model)
-        if self.compile:  # Inductor, every rounding in the graph (or eager, saying why)
-            self.compiled = compile_model(self.engine)
 
     @torch.no_grad()
     def _store(self, model: nn.Module) -> None:

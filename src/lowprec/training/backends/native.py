@@ -30,6 +30,7 @@ class NativeBackend(PrecisionBackend):
 
     kind = Backend.NATIVE
     carriers = False
+    compile_note = " (torch's own dtypes: torch.compile(model) compiles it as any model)"
 
     def convert_module(self, model: nn.Module, names: dict[int, str], *,
                        compute_replaced: bool = False) -> None:
@@ -41,11 +42,6 @@ class NativeBackend(PrecisionBackend):
             warnings.warn(f"match_cpu_kernels=True has no effect: policy {pol} runs on the "
                           f"native backend (torch's own kernels); it applies to emulated "
                           f"policies (b=emulated)", stacklevel=3)  # the caller of setup()
-        if self.compile:
-            warnings.warn(f"compile=True has no effect: policy {pol} runs on the native "
-                          f"backend (torch's own dtypes: torch.compile(model) compiles it as "
-                          f"any model); it compiles emulated policies (b=emulated)",
-                          stacklevel=3)
         if pol.scope is Scope.ALL and pol.params != FP32:
             dtype = storage_dtype(pol.params)
             model.to(dtype)

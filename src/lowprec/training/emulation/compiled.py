@@ -4,7 +4,7 @@ of the eager engine in the graph.
 Stochastic rounding: each forward draws one base pair of keys from the engine's generator (as
 the eager engine's root forward does) and passes it to the compiled function as a tensor, a graph
 input; every rounding's keys are derived from it inside the graph as the eager engine derives
-them from the same pair in Python (:class:`.engine._Site`, :func:`lowprec.numerics.keys
+them from the same pair in Python (:class:`.autograd_fns.Site`, :func:`lowprec.numerics.keys
 .derive_keys`), so the random bits are the eager ones.
 
 Two traces, one after the other:
@@ -116,6 +116,17 @@ def _opaque_ops() -> dict:
     (``_TRANSCENDENTAL``). Inductor fuses around them, not through them."""
     if _OPAQUE:
         return _OPAQUE
+    _register_gemms_and_reductions()
+    _register_pointwise()
+    _register_norms()
+    _register_pooling_and_embedding()
+    _OPAQUE.update(_pointwise_rewrites())
+    _OPAQUE.update(_kernel_rewrites())
+    return _OPAQUE
+
+
+def _register_gemms_and_reductions() -> None:
+    """lowprec_compiled::sum, mean, var_mean, mm, bmm, addmm (:func:`_opaque_ops`)."""
     aten = torch.ops.aten
 
     @torch.library.custom_op("lowprec_compiled::sum", mutates_args=())
@@ -142,6 +153,20 @@ def _opaque_ops() -> dict:
     @torch.library.custom_op("lowprec_compiled::addmm", mutates_args=())
     def addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return aten.addmm.default(c, a, b)
+
+    mm_.register_fake(lambda a, b: aten.mm.default(a, b))
+    bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
+    addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
+    sum_.register_fake(lambda x, dim, keepdim: aten.sum.dim_IntList(x, dim, keepdim))
+    mean_.register_fake(lambda x, dim, keepdim: aten.mean.dim(x, dim, keepdim))
+    var_mean_.register_fake(lambda x, dim, correction, keepdim: aten.var_mean.correction(
+        x, dim, correction=correction, keepdim=keepdim))
+
+
+def _register_pointwise() -> None:
+    """lowprec_compiled::unary, activation(_backward), softmax(_backward)
+    (:func:`_opaque_ops`)."""
+    aten = torch.ops.aten
 
     @torch.library.custom_op("lowprec_compiled::unary", mutates_args=())
     def unary_(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -172,6 +197,15 @@ def _opaque_ops() -> dict:
     def softmax_bw_(g: torch.Tensor, out: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         op = aten._log_softmax_backward_data if log else aten._softmax_backward_data
         return op.default(g, out, dim, torch.float32)
+
+    softmax_.register_fake(lambda x, dim, log: torch.empty_like(x))
+    softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
+
+
+def _register_norms() -> None:
+    """lowprec_compiled::layer_norm(_backward), batch_norm(_no_stats, _eval, _backward)
+    (:func:`_opaque_ops`)."""
+    aten = torch.ops.aten
 
     @torch.library.custom_op("lowprec_compiled::layer_norm", mutates_args=())
     def layer_norm_(x: torch.Tensor, shape: list[int], w: torch.Tensor | None,
@@ -223,6 +257,31 @@ def _opaque_ops() -> dict:
                                                       train, eps, mask)
         return tuple(x.new_empty(0) if t is None else t for t in out)  # as layer_norm_bw_
 
+    batch_norm_.register_fake(
+        lambda x, w, b, rm, rv, training, momentum, eps:
+        aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, training, momentum,
+                                                         eps))
+    batch_norm_ns_.register_fake(
+        lambda x, w, b, training, momentum, eps:
+        aten._native_batch_norm_legit.no_stats(x, w, b, training, momentum, eps))
+    batch_norm_ev_.register_fake(
+        lambda x, w, b, rm, rv, momentum, eps:
+        aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum, eps))
+    batch_norm_bw_.register_fake(
+        lambda g, x, w, rm, rv, save_mean, save_invstd, train, eps, mask: (
+            torch.empty_like(x) if mask[0] else x.new_empty(0),
+            *(x.new_empty(x.shape[1]) if want else x.new_empty(0) for want in mask[1:])))
+    layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
+        x, shape, w, b, eps))
+    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b, mask: (
+        x.new_empty(x.shape) if mask[0] else x.new_empty(0),  # dX contiguous, as the kernel's
+        *(torch.empty_like(t) if want else x.new_empty(0) for t, want in zip((w, b), mask[1:]))))
+
+
+def _register_pooling_and_embedding() -> None:
+    """lowprec_compiled::max_pool2d(_backward), embedding_backward (:func:`_opaque_ops`)."""
+    aten = torch.ops.aten
+
     # an embedding's weight gradient adds the rows of each index in the order they come; the
     # decomposition (index_put with accumulate) adds them in another (zoo encoder, 16-mixed)
     # max pooling: Inductor's loop over windows with indices is scalar code, and a bf16 cast
@@ -253,47 +312,19 @@ def _opaque_ops() -> dict:
 
     embedding_bw_.register_fake(
         lambda g, idx, n, pad, by_freq: g.new_empty((n, g.shape[-1])))
-    batch_norm_.register_fake(
-        lambda x, w, b, rm, rv, training, momentum, eps:
-        aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, training, momentum,
-                                                         eps))
-    batch_norm_ns_.register_fake(
-        lambda x, w, b, training, momentum, eps:
-        aten._native_batch_norm_legit.no_stats(x, w, b, training, momentum, eps))
-    batch_norm_ev_.register_fake(
-        lambda x, w, b, rm, rv, momentum, eps:
-        aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum, eps))
-    batch_norm_bw_.register_fake(
-        lambda g, x, w, rm, rv, save_mean, save_invstd, train, eps, mask: (
-            torch.empty_like(x) if mask[0] else x.new_empty(0),
-            *(x.new_empty(x.shape[1]) if want else x.new_empty(0) for want in mask[1:])))
-    softmax_.register_fake(lambda x, dim, log: torch.empty_like(x))
-    softmax_bw_.register_fake(lambda g, out, dim, log: torch.empty_like(g))
-    layer_norm_.register_fake(lambda x, shape, w, b, eps: aten.native_layer_norm.default(
-        x, shape, w, b, eps))
-    layer_norm_bw_.register_fake(lambda g, x, shape, mean, rstd, w, b, mask: (
-        x.new_empty(x.shape) if mask[0] else x.new_empty(0),  # dX contiguous, as the kernel's
-        *(torch.empty_like(t) if want else x.new_empty(0) for t, want in zip((w, b), mask[1:]))))
-    mm_.register_fake(lambda a, b: aten.mm.default(a, b))
-    bmm_.register_fake(lambda a, b: aten.bmm.default(a, b))
-    addmm_.register_fake(lambda c, a, b: aten.addmm.default(c, a, b))
-    sum_.register_fake(lambda x, dim, keepdim: aten.sum.dim_IntList(x, dim, keepdim))
-    mean_.register_fake(lambda x, dim, keepdim: aten.mean.dim(x, dim, keepdim))
-    var_mean_.register_fake(lambda x, dim, correction, keepdim: aten.var_mean.correction(
-        x, dim, correction=correction, keepdim=keepdim))
 
-    def dims(args):
-        return args[1] if len(args) > 1 else None
 
-    def keep(args, kw):
-        return args[2] if len(args) > 2 else kw.get("keepdim", False)
-
-    for name in _TRANSCENDENTAL:
-        _OPAQUE[getattr(aten, name).default] = (torch.ops.lowprec_compiled.unary.default,
-                                                lambda a, kw, name=name: (a[0], name))
+def _pointwise_rewrites() -> dict:
+    """ATen op -> (its opaque op, its arguments spelled for it; None: the call stays as it
+    is) for the transcendental functions and activations."""
+    aten = torch.ops.aten
     lc = torch.ops.lowprec_compiled
+    out: dict = {}
+    for name in _TRANSCENDENTAL:
+        out[getattr(aten, name).default] = (lc.unary.default,
+                                            lambda a, kw, name=name: (a[0], name))
 
-    _OPAQUE.update({
+    out.update({
         aten.gelu.default: (lc.activation.default, lambda a, kw: None if kw else (
             a[0], "gelu", a[1] if len(a) > 1 else "none")),
         aten.silu.default: (lc.activation.default, lambda a, kw: None if kw else (
@@ -303,11 +334,25 @@ def _opaque_ops() -> dict:
         aten.silu_backward.default: (lc.activation_backward.default, lambda a, kw: None if kw
                                      else (a[0], a[1], "silu", "")),
     })
+    return out
+
+
+def _kernel_rewrites() -> dict:
+    """ATen op -> (its opaque op, its arguments spelled for it; None: the call stays as it
+    is) for softmax, the norms, max pooling, an embedding's backward, GEMMs and reductions."""
+    aten = torch.ops.aten
+    lc = torch.ops.lowprec_compiled
+
+    def dims(args):
+        return args[1] if len(args) > 1 else None
+
+    def keep(args, kw):
+        return args[2] if len(args) > 2 else kw.get("keepdim", False)
 
     def fp32(a, kw, i):
         return len(a) > i and a[i] in (False, torch.float32) and not kw
 
-    _OPAQUE.update({
+    return {
         aten._softmax.default: (lc.softmax.default, lambda a, kw: (a[0], a[1], False)
                                 if fp32(a, kw, 2) else None),
         aten._log_softmax.default: (lc.softmax.default, lambda a, kw: (a[0], a[1], True)
@@ -354,8 +399,7 @@ def _opaque_ops() -> dict:
                                    lambda a, kw: (a[0], dims(a), None if kw.get("correction")
                                                   is None else float(kw["correction"]),
                                                   kw.get("keepdim", False))),
-    })
-    return _OPAQUE
+    }
 
 
 def _pool_args(a, kw):
@@ -673,24 +717,13 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
         checks = dict(reads or ())
         if reads:
             reads.clear()
-        nodes = set(gm.graph.nodes)
-        for node, dtype in checks.items():
-            if node not in nodes and any(format_dtype(f) is not None for r in _rules(engine)
-                                         for f in (r.compute, r.grads, r.params)):
-                raise DtypeReadError(
-                    f"the model reads the dtype of a tensor its graph does not keep ({node.name}."
-                    "dtype), which this policy may answer otherwise than float32")
+        _check_kept(engine, checks, gm)
         interpreter = _checked_interpreter(engine, checks, gm) if checks else torch.fx.Interpreter
-        keep, stand_in = [], []
         drawn = keys[0] if keys else None  # the call being traced draws keys (draws_keys())
         kidx = next((i for i, e in enumerate(example_inputs) if e is drawn), None)
         if drawn is not None and kidx is None:
             raise RuntimeError("stochastic rounding's keys are not an input of the graph")
-        for i, e in enumerate(example_inputs):
-            if torch.is_tensor(e) and id(e) in owned:
-                keep.append(i)
-                stand_in.append((i, id(e) if owned[id(e)] else None, getattr(e, MARK, None),
-                                 getattr(e, LOGICAL, None)))
+        keep, stand_in = _stand_ins(example_inputs, owned)
 
         def traced(*args):
             for i, pid, mark, logical in stand_in:
@@ -729,6 +762,31 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
                 keep_inference_input_mutations=True)(Traced(), example_inputs)
 
     return compile_graph
+
+
+def _check_kept(engine: Emulation, checks: dict, gm: torch.fx.GraphModule) -> None:
+    """DtypeReadError where the model read the dtype of a tensor the graph does not keep
+    (``checks``: node -> the dtype read), which the policy may answer otherwise than float32."""
+    nodes = set(gm.graph.nodes)
+    for node, dtype in checks.items():
+        if node not in nodes and any(format_dtype(f) is not None for r in _rules(engine)
+                                     for f in (r.compute, r.grads, r.params)):
+            raise DtypeReadError(
+                f"the model reads the dtype of a tensor its graph does not keep ({node.name}."
+                "dtype), which this policy may answer otherwise than float32")
+
+
+def _stand_ins(example_inputs, owned: dict) -> tuple[list, list]:
+    """The positions of the graph inputs that are the model's parameters and buffers
+    (``owned``: id -> is a parameter), and for each what its stand-in carries: (position,
+    the parameter's id or None, its mark, its logical dtype)."""
+    keep, stand_in = [], []
+    for i, e in enumerate(example_inputs):
+        if torch.is_tensor(e) and id(e) in owned:
+            keep.append(i)
+            stand_in.append((i, id(e) if owned[id(e)] else None, getattr(e, MARK, None),
+                             getattr(e, LOGICAL, None)))
+    return keep, stand_in
 
 
 def _fresh_function(fn, keyed: bool = False):

@@ -45,7 +45,7 @@ import math
 import struct
 import types
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -53,101 +53,31 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
-from ...numerics.keys import derive_keys
-from ...numerics.quantize import draw_seed, quantize, quantize_
-from ...numerics import accumulation_ops, summation
-from ...numerics.accumulation import Accumulator
+from ...numerics.quantize import draw_seed, quantize_
 from ...numerics.rounding import Rounding, check_generator
-from ..policy import Policy, parse_policy, policy_or_format
-from ..scaling import GemmScaling
-from ..regimes.base import GroupKey, Role, Resolve, regimes_resolve, static_resolve
+from ..policy import Policy, parse_policy
+from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
-from . import backward_kernels, fastpath, kernels, native_gemm, recurrent_kernels, scaled
-from .gradmarks import note_rounded, pass_through, rounded_already
+from . import autograd_fns, fastpath, optable, scaled
+from .autograd_fns import (ROUNDABLE, Broadcast, Consumed, GradSum, Round, RoundInplace,
+                           Stream, Upcast, consumer_sum, fresh)
+from .gradmarks import pass_through
+from .rules import TARGETS, Rule, check_target, group_key, parse_override
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
                      format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
                       NORM_OPS, PASS_OPS, is_inplace, reduction_axes,
                       returns_its_input)
 
+# (Rule, group_key, TARGETS, check_target, parse_override: :mod:`.rules`, named here too)
 __all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM", "TARGETS",
-           "check_target"]
-
-#: the kernels an emulation can follow where a CPU's 16-bit kernels and CUDA's round differently
-TARGETS = ("cpu", "cuda")
-
-
-def check_target(target, match_cpu_kernels: bool = False) -> str | None:
-    """``target`` checked: "cpu", "cuda" or None (the device of the tensors)."""
-    if target is not None and target not in TARGETS:
-        raise ValueError(f"target={target!r:.40}; accepted: 'cpu', 'cuda' or None (the device "
-                         "of the model's tensors)")
-    if target == "cuda" and match_cpu_kernels:
-        raise ValueError("target='cuda' with match_cpu_kernels=True: the second runs this "
-                         "CPU's own 16-bit kernels; accepted: one or the other")
-    return target
+           "check_target", "parse_override"]
 
 MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
 # attribute of a traced stand-in for a parameter (compiled emulation, :mod:`.compiled`): the
 # parameter's id, so that the stand-in is rounded, named and summed as the parameter would be
 PARAM = "_lowprec_param"
-_ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)
 _BUFFER_POS = (3, 4)  # torch.batch_norm(input, weight, bias, running_mean, running_var, ...)
-
-
-# convolutions whose bias CUDA adds to the rounded output (:meth:`Emulation._bias_after`)
-_CONVS = {"conv1d": torch.conv1d, "conv2d": torch.conv2d, "conv3d": torch.conv3d,
-          "conv_transpose1d": torch.conv_transpose1d, "conv_transpose2d": torch.conv_transpose2d,
-          "conv_transpose3d": torch.conv_transpose3d}
-
-
-def group_key(role: str, name: str) -> GroupKey:
-    """The dynamic fixed-point group of a rounding: one range per role ("act" or "grad") and
-    module (or parameter, for a weight rounded when used)."""
-    return GroupKey(Role.ACTIVATION if role == "act" else Role.GRAD, name)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """The formats the ops of one module follow."""
-
-    compute: Format
-    grads: Format
-    params: Format
-    rounding: Rounding = Rounding.NEAREST_EVEN
-    grad_rounding: Rounding = Rounding.NEAREST_EVEN
-    scope: str = "all"
-    scaled: GemmScaling | None = None  # the GEMMs it covers run as scaled GEMMs (.scaled)
-    accumulator: Accumulator | None = None  # GEMMs accumulate in it (numerics.accumulation)
-
-    @classmethod
-    def of(cls, policy: Policy) -> "Rule":
-        return cls(policy.compute, policy.grads, policy.params, policy.rounding,
-                   policy.grad_rounding, policy.scope, policy.scaled, policy.accumulator)
-
-    @property
-    def active(self) -> bool:
-        return self.compute != FP32 or self.grads != FP32 or self.accumulator is not None
-
-    @property
-    def block(self) -> bool:
-        return isinstance(self.compute, BlockFormat)
-
-
-def parse_override(value, base: Policy) -> Rule:
-    """An override is a policy (``"32-true"``, a spec) or a format (``"bf16"``: pure)."""
-    if isinstance(value, Rule):
-        return value
-    if isinstance(value, Policy):
-        return Rule.of(value)
-    try:
-        found = policy_or_format(value)  # the grammar of every policy argument
-    except (ValueError, TypeError):
-        raise ValueError(f"override {value!r} is neither a policy (e.g. '32-true', "
-                         "'p=fp32,c=bf16') nor a format (e.g. 'bf16', 'e4m3fn')") from None
-    if isinstance(found, Policy):
-        return Rule.of(found)
-    return Rule(found, found, found, base.rounding, base.grad_rounding, "all")
 
 
 _NAMES: dict = {}
@@ -267,7 +197,13 @@ def _bound_ok(b, fmt: Format) -> bool:
 
 
 def _floating(t) -> bool:
-    return torch.is_tensor(t) and t.dtype in _ROUNDABLE
+    return torch.is_tensor(t) and t.dtype in ROUNDABLE
+
+
+def _each_output(fn, out, inputs):
+    """``fn`` over each floating output of an op but one of its inputs (an op returning its
+    input, ``x.to(x.dtype)``); the rest as it is. The one walk over an op's outputs."""
+    return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs) else fn(o), out)
 
 
 def _map(fn, obj):
@@ -287,220 +223,6 @@ def _map(fn, obj):
     if isinstance(obj, dict):
         return type(obj)((k, _map(fn, v)) for k, v in obj.items())
     return obj
-
-
-def _fresh(y: torch.Tensor) -> torch.Tensor:
-    # quantize returns ``out.reshape(x.shape)``, a same-shape view of its own buffer; autograd
-    # forbids modifying a custom Function's view output in place (``relu_`` after it), so hand
-    # back the buffer itself
-    b = y._base
-    if b is not None and b.shape == y.shape and b.stride() == y.stride() and \
-            b.storage_offset() == y.storage_offset():
-        return b
-    return y if b is None else y.clone()
-
-
-class _Site:
-    """Stochastic rounding's keys for the roundings of one site of one forward (an op's output
-    rounded, its gradient rounded in backward): the ``j``-th rounding gets the keys of counter
-    ``j * 2**31 + n`` under the forward's base keys. The site's number ``n`` is fixed when the
-    forward meets it, so whether the forward runs eagerly (the base a pair of ints) or is traced
-    into a graph (the base a graph input), every rounding gets the same keys, given the same
-    roundings in the same order (a 16-bit sum of a tensor's gradients (``_Sum``) rounds with the
-    site of the arrival that completes each add: autograd's order, the same in both)."""
-
-    __slots__ = ("base", "n", "j")
-
-    def __init__(self, base, n: int) -> None:
-        self.base, self.n, self.j = base, n, 0
-
-    def next(self):
-        self.j += 1
-        return derive_keys(self.base, (self.j - 1) * 2**31 + self.n)
-
-
-class _Stream:
-    """The sites of one forward (:class:`_Site`), numbered in the order the engine meets them."""
-
-    __slots__ = ("base", "n")
-
-    def __init__(self, base) -> None:
-        self.base, self.n = base, 0
-
-    def site(self) -> _Site:
-        self.n += 1
-        return _Site(self.base, self.n - 1)
-
-
-def _keyword(mode, keys) -> dict:
-    """quantize's keyword for stochastic rounding's keys from ``keys``: a :class:`_Site`'s
-    next keys, or a generator (None: torch's default) drawn from at each call."""
-    if type(keys) is _Site:
-        return {"seed": keys.next() if mode.is_stochastic else None}
-    return {"generator": keys}
-
-
-def _skips(g, fmt, mode, keys) -> bool:
-    """Whether rounding the gradient ``g`` to ``fmt`` can be skipped: it is on that grid
-    already, unchanged (:mod:`.gradmarks`), and no generator would be drawn from; a site's
-    stochastic keys advance as if it had rounded, so later roundings keep theirs."""
-    if not rounded_already(g, fmt) or (mode.is_stochastic and type(keys) is not _Site):
-        return False
-    if mode.is_stochastic:
-        keys.next()
-    return True
-
-
-def _round_grad(g, bwd, bmode, keys):
-    """The gradient ``g`` rounded to ``bwd`` (a format, or a function of the tensor giving one:
-    dynamic formats) and noted (:mod:`.gradmarks`); ``g`` itself where it is on that grid
-    already (:func:`_skips`)."""
-    if _skips(g, bwd, bmode, keys):
-        return g
-    out = _fresh(_q(g, bwd(g) if callable(bwd) else bwd, bmode, keys))
-    note_rounded(out, bwd)
-    return out
-
-
-def _q(x, fmt, mode, keys):
-    return quantize(x, fmt, mode, **_keyword(mode, keys))
-
-
-def _q_(x, fmt, mode, keys):
-    return quantize_(x, fmt, mode, **_keyword(mode, keys))
-
-
-class _Round(torch.autograd.Function):
-    """Values to ``fwd``; the gradient reaching the output to ``bwd`` (None: unchanged)."""
-
-    @staticmethod
-    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
-        ctx.spec = (bwd, bmode, gen)
-        return _fresh(_q(x, fwd, mode, gen))
-
-    @staticmethod
-    def backward(ctx, g):
-        bwd, bmode, gen = ctx.spec
-        if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            # (not again: the one consumer's gradient its _Consumed node rounded)
-            g = _round_grad(g, bwd, bmode, gen)
-        return g, None, None, None, None, None
-
-
-class _Sum:
-    """The 16-bit sum native autograd forms of the gradients an activation's consumers send
-    back: each arrival added to the running sum and rounded (``InputBuffer::add`` in the
-    tensor's dtype), in the order the backward runs the consumers. Shared by the
-    :class:`_Consumed` / :class:`_Upcast` nodes of one tensor; ``n`` counts them."""
-
-    __slots__ = ("n", "seen", "task", "value")
-
-    def __init__(self) -> None:
-        self.n, self.seen, self.task, self.value = 0, 0, None, None
-
-    def add(self, g: torch.Tensor, fmt, mode, gen) -> torch.Tensor:
-        """``g`` (rounded) arrives; returns what to hand autograd instead: the change in the
-        rounded running sum, so that autograd's fp32 sum of the consumers' returns is the
-        rounded sum (telescoping; each difference of two 16-bit values is exact in fp32 but
-        for exponents more than 13 binades apart)."""
-        if self.n <= 1:
-            return g
-        task = torch._C._current_graph_task_id()
-        if self.value is None or task != self.task or self.value.shape != g.shape:
-            self.task, self.value, self.seen = task, g, 1
-            return g
-        new = _q(self.value + g, fmt(g) if callable(fmt) else fmt, mode, gen)
-        out = new - self.value
-        self.seen += 1
-        self.value = None if self.seen >= self.n else new  # every consumer in: let it go
-        return out
-
-
-SUM = "_lowprec_sum"  # attribute of an activation: its consumers' _Sum
-
-
-def _consumer_sum(t: torch.Tensor) -> _Sum:
-    acc = getattr(t, SUM, None)
-    if acc is None:
-        acc = _Sum()
-        try:
-            setattr(t, SUM, acc)
-        except (AttributeError, RuntimeError):
-            pass
-    acc.n += 1
-    return acc
-
-
-class _Upcast(torch.autograd.Function):
-    """A 16-bit value cast up (``h.to(torch.float32)``): a copy, exact; the gradient reaching
-    it is cast back to the 16-bit format, as the cast's backward does natively, and added to
-    the tensor's other consumers' (``acc``: :class:`_Sum`, or None)."""
-
-    @staticmethod
-    def forward(ctx, x, fwd, bwd, mode, bmode, gen, acc=None):
-        ctx.spec = (bwd, bmode, gen, acc)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        bwd, bmode, gen, acc = ctx.spec
-        if bwd is not None and g is not None and g.dtype in _ROUNDABLE:
-            g = _round_grad(g, bwd, bmode, gen)
-            if acc is not None:
-                g = acc.add(g, bwd, bmode, gen)
-        return g, None, None, None, None, None, None
-
-
-class _Consumed(torch.autograd.Function):
-    """An activation an op reads: unchanged forward; the gradient this one op sends back to it
-    is rounded, then added to the other consumers' as a native 16-bit run adds them (one
-    16-bit sum per arrival, in the tensor's dtype: :class:`_Sum`)."""
-
-    @staticmethod
-    def forward(ctx, x, bwd, bmode, gen, acc=None):
-        ctx.spec = (bwd, bmode, gen, acc)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        bwd, bmode, gen, acc = ctx.spec
-        if g is not None and g.dtype in _ROUNDABLE:
-            g = _round_grad(g, bwd, bmode, gen)  # (not again: what a replayed kernel rounded)
-            if acc is not None:
-                g = acc.add(g, bwd, bmode, gen)
-        return g, None, None, None, None
-
-
-class _Broadcast(torch.autograd.Function):
-    """An operand broadcast by an elementwise op (``weight * h``): expanded here, so that its
-    gradient arrives at the output's size and is rounded there before being summed down, as a
-    native 16-bit backward computes it (the full-size product in 16 bits, then the sum)."""
-
-    @staticmethod
-    def forward(ctx, x, shape, bwd, bmode, gen):
-        ctx.spec = (bwd, bmode, gen, x.shape)
-        return x.expand(shape)
-
-    @staticmethod
-    def backward(ctx, g):
-        bwd, bmode, gen, shape = ctx.spec
-        if g is not None and g.dtype in _ROUNDABLE:
-            g = _q(g, bwd(g) if callable(bwd) else bwd, bmode, gen)
-            g = g.sum_to_size(shape)
-        return g, None, None, None, None
-
-
-class _RoundInplace(torch.autograd.Function):
-    """In-place form for what an in-place op wrote (``x += y``)."""
-
-    @staticmethod
-    def forward(ctx, x, fwd, bwd, mode, bmode, gen):
-        ctx.spec = (bwd, bmode, gen)
-        _q_(x, fwd, mode, gen)
-        ctx.mark_dirty(x)
-        return x
-
-    backward = _Round.backward
 
 
 _MHA_FORWARD = torch.nn.functional.multi_head_attention_forward
@@ -620,10 +342,10 @@ class Emulation:
         self.root_rule = Rule.of(policy)
         self.overrides = {str(k): parse_override(v, policy) for k, v in (overrides or {}).items()}
         #: whether any rule rounds stochastically: a root forward then draws one base pair of
-        #: keys from the generator and derives each rounding's from it (:class:`_Site`)
+        #: keys from the generator and derives each rounding's from it (:class:`.autograd_fns.Site`)
         self.stochastic = any(r.rounding.is_stochastic or r.grad_rounding.is_stochastic
                               for r in (self.root_rule, *self.overrides.values()))
-        self._stream: _Stream | None = None
+        self._stream: Stream | None = None
         #: the base keys compiled emulation's trace passes in (a graph input), None eagerly
         self.keys_input = None
         self.observers: list[Callable] = []
@@ -638,7 +360,7 @@ class Emulation:
         self._depth = 0
         self._pnames: dict[int, str] = {}
         self._tied: set = set()
-        self._param_sums: dict = {}  # id(tied parameter) -> its _Sum in this forward
+        self._param_sums: dict = {}  # id(tied parameter) -> its GradSum in this forward
         self._cast_rules: dict = {}
         #: nn.MultiheadAttention modules by name (their inference fast path: :mod:`.fastpath`)
         self.attention: dict[str, nn.Module] = {}
@@ -649,7 +371,7 @@ class Emulation:
         if model is not None:
             self._pnames = {id(p): n for n, p in model.named_parameters()}
             # parameters under more than one name (tied embeddings): each use's gradient is
-            # summed into the 16-bit gradient as native autograd sums them (_Sum)
+            # summed into the 16-bit gradient as native autograd sums them (GradSum)
             names: dict = {}
             for _, p in model.named_parameters(remove_duplicate=False):
                 names[id(p)] = names.get(id(p), 0) + 1
@@ -741,7 +463,7 @@ class Emulation:
             self._param_sums = {}
             if self.stochastic:
                 base = self.keys_input
-                self._stream = _Stream(draw_seed(self.generator) if base is None else base)
+                self._stream = Stream(draw_seed(self.generator) if base is None else base)
             if pure:  # the model's floating inputs; one tensor given twice stays one tensor
                 done: dict = {}  # (``attn(x, x, x)``: self-attention, as the module checks)
 
@@ -870,10 +592,10 @@ class Emulation:
         with torch._C.DisableTorchFunction():
             fwd, bwd = self._fmts(rule, key, t, axis, grads)
             if t.requires_grad and torch.is_grad_enabled():
-                out = _Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                    self._keys())
             else:
-                out = _fresh(_q(t, fwd, rule.rounding, self._keys()))
+                out = fresh(autograd_fns.quantize_keyed(t, fwd, rule.rounding, self._keys()))
         if axis is None:
             _mark(out, rule.compute)
         return out
@@ -885,14 +607,14 @@ class Emulation:
             done = False
             if t.requires_grad and torch.is_grad_enabled() and not t.is_leaf:
                 try:
-                    _RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                    RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                         self._keys())
                     done = True
                 except RuntimeError:  # a view autograd cannot rebase: round the values only
                     pass
             if not done:
                 with torch.no_grad():
-                    _q_(t, fwd, rule.rounding, self._keys())
+                    autograd_fns.quantize_keyed_(t, fwd, rule.rounding, self._keys())
         _mark(t, rule.compute)
 
     def _in(self, t, rule: Rule, key: str):
@@ -909,6 +631,14 @@ class Emulation:
             return self.round(t, rule, self._pnames.get(_pid(t), key), grads=False)
         return self.round(t, rule, key)
 
+    def tied_weight(self, t, rule: Rule):
+        """``t``, or where it is a parameter used under several names and on the compute grid,
+        its use with the gradient summed as native 16-bit autograd sums it (an embedding's
+        tied weight: :mod:`.optable`)."""
+        if self._tied and _pid(t) in self._tied and _marked(t, rule.compute):
+            return self._tied_use(t, rule)
+        return t
+
     def _tied_use(self, p: nn.Parameter, rule: Rule) -> torch.Tensor:
         """One use of a parameter stored in a 16-bit format under several names: its
         gradient rounded to that format and added to the other uses' with a rounding per
@@ -919,10 +649,10 @@ class Emulation:
             return p
         acc = self._param_sums.get(_pid(p))
         if acc is None:
-            acc = self._param_sums[_pid(p)] = _Sum()
+            acc = self._param_sums[_pid(p)] = GradSum()
         acc.n += 1
         with torch._C.DisableTorchFunction():
-            out = _Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self._keys(), acc)
+            out = Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self._keys(), acc)
         _mark(out, rule.compute)
         return out
 
@@ -980,7 +710,7 @@ class Emulation:
             return func(*args, **kwargs)
         src = self.logical_dtype(x)
         if src == target:
-            return x if x.dtype in _ROUNDABLE or x.dtype == target else func(*args, **kwargs)
+            return x if x.dtype in ROUNDABLE or x.dtype == target else func(*args, **kwargs)
         key = self.module_name()
         fmt = DTYPE_FORMATS.get(target)
         with torch._C.DisableTorchFunction():
@@ -993,9 +723,9 @@ class Emulation:
             elif x.requires_grad and torch.is_grad_enabled():
                 r = self._cast_rule(rule, sfmt)
                 _, bwd = self._fmts(r, key, x, None, True)
-                acc = _consumer_sum(x) if x.grad_fn is not None and bwd is not None and \
+                acc = consumer_sum(x) if x.grad_fn is not None and bwd is not None and \
                     format_dtype(r.grads) is not None else None
-                y = _Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
+                y = Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
             else:
                 y = x.clone()
             if target != torch.float32:
@@ -1010,17 +740,8 @@ class Emulation:
         out = func(*args, **kwargs)
         inputs = tensors_in(args, [])
         r = self._cast_rule(rule, fmt)
-        key = self.module_name()
-
-        def rout(o):
-            if not _floating(o) or any(o is a for a in inputs):
-                return o
-            if name in EMPTY_OPS:
-                _mark(o, fmt)
-                return o
-            return self.round(o, r, key)
-
-        return _map(rout, out)
+        return self.round_outputs(out, inputs, r, self.module_name(),
+                                  on_grid=fmt if name in EMPTY_OPS else None)
 
     def _promoted(self, t, rule: Rule, key: str):
         """A 16-bit tensor an fp32 island op reads: a copy whose gradient is rounded to 16 bits
@@ -1035,9 +756,9 @@ class Emulation:
             _, bwd = self._fmts(r, key, t, None, True)
             if bwd is None:
                 return t
-            acc = _consumer_sum(t) if t.grad_fn is not None and \
+            acc = consumer_sum(t) if t.grad_fn is not None and \
                 format_dtype(r.grads) is not None else None
-            return _Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
+            return Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
 
     @staticmethod
     def _island(name: str, args, inplace: bool, inputs) -> bool:
@@ -1061,132 +782,22 @@ class Emulation:
     # -- ops ---------------------------------------------------------------------------------
     def run_pure(self, func, name: str, rule: Rule, args, kwargs):
         """scope "all": every op's floating output on the compute grid, except in fp32 islands
-        (see :mod:`.dtypes`)."""
+        (see :mod:`.dtypes`); how each op runs: :mod:`.optable`."""
         key = self.module_name()
         fmt = rule.compute
         grid = _grid_op(name, args, kwargs, fmt)
         inplace = is_inplace(name)
         if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
-            out = func(*args, **kwargs)
-            src = args[0] if args and _floating(args[0]) else None
-            if src is not None and _floating(out) and out is not src:  # the source's dtype
-                if is_island(src):
-                    setattr(out, LOGICAL, torch.float32)
-                elif getattr(src, MARK, None) is not None:
-                    _mark(out, getattr(src, MARK))
-            return out
+            return self._run_empty(func, args, kwargs)
         inputs = tensors_in(args, tensors_in(kwargs, []))
         if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
                 self._island(name, args, inplace, inputs):
-            if inplace:
-                return func(*args, **kwargs)
-            if torch.is_grad_enabled() and any(a.requires_grad for a in inputs):
-                # a 16-bit operand promoted to fp32: its gradient is cast back to 16 bits
-                args, kwargs = _map(lambda t: self._promoted(t, rule, key), (args, kwargs))
-                inputs = tensors_in(args, tensors_in(kwargs, []))
-            out = func(*args, **kwargs)
-
-            def island(o):
-                if _floating(o) and not any(o is a for a in inputs):
-                    setattr(o, LOGICAL, torch.float32)
-                return o
-
-            return _map(island, out)
-        split = name == "linear" and kernels.split_linear(args, kwargs)  # before rounding
+            return self._run_island(func, rule, key, args, kwargs, inplace, inputs)
+        op = optable.OpCall(func, name, rule, key, args, kwargs)
         if not grid:
-            okey = key  # one dynamic fixed-point group per module and role
-            lowp = name in LOWP_OPS
-
-            shape = None
-            # native 16-bit autograd: gradients held (and summed) in the tensor's 16-bit dtype;
-            # formats with no dtype (fp8, fixed point) keep one rounding of the fp32 sum
-            native_grads = format_dtype(rule.grads) is not None and torch.is_grad_enabled()
-            if name in BROADCAST_OPS and native_grads:
-                fl = [t.shape for t in tensors_in(args, []) if _floating(t)]
-                try:
-                    shape = torch.broadcast_shapes(*fl) if len(fl) > 1 else None
-                except RuntimeError:
-                    shape = None
-
-            consumed = native_grads and not inplace
-
-            def rin(t):
-                if not lowp and is_island(t):  # a 0-dim fp32 value: used as it is
-                    return t
-                t = self._in(t, rule, okey + ".in")
-                if consumed and _floating(t) and t.requires_grad and t.grad_fn is not None \
-                        and not _is_param(t):
-                    with torch._C.DisableTorchFunction():
-                        _, bwd = self._fmts(rule, okey, t, None, True)
-                        t2 = _Consumed.apply(t, bwd, rule.grad_rounding, self._keys(),
-                                             _consumer_sum(t))
-                    if getattr(t, MARK, None) is not None:
-                        _mark(t2, getattr(t, MARK))
-                    t = t2
-                if shape is not None and _floating(t) and t.requires_grad and \
-                        t.shape != shape and t.dim():
-                    with torch._C.DisableTorchFunction():
-                        _, bwd = self._fmts(rule, okey, t, None, True)
-                        t = _Broadcast.apply(t, shape, bwd, rule.grad_rounding, self._keys())
-                    _mark(t, rule.compute)
-                return t
-
-            if name in BUFFER_OPS:
-                args = tuple(a if i in _BUFFER_POS else _map(rin, a) for i, a in enumerate(args))
-            elif inplace:
-                args = (args[0],) + tuple(_map(rin, a) for a in args[1:])
-            else:
-                args = _map(rin, args)
-            kwargs = _map(rin, kwargs) if kwargs else kwargs
-        if (acc_op := self._accumulated(name, rule, args, kwargs)) is not None:
-            out = acc_op(*args, **kwargs)
-        elif name == "batch_norm" and kernels.uses_batch_stats(args, kwargs):
-            out = kernels.label_kernel_nodes(
-                kernels.batch_norm(self, rule, key, *args, cuda=self.cuda_kernels(args)),
-                args, name)
-        elif name == "embedding" and rule.grads != FP32 and torch.is_grad_enabled() and \
-                kernels.plain_embedding(args, kwargs):
-            if self._tied and _pid(args[0]) in self._tied and _marked(args[0], fmt):
-                args = (self._tied_use(args[0], rule),) + tuple(args[1:])  # a grid op: no rin
-            out = kernels.embedding(self, rule, *args, cuda=self.cuda_kernels(args), **kwargs)
-        elif name in recurrent_kernels.RNN_OPS and self.match_cpu_kernels and \
-                (dt := native_gemm.recurrent_dtype(rule, args, kwargs)) is not None:
-            out = native_gemm.native_nested(func, dt)(*args)  # the CPU's own 16-bit layer
-        elif name in recurrent_kernels.RNN_OPS and \
-                (call := recurrent_kernels.parse(name, args, kwargs)) is not None:
-            out = recurrent_kernels.replay(self, rule, key, call)  # op by op, as ATen's CPU RNN
-        elif name == "layer_norm" and kernels.plain_layer_norm(self, rule, args, kwargs):
-            out = kernels.layer_norm(self, rule, key, *args, cuda=self.cuda_kernels(args))
-        elif name == "scaled_dot_product_attention" and self.match_cpu_kernels and \
-                (dt := native_gemm.attention_dtype(rule, args, kwargs)) is not None:
-            out = native_gemm.native_gemm(func, dt)(*args, **kwargs)  # the kernel itself
-        elif name == "scaled_dot_product_attention" and kernels.plain_attention(args, kwargs):
-            qkv, kw = kernels.sdpa_arguments(args, kwargs)
-            if kernels.flash_possible(args, kwargs):
-                out = kernels.label_kernel_nodes(kernels.attention(self, rule, key, *qkv, **kw),
-                                                 qkv, name)
-            else:
-                out = kernels.attention_math(*qkv, **kw)
-        elif name in native_gemm.ELEMENTWISE_OPS and self.match_cpu_kernels and \
-                (dt := native_gemm.elementwise_dtype(rule, args, kwargs)) is not None:
-            out = native_gemm.native_gemm(func, dt)(*args, **kwargs)
-        elif name in backward_kernels.REPLAYED and kernels.plain_formats(rule) and \
-                (opts := backward_kernels.replayable(name, args, kwargs)) is not False:
-            # differentiated from its rounded output, in 16-bit arithmetic, as the native
-            # backward does (exp, tanh, sigmoid, softmax...)
-            out = backward_kernels.replayed(rule, name, func, args, kwargs, opts,
-                                            cuda=self.cuda_kernels(args))
-        elif (conv := self._bias_after(name, rule, args, kwargs)) is not None:
-            # CUDA: cuDNN convolves without the bias; ATen adds it to the 16-bit output
-            out = self.round(conv(), rule, key) + self._bias_view(name, args, kwargs)
-        elif split:
-            # aten's linear on a non-contiguous N-d input with a bias: matmul, then add (two
-            # 16-bit results, two roundings), as nn.MultiheadAttention(batch_first=True) runs
-            x, w = args[0], args[1]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            out = self.round(self._conv(func, name, rule, (x, w))(x, w), rule, key) + b
-        else:
-            out = self._conv(func, name, rule, args, kwargs)(*args, **kwargs)
+            op.args, op.kwargs = self._pure_inputs(name, rule, key, args, kwargs, inplace)
+        out = optable.run(self, op)
+        args, kwargs = op.args, op.kwargs  # (a handler may have replaced them)
         if name in BUFFER_OPS:
             self._round_buffers(args, rule)
         if inplace:
@@ -1198,21 +809,107 @@ class Emulation:
             return out
         inputs = tensors_in(args, tensors_in(kwargs, []))
         on_grid = grid and all(_marked(a, fmt) for a in inputs if _floating(a))
-        okey = key  # one dynamic fixed-point group per module and role
+        # one dynamic fixed-point group per module and role
+        return self.round_outputs(out, inputs, rule, key, on_grid=fmt if on_grid else None,
+                                  masks=name in _MASKS, keep_views=grid)
 
-        def rout(o):
-            if not _floating(o) or any(o is a for a in inputs):
-                return o
-            if on_grid:
-                _mark(o, fmt)
-                if name in _MASKS and o.requires_grad:
+    @staticmethod
+    def _run_empty(func, args, kwargs):
+        """An op giving uninitialised memory: marked with its source's dtype, not rounded."""
+        out = func(*args, **kwargs)
+        src = args[0] if args and _floating(args[0]) else None
+        if src is not None and _floating(out) and out is not src:  # the source's dtype
+            if is_island(src):
+                setattr(out, LOGICAL, torch.float32)
+            elif getattr(src, MARK, None) is not None:
+                _mark(out, getattr(src, MARK))
+        return out
+
+    def _run_island(self, func, rule: Rule, key: str, args, kwargs, inplace: bool, inputs):
+        """An op whose result is a float32 island value: run in fp32, its outputs marked so."""
+        if inplace:
+            return func(*args, **kwargs)
+        if torch.is_grad_enabled() and any(a.requires_grad for a in inputs):
+            # a 16-bit operand promoted to fp32: its gradient is cast back to 16 bits
+            args, kwargs = _map(lambda t: self._promoted(t, rule, key), (args, kwargs))
+            inputs = tensors_in(args, tensors_in(kwargs, []))
+        out = func(*args, **kwargs)
+
+        def island(o):
+            setattr(o, LOGICAL, torch.float32)
+            return o
+
+        return _each_output(island, out, inputs)
+
+    def _pure_inputs(self, name: str, rule: Rule, key: str, args, kwargs, inplace: bool):
+        """An op's floating arguments on the compute grid (buffers and an in-place op's target
+        as they are); under native 16-bit autograd, each activation's gradient from this op
+        rounded and summed with its other consumers' (:class:`.autograd_fns.Consumed`), and a
+        broadcast operand's gradient rounded at the output's size
+        (:class:`.autograd_fns.Broadcast`)."""
+        okey = key  # one dynamic fixed-point group per module and role
+        lowp = name in LOWP_OPS
+        shape = None
+        # native 16-bit autograd: gradients held (and summed) in the tensor's 16-bit dtype;
+        # formats with no dtype (fp8, fixed point) keep one rounding of the fp32 sum
+        native_grads = format_dtype(rule.grads) is not None and torch.is_grad_enabled()
+        if name in BROADCAST_OPS and native_grads:
+            fl = [t.shape for t in tensors_in(args, []) if _floating(t)]
+            try:
+                shape = torch.broadcast_shapes(*fl) if len(fl) > 1 else None
+            except RuntimeError:
+                shape = None
+
+        consumed = native_grads and not inplace
+
+        def rin(t):
+            if not lowp and is_island(t):  # a 0-dim fp32 value: used as it is
+                return t
+            t = self._in(t, rule, okey + ".in")
+            if consumed and _floating(t) and t.requires_grad and t.grad_fn is not None \
+                    and not _is_param(t):
+                with torch._C.DisableTorchFunction():
+                    _, bwd = self._fmts(rule, okey, t, None, True)
+                    t2 = Consumed.apply(t, bwd, rule.grad_rounding, self._keys(),
+                                        consumer_sum(t))
+                if getattr(t, MARK, None) is not None:
+                    _mark(t2, getattr(t, MARK))
+                t = t2
+            if shape is not None and _floating(t) and t.requires_grad and \
+                    t.shape != shape and t.dim():
+                with torch._C.DisableTorchFunction():
+                    _, bwd = self._fmts(rule, okey, t, None, True)
+                    t = Broadcast.apply(t, shape, bwd, rule.grad_rounding, self._keys())
+                _mark(t, rule.compute)
+            return t
+
+        if name in BUFFER_OPS:
+            args = tuple(a if i in _BUFFER_POS else _map(rin, a) for i, a in enumerate(args))
+        elif inplace:
+            args = (args[0],) + tuple(_map(rin, a) for a in args[1:])
+        else:
+            args = _map(rin, args)
+        kwargs = _map(rin, kwargs) if kwargs else kwargs
+        return args, kwargs
+
+    def round_outputs(self, out, inputs, rule: Rule, key: str, *, on_grid: Format | None = None,
+                      masks: bool = False, keep_views: bool = False):
+        """Each floating output of an op (an input it returns as it is: left alone) rounded
+        onto ``rule``'s grids; with ``on_grid`` (a format the outputs lie on already: a grid
+        op on grid values, uninitialised memory) only marked so, and with ``masks`` (ReLU,
+        clamp) their gradients' notes passed through; ``keep_views``: a view stays a view.
+        Every path that rounds an op's outputs goes through here."""
+        def each(o):
+            if on_grid is not None:
+                _mark(o, on_grid)
+                if masks and o.requires_grad:
                     pass_through(o)
                 return o
-            if grid and o._is_view():  # a view of an off-grid tensor stays a view
+            if keep_views and o._is_view():  # a view of an off-grid tensor stays a view
                 return o
-            return self.round(o, rule, okey)
+            return self.round(o, rule, key)
 
-        return _map(rout, out)
+        return _each_output(each, out, inputs)
 
     def run_mixed(self, func, name: str, rule: Rule, args, kwargs):
         """scope "matmul": torch.autocast's lists and dtype propagation."""
@@ -1241,15 +938,15 @@ class Emulation:
                          for i, a in enumerate(args))
             kwargs = ({k: v if k == keep_kw else _map(lambda t: self._in(t, rule, okey + ".in"), v)
                        for k, v in kwargs.items()} if kwargs else kwargs)
-            if keep_pos < 0 and (conv := self._bias_after(name, rule, args, kwargs)) is not None:
+            if keep_pos < 0 and (conv := optable.bias_after(self, name, rule, args, kwargs)) \
+                    is not None:
                 # CUDA: cuDNN convolves without the bias; ATen adds it to the 16-bit output
-                out = self.round(conv(), rule, okey) + self._bias_view(name, args, kwargs)
+                out = self.round(conv(), rule, okey) + optable.bias_view(name, args, kwargs)
             else:
-                out = (self._accumulated(name, rule, args, kwargs)
-                       or self._conv(func, name, rule, args, kwargs))(*args, **kwargs)
-            inputs = tensors_in(args, [])
-            return _map(lambda o: o if not _floating(o) or any(o is a for a in inputs)
-                        else self.round(o, rule, okey), out)
+                out = (optable.accumulated_kernel(self, name, rule, args, kwargs)
+                       or optable.kernel_for(self, func, name, rule, args, kwargs))(*args,
+                                                                                    **kwargs)
+            return self.round_outputs(out, tensors_in(args, []), rule, okey)
         if name in FP32_OPS or rule.block:
             return func(*args, **kwargs)
         inplace = is_inplace(name)
@@ -1269,72 +966,7 @@ class Emulation:
         if not lowp:
             return out
         grid = _grid_op(name, args, kwargs, fmt)
-
-        def rout(o):
-            if not _floating(o) or any(o is a for a in inputs):
-                return o
-            if grid:
-                _mark(o, fmt)
-                return o
-            return self.round(o, rule, okey)
-
-        return _map(rout, out)
-
-    def _accumulated(self, name: str, rule: Rule, args, kwargs):
-        # acc=: the GEMMs of linear, matmul, conv2d and attention accumulate in the policy's
-        # accumulator, forward and backward; their output is then rounded as any op's
-        if rule.accumulator is None:
-            return None
-        return accumulation_ops.bind(name, rule.accumulator, self.generator, args, kwargs)
-
-    def _conv(self, func, name: str, rule: Rule | None = None, args=(), kwargs=None):
-        # match_cpu_kernels: convolutions summed as torch's reference CPU 16-bit kernel sums,
-        # matrix products by this CPU's own 16-bit kernel (native_gemm explains why)
-        if not self.match_cpu_kernels:
-            return func
-        if name == "conv2d":
-            return summation.conv2d
-        if name in native_gemm.INDEX_OPS and rule is not None:
-            dt = native_gemm.index_dtype(name, rule, args, kwargs or {})
-            return func if dt is None else native_gemm.native_gemm(func, dt)
-        if name in native_gemm.GEMM_OPS and rule is not None:
-            dt = format_dtype(rule.compute)
-            if native_gemm.applies(rule, args, kwargs or {}, dt):
-                return native_gemm.native_gemm(func, dt)
-        return func
-
-    def _bias_after(self, name: str, rule: Rule, args, kwargs):
-        """Under CUDA's kernels, a convolution with a bias as a call of it without the bias
-        (the caller rounds its output and adds the bias, a second rounding), else None.
-
-        ATen's CUDA convolution (``_convolution``, ConvBackend::Cudnn and CudnnTranspose in
-        aten/src/ATen/native/Convolution.cpp) runs ``cudnn_convolution`` without the bias
-        ("cuDNN convolutions does not handle bias", cudnn/ConvShared.cpp), which accumulates in
-        fp32 and writes a 16-bit output, then ``output.add_(reshape_bias(...))``: a 16-bit add,
-        computed in fp32 and rounded. The CPU kernels add the bias to the fp32 sum and round
-        once. (CUDA's own depthwise and 3-d fallback kernels, not cuDNN, take the bias inside:
-        not modelled.)"""
-        if name not in _CONVS or len(args) < 2 or rule.accumulator is not None or \
-                not kernels.plain_formats(rule):
-            return None
-        b = args[2] if len(args) > 2 else (kwargs or {}).get("bias")
-        if not (torch.is_tensor(b) and _floating(b)) or not self.cuda_kernels(args):
-            return None
-        if len(args) > 2:
-            a2, k2 = args[:2] + (None,) + tuple(args[3:]), kwargs
-        else:
-            a2, k2 = args, dict(kwargs, bias=None)
-        fn = self._conv(_CONVS[name], name, rule, a2, k2)
-        return lambda: fn(*a2, **(k2 or {}))
-
-    @staticmethod
-    def _bias_view(name: str, args, kwargs) -> torch.Tensor:
-        """The bias of a convolution call shaped to add to its output (``reshape_bias``; an
-        unbatched input has its channels first)."""
-        b = args[2] if len(args) > 2 else kwargs["bias"]
-        batched = args[0].dim() == int(name[-2]) + 2
-        return b.reshape([1, -1] + [1] * (args[0].dim() - 2) if batched
-                         else [-1] + [1] * (args[0].dim() - 1))
+        return self.round_outputs(out, inputs, rule, okey, on_grid=fmt if grid else None)
 
     def _round_buffers(self, args, rule: Rule) -> None:
         # running statistics as the parameter format stores them (pure policies: fp16 buffers)

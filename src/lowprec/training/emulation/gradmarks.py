@@ -1,11 +1,12 @@
 """Which gradients are already on a format's grid, so that the engine does not round them again.
 
-The engine rounds a gradient where a consumer's backward writes it (``_Consumed``) and where it
-reaches the op output it belongs to (``_Round``); a replayed 16-bit kernel (batch norm, layer
-norm, attention, activations) rounds the input gradient it writes itself. Where the same tensor,
-unchanged, meets a second rounding to the same element format, that rounding is the identity in
-any mode. A rounding records the fact on the tensor (the format and the tensor's version
-counter, which moves if autograd accumulates into it in place) and the next one skips the pass.
+The engine rounds a gradient where a consumer's backward writes it (``Consumed``, in
+:mod:`.autograd_fns`) and where it reaches the op output it belongs to (``Round``); a
+replayed 16-bit kernel (batch norm, layer norm, attention, activations) rounds the input
+gradient it writes itself. Where the same tensor, unchanged, meets a second rounding to the
+same element format, that rounding is the identity in any mode. A rounding records the fact
+on the tensor (the format and the tensor's version counter, which moves if autograd
+accumulates into it in place) and the next one skips the pass.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def pass_through(out: torch.Tensor) -> None:
     """``out`` came from an elementwise mask (ReLU, hardtanh, clamp), whose backward keeps or
     zeroes each gradient value (``where(mask, g, 0)``): a gradient on a grid gives one on that
     grid, so its note is passed on to the input's gradient (a node hook), and the rounding
-    that meets it next (the producer's ``_Round``) is skipped."""
+    that meets it next (the producer's ``Round``) is skipped."""
     fn = out.grad_fn
     if fn is not None:
         fn.register_hook(_pass_note)

@@ -197,27 +197,9 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
         mean_q = engine.round(mean, rule, key + ".stats", grads=False)
         inv_q = engine.round(invstd, rule, key + ".stats", grads=False)
         return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, _same, _same)
-    dims = [0] + list(range(2, x.dim()))
-    n = x.numel() // x.shape[1]
-    shape = [1, -1] + [1] * (x.dim() - 2)
     with torch.no_grad():
         if rule.params == rule.compute == BF16:
-            def q(t):
-                return quantize(t, rule.params)
-
-            def c(v):  # a C++ scalar converted to the 16-bit type
-                return q(torch.tensor(float(v)))
-
-            mean = x.mean(dims)
-            var_sum = q((x - mean.view(shape)).square().sum(dims))
-            mean_q = q(mean)
-            inv_q = q((1 / torch.sqrt(q(var_sum / c(n)).double() + eps)).float())
-            if running_mean is not None and running_var is not None:
-                m = c(momentum)
-                keep = q(1 - m)
-                running_mean.copy_(q(q(m * mean_q) + q(keep * running_mean)))
-                unbiased = q(var_sum / c(max(n - 1, 1)))
-                running_var.copy_(q(m * unbiased + q(keep * running_var)))
+            mean_q, inv_q = _bf16_stats(rule, x, running_mean, running_var, momentum, eps)
         else:
             # torch's fp32 CPU kernel: the same template the 16-bit one instantiates with fp32
             # arithmetic (two passes: the mean, then the squared deviations), so its mean and
@@ -231,6 +213,32 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
 
     stat, grad = _kernel_roundings(rule)
     return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, grad, stat)
+
+
+def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
+    """Pure bf16 batch statistics as the 16-bit CPU kernel computes them (:func:`batch_norm`):
+    the mean and 1/std in 16 bits, the running statistics updated in 16-bit arithmetic."""
+    dims = [0] + list(range(2, x.dim()))
+    n = x.numel() // x.shape[1]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+
+    def q(t):
+        return quantize(t, rule.params)
+
+    def c(v):  # a C++ scalar converted to the 16-bit type
+        return q(torch.tensor(float(v)))
+
+    mean = x.mean(dims)
+    var_sum = q((x - mean.view(shape)).square().sum(dims))
+    mean_q = q(mean)
+    inv_q = q((1 / torch.sqrt(q(var_sum / c(n)).double() + eps)).float())
+    if running_mean is not None and running_var is not None:
+        m = c(momentum)
+        keep = q(1 - m)
+        running_mean.copy_(q(q(m * mean_q) + q(keep * running_mean)))
+        unbiased = q(var_sum / c(max(n - 1, 1)))
+        running_var.copy_(q(m * unbiased + q(keep * running_var)))
+    return mean_q, inv_q
 
 
 # fexp_u20 (ATen's vec512_float.h / vec256_float.h, after Malossi et al., "Fast Exponential
