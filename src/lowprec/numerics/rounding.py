@@ -109,8 +109,8 @@ class RoundingRule:
 
 #: every mode's rule: the one table the torch paths (reference, fused, accumulation and its
 #: scalar reference) read through :func:`round_up` and :func:`toward_zero`; ``code`` is what
-#: every quantization path takes (params.R_*, the kernel's enum in _qkernel.c: the C kernel
-#: spells each rule out in its own loops, quantize_one and round_f64)
+#: every quantization path takes (params.R_*, the R_* enum of csrc/lp_common.h, whose
+#: lp_up32/lp_up64/lp_tz are the C kernel's spelling of the same rules)
 RULES = {
     Rounding.NEAREST_EVEN: RoundingRule(0, "always", "odd", "never"),
     Rounding.NEAREST_AWAY: RoundingRule(1, "always", "always", "never"),
