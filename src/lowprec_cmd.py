@@ -53,7 +53,7 @@ def _complete() -> None:
     spec = importlib.util.find_spec("lowprec")  # finds the package without running it
     if spec is None or not spec.submodule_search_locations:
         return
-    # an empty package object in its place: importing lowprec.cli runs cli.py alone; the
+    # an empty package object in its place: importing lowprec.cli runs the cli package alone; the
     # process ends in argcomplete, so nothing else ever sees this stand-in
     package = types.ModuleType("lowprec")
     package.__path__ = list(spec.submodule_search_locations)

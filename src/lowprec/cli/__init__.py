@@ -14,7 +14,7 @@ import re
 import signal
 import sys
 
-from . import _names  # the registries' names, for completion: the standard library alone
+from .. import _names  # the registries' names, for completion: the standard library alone
 
 # Only the standard library (and _names) is imported here, and ``main`` installs its signal
 # handling before anything else (rich, the experiments) is loaded; the console script enters
@@ -172,7 +172,7 @@ def _fmt_num(v: float) -> str:
 
 
 def cmd_formats(args, console: Console) -> int:
-    from .numerics.formats import NAMED_FORMATS, describe, parse_format
+    from ..numerics.formats import NAMED_FORMATS, describe, parse_format
 
     fmts = ([_user(parse_format, s) for s in args.formats] if args.formats
             else list(NAMED_FORMATS.values()))
@@ -191,9 +191,9 @@ def cmd_formats(args, console: Console) -> int:
 def cmd_quantize(args, console: Console) -> int:
     import torch
 
-    from .numerics.formats import parse_format
-    from .numerics.quantize import quantize
-    from .numerics.rounding import parse_rounding
+    from ..numerics.formats import parse_format
+    from ..numerics.quantize import quantize
+    from ..numerics.rounding import parse_rounding
 
     fmts = [_user(parse_format, s) for s in args.format]
     mode, _ = _user(parse_rounding, args.rounding)
@@ -212,7 +212,7 @@ def cmd_quantize(args, console: Console) -> int:
 
 
 def _print_models_summary(run_dir, console: Console) -> None:
-    from .experiments.multi import model_tables
+    from ..experiments.multi import model_tables
 
     for model, cols, cells, line in model_tables(run_dir):
         table = Table(title=f"{model}: {line}", header_style="bold")
@@ -225,16 +225,16 @@ def _print_models_summary(run_dir, console: Console) -> None:
 
 
 def _print_summary(run_dir, console: Console) -> None:
-    from .experiments.report import summary_rows
-    from .experiments.runfolder import MODELS_FILE
-    from .experiments.summary import summarize
-    from .experiments.results import ResultsDB
+    from ..experiments.report import summary_rows
+    from ..experiments.runfolder import MODELS_FILE
+    from ..experiments.summary import summarize
+    from ..experiments.results import ResultsDB
 
     if not (run_dir / "results.db").exists() and (run_dir / MODELS_FILE).exists():
         return _print_models_summary(run_dir, console)
 
-    from .experiments.report import flagged_note
-    from .experiments.verdict import recommend
+    from ..experiments.report import flagged_note
+    from ..experiments.verdict import recommend
 
     db = ResultsDB(run_dir / "results.db", create=False, readonly=True)
     try:
@@ -258,7 +258,7 @@ def _print_summary(run_dir, console: Console) -> None:
 
 def _config_from(args, **overrides):
     """CompareConfig from the flags (:func:`lowprec.experiments.assembly.assemble_config`)."""
-    from .experiments.assembly import SETTINGS, assemble_config
+    from ..experiments.assembly import SETTINGS, assemble_config
 
     return assemble_config(out=args.out, resume=args.resume, quiet=args.quiet,
                            preset=getattr(args, "preset", None),
@@ -269,7 +269,7 @@ def _config_from(args, **overrides):
 
 def _executor_from(args):
     """The executor of --executor and its flags (None: the local one)."""
-    from .experiments.executors import make_executor
+    from ..experiments.executors import make_executor
 
     name = getattr(args, "executor", None)
     return make_executor("local" if name is None else name,  # an empty name is refused
@@ -285,11 +285,11 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
          config_text: str | None = None) -> int:
     from pathlib import Path
 
-    from .experiments.data import DatasetNotFound
-    from .experiments.results import CorruptDatabase
-    from .experiments.config import RunError
-    from .experiments.runfolder import FolderBusy, RunIOError
-    from .experiments.compare import failed_runs, run_compare
+    from ..experiments.data import DatasetNotFound
+    from ..experiments.results import CorruptDatabase
+    from ..experiments.config import RunError
+    from ..experiments.runfolder import FolderBusy, RunIOError
+    from ..experiments.compare import failed_runs, run_compare
 
     try:
         out = run_compare(cfg, executor, force_config=force_config, config_text=config_text)
@@ -306,7 +306,7 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
         return 143 if isinstance(err, _Terminated) else 130
     failed = failed_runs(Path(out), cfg)
     if as_json:
-        from .experiments.report import summary_json
+        from ..experiments.report import summary_json
 
         _print_json({**summary_json(Path(out)),
                      "failed_runs": [{"run": r, "error": e} for r, e in failed]})
@@ -340,12 +340,12 @@ def cmd_report(args, console: Console) -> int:
 
     import sqlite3
 
-    from .experiments.report import write_report
-    from .experiments.results import CorruptDatabase
-    from .experiments.runfolder import RunIOError
+    from ..experiments.report import write_report
+    from ..experiments.results import CorruptDatabase
+    from ..experiments.runfolder import RunIOError
 
-    from .experiments.multi import write_all_reports
-    from .experiments.runfolder import MODELS_FILE
+    from ..experiments.multi import write_all_reports
+    from ..experiments.runfolder import MODELS_FILE
 
     run_dir = Path(args.run_dir)
     try:
@@ -362,7 +362,7 @@ def cmd_report(args, console: Console) -> int:
             _error("lowprec report", err)
             return 1
         if args.json:
-            from .experiments.report import summary_json
+            from ..experiments.report import summary_json
 
             _print_json(summary_json(run_dir))
         else:
@@ -374,7 +374,7 @@ def cmd_report(args, console: Console) -> int:
     try:
         write_report(run_dir)
         if args.json:
-            from .experiments.report import summary_json
+            from ..experiments.report import summary_json
 
             _print_json(summary_json(run_dir))
         else:
@@ -397,11 +397,11 @@ def cmd_report(args, console: Console) -> int:
 
 
 def cmd_export(args, console: Console) -> int:
-    from .experiments.config import RunError
-    from .experiments.export import export_run
-    from .experiments.results import CorruptDatabase
+    from ..experiments.config import RunError
+    from ..experiments.export import export_run
+    from ..experiments.results import CorruptDatabase
 
-    from .experiments.runfolder import RunIOError
+    from ..experiments.runfolder import RunIOError
 
     try:
         result = _user(export_run, args.run_dir, args.to, args.out)
@@ -420,8 +420,8 @@ def cmd_export(args, console: Console) -> int:
 
 def _trained_model(args, console: Console):
     """Load --data, build --model and, with --epochs > 0, train it briefly in fp32."""
-    from .experiments.data import DatasetNotFound
-    from .experiments.pretrain import train_fp32, untrained
+    from ..experiments.data import DatasetNotFound
+    from ..experiments.pretrain import train_fp32, untrained
 
     try:
         model, data = untrained(args.data, args.model, seed=args.seed)
@@ -439,7 +439,7 @@ def _trained_model(args, console: Console):
 
 
 def cmd_certify(args, console: Console) -> int:
-    from .analysis import certify
+    from ..analysis import certify
 
     fmt = _user(parse_format_checked, args.format)
     model, data = _trained_model(args, console)
@@ -464,7 +464,7 @@ def cmd_certify(args, console: Console) -> int:
 
 
 def cmd_advise(args, console: Console) -> int:
-    from .analysis import advise
+    from ..analysis import advise
 
     fmt = _user(parse_format_checked, args.format)
     model, data = _trained_model(args, console)
@@ -477,9 +477,9 @@ def cmd_advise(args, console: Console) -> int:
 
 
 def cmd_plan(args, console: Console) -> int:
-    from .experiments.planner import plan, plan_markdown, plan_table, summary_rows
+    from ..experiments.planner import plan, plan_markdown, plan_table, summary_rows
 
-    from .training.plan import Plan
+    from ..training.plan import Plan
 
     for flag, path in (("--out", args.out), ("--report", args.report)):
         if path is not None:  # checked before the search, which takes minutes
@@ -539,7 +539,7 @@ def _check_file_path(text: str):
 
 
 def parse_format_checked(spec: str):
-    from .numerics.formats import parse_format
+    from ..numerics.formats import parse_format
 
     return parse_format(spec)
 
@@ -725,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="lowprec",
         description="Reduced-precision training on PyTorch: formats, rounding, quantization.")
-    from . import __version__
+    from .. import __version__
 
     p.add_argument("--version", action="version", version=f"lowprec {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -840,7 +840,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _apply_config(parser: argparse.ArgumentParser, args, argv: list[str]):
     """Parse again with the --config file's flags before the command line's (which win)."""
-    from .experiments.configfile import config_tokens, read_config_file
+    from ..experiments.configfile import config_tokens, read_config_file
 
     table, text = _user(read_config_file, args.config)
     sub = parser.commands[args.command]
@@ -857,7 +857,7 @@ def _apply_config(parser: argparse.ArgumentParser, args, argv: list[str]):
 
 
 def _main_command(args, console) -> int:
-    from .experiments.system import tune_cpu_allocator
+    from ..experiments.system import tune_cpu_allocator
 
     tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
     return int(args.func(args, console) or 0)
