@@ -1,0 +1,77 @@
+"""``lowprec certify`` and ``lowprec advise``: a model trained briefly in fp32, then
+:func:`lowprec.analysis.certify` or :func:`lowprec.analysis.advise` in the format asked for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .common import Table, UserError, print_json, user_call
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["cmd_advise", "cmd_certify", "parse_format_checked", "trained_model"]
+
+
+def trained_model(args, console: Console):
+    """Load --data, build --model and, with --epochs > 0, train it briefly in fp32."""
+    from ..experiments.data import DatasetNotFound
+    from ..experiments.pretrain import train_fp32, untrained
+
+    try:
+        model, data = untrained(args.data, args.model, seed=args.seed)
+    except (DatasetNotFound, ValueError) as err:
+        raise UserError(str(err)) from None
+
+    def report(epoch: int) -> None:
+        if not args.quiet:
+            console.print(f"trained {args.model} on {args.data} in fp32: epoch {epoch}/"
+                          f"{args.epochs}")
+
+    train_fp32(model, data, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+               seed=args.seed, on_epoch=report)
+    return model, data
+
+
+def cmd_certify(args, console: Console) -> int:
+    from ..analysis import certify
+
+    fmt = user_call(parse_format_checked, args.format)
+    model, data = trained_model(args, console)
+    cert = user_call(certify, model, data, fmt, outputs=args.outputs)
+    if args.json:
+        print_json({"format": str(fmt), "summary": cert.summary(),
+                    "per_class": cert.per_class()})
+        return 0 if cert.violations == 0 else 1
+    console.print(str(cert))
+    s = cert.summary()
+    if "accuracy32" in s:
+        console.print(f"test accuracy: fp32 {100 * s['accuracy32']:.2f}%, {fmt} "
+                      f"{100 * s['accuracy16']:.2f}%")
+    table = Table(title="per class", header_style="bold")
+    for c in ("class", "inputs", "certified %", "same prediction %", "violations"):
+        table.add_column(c, justify="right")
+    for r in cert.per_class():
+        table.add_row(str(r["class"]), str(r["n"]), f"{100 * r['certified']:.1f}",
+                      f"{100 * r['agreement']:.1f}", str(r["violations"]))
+    console.print(table)
+    return 0 if cert.violations == 0 else 1
+
+
+def cmd_advise(args, console: Console) -> int:
+    from ..analysis import advise
+
+    fmt = user_call(parse_format_checked, args.format)
+    model, data = trained_model(args, console)
+    adv = user_call(advise, model, data, fmt, batches=args.batches, lr=args.lr)
+    if args.json:
+        print_json(adv.to_json())
+    else:
+        console.print(str(adv))
+    return 0
+
+
+def parse_format_checked(spec: str):
+    from ..numerics.formats import parse_format
+
+    return parse_format(spec)
