@@ -35,13 +35,7 @@ def sections(db: ResultsDB):
         return [], (lambda img: []), {}
     cols = ["policy", "format", "certified % (mean over seeds)", "same prediction %",
             "violations"]
-    cells = []
-    for (policy, fmt), items in table.items():
-        s = [it["summary"] for it in items]
-        cells.append([policy, _shown(fmt),
-                      f"{100 * statistics.fmean(x['certified'] for x in s):.2f}",
-                      f"{100 * statistics.fmean(x['agreement'] for x in s):.2f}",
-                      str(sum(x["violations"] for x in s))])
+    cells = _certificate_cells(table)
     # the scatter and per-class breakdown of one model: the first 32-bit run in fp16 if present
     key = next((k for k in table if k == ("32-true", "fp16")), next(iter(table)))
     item = table[key][0]
@@ -70,33 +64,9 @@ def sections(db: ResultsDB):
               "(first seed of each policy).")
     gr_cap = (f"log2 |gradient| of {title} at loss scale 1 (solid) and at the recommended scale "
               "(dashed), against the format's smallest subnormal, smallest normal and max.")
-    lu_cols = ["policy", "parameter format", "lr", "worst layer", "lost: nearest %",
-               "stochastic %", "kahan %"]
-    lu = []
-    for (policy, _fmt), items in lost.items():
-        it = items[0]
-        worst = max(it["layers"], key=lambda r: r["nearest"], default=None)
-        if worst:
-            lu.append([policy, it["format"], f"{it['lr']:g}", worst["layer"],
-                       f"{100 * worst['nearest']:.1f}", f"{100 * worst['stochastic']:.1f}",
-                       f"{100 * worst['kahan']:.1f}"])
-    rg_cols = ["policy", "format", "role", "overflow %", "flush to zero %", "subnormal %"]
-    rg = []
-    for (policy, fmt), items in ranges.items():
-        for role, v in items[0]["roles"].items():
-            rg.append([policy, fmt, role.replace("_", " "), f"{100 * v['overflow']:.3f}",
-                       f"{100 * v['flush']:.2f}", f"{100 * v['subnormal']:.2f}"])
-    if "layer_errors.png" in figs:
-        md += ["## Error propagation", "", f"![{le_cap}](report_files/layer_errors.png)", "",
-               f"*{le_cap}*", ""]
-    if rg:
-        md += ["## Value ranges against the format", "", md_table(rg_cols, rg), ""]
-        if "gradient_ranges.png" in figs:
-            md += [f"![{gr_cap}](report_files/gradient_ranges.png)", "", f"*{gr_cap}*", ""]
-    if lu:
-        md += ["## Lost updates", "", "Fraction of parameter elements whose first update "
-               "rounds away (w + Δw == w in the parameter format), worst layer of each run.", "",
-               md_table(lu_cols, lu), ""]
+    lu_cols, lu = _lost_table(lost)
+    rg_cols, rg = _range_table(ranges)
+    md += _analysis_md(figs, rg_cols, rg, lu_cols, lu, le_cap, gr_cap)
 
     def build(img):
         out = ["<h2>The 16-bit certificate</h2>", f"<p>{html.escape(intro)}</p>",
@@ -114,6 +84,61 @@ def sections(db: ResultsDB):
         return out
 
     return md, build, figs
+
+
+def _certificate_cells(table) -> list[list[str]]:
+    """The certificate table's rows: one per (policy, format), means over its seeds."""
+    cells = []
+    for (policy, fmt), items in table.items():
+        s = [it["summary"] for it in items]
+        cells.append([policy, _shown(fmt),
+                      f"{100 * statistics.fmean(x['certified'] for x in s):.2f}",
+                      f"{100 * statistics.fmean(x['agreement'] for x in s):.2f}",
+                      str(sum(x["violations"] for x in s))])
+    return cells
+
+
+def _lost_table(lost) -> tuple[list[str], list[list[str]]]:
+    """The lost-updates table (columns, rows): the worst layer of each run that has one."""
+    lu_cols = ["policy", "parameter format", "lr", "worst layer", "lost: nearest %",
+               "stochastic %", "kahan %"]
+    lu = []
+    for (policy, _fmt), items in lost.items():
+        it = items[0]
+        worst = max(it["layers"], key=lambda r: r["nearest"], default=None)
+        if worst:
+            lu.append([policy, it["format"], f"{it['lr']:g}", worst["layer"],
+                       f"{100 * worst['nearest']:.1f}", f"{100 * worst['stochastic']:.1f}",
+                       f"{100 * worst['kahan']:.1f}"])
+    return lu_cols, lu
+
+
+def _range_table(ranges) -> tuple[list[str], list[list[str]]]:
+    """The value-ranges table (columns, rows): one row per (policy, format, role)."""
+    rg_cols = ["policy", "format", "role", "overflow %", "flush to zero %", "subnormal %"]
+    rg = []
+    for (policy, fmt), items in ranges.items():
+        for role, v in items[0]["roles"].items():
+            rg.append([policy, fmt, role.replace("_", " "), f"{100 * v['overflow']:.3f}",
+                       f"{100 * v['flush']:.2f}", f"{100 * v['subnormal']:.2f}"])
+    return rg_cols, rg
+
+
+def _analysis_md(figs: dict, rg_cols, rg, lu_cols, lu, le_cap: str, gr_cap: str) -> list[str]:
+    """The markdown after the certificate: error propagation, value ranges, lost updates."""
+    md: list[str] = []
+    if "layer_errors.png" in figs:
+        md += ["## Error propagation", "", f"![{le_cap}](report_files/layer_errors.png)", "",
+               f"*{le_cap}*", ""]
+    if rg:
+        md += ["## Value ranges against the format", "", md_table(rg_cols, rg), ""]
+        if "gradient_ranges.png" in figs:
+            md += [f"![{gr_cap}](report_files/gradient_ranges.png)", "", f"*{gr_cap}*", ""]
+    if lu:
+        md += ["## Lost updates", "", "Fraction of parameter elements whose first update "
+               "rounds away (w + Δw == w in the parameter format), worst layer of each run.", "",
+               md_table(lu_cols, lu), ""]
+    return md
 
 
 def _layer_plot(layers) -> bytes:

@@ -330,8 +330,43 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
         return existing["status"]
 
     model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
-    n = len(x_train)
-    steps_per_epoch = math.ceil(n / cfg.batch_size)
+    steps_per_epoch = math.ceil(len(x_train) / cfg.batch_size)
+    start_epoch, records = _resume(db, cfg, policy, seed, env, existing, ckpt_path, model, opt,
+                                   prec, x_train, y_train)
+    # the thread count this run trains with, measured where it trains
+    db.record_analysis(run_id, "threads", {"threads": torch.get_num_threads()})
+    progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
+                       start_epoch * steps_per_epoch)
+
+    status, diverged_step = "finished", None
+    for epoch in range(start_epoch, cfg.epochs):
+        record, diverged_step = _run_epoch(cfg, data, model, opt, prec, x_train, y_train, seed,
+                                           epoch, progress)
+        if diverged_step is not None:
+            status = "diverged"
+        _record_epoch(db, run_id, record)
+        progress.epoch_done(f"{policy} seed {seed}", epoch + 1, cfg.epochs,
+                            train_loss=record["train_loss"], test_acc=record["test_acc"],
+                            seconds=record["seconds"])
+        if status == "diverged":
+            break
+        records.append(record)
+        # the weights as a native run stores them (emulated fp16 as float16: half the bytes);
+        # load_state_dict copies them back into the float32 carriers exactly
+        atomic_save({"model": prec.checkpoint_state_dict(), "optimizer": opt.state_dict(),
+                     "precision": prec.state_dict(), "epoch": epoch,
+                     "rng": torch.get_rng_state(), "records": records}, ckpt_path)
+    _finish_run(cfg, data, db, run_id, status, diverged_step, model, prec, x_train, y_train,
+                ckpt_path, progress)
+    return status
+
+
+def _resume(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, env: dict, existing,
+            ckpt_path: Path, model: nn.Module, opt, prec: Precision, x_train, y_train
+            ) -> tuple[int, list[dict]]:
+    """Where a run starts (its checkpoint loaded, or redone, or recorded afresh): the first
+    epoch to train and the epoch records so far."""
+    run_id = run_id_of(policy, seed)
     start_epoch = 0
     records: list[dict] = []  # record_epoch's arguments, every epoch so far (in checkpoints)
     if resumable(existing) and ckpt_path.exists():
@@ -359,65 +394,71 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
         db.truncate(run_id, last_epoch=-1, last_step=-1)
     else:
         _record_start(db, cfg, policy, seed, env, prec, model, x_train, y_train)
-    # the thread count this run trains with, measured where it trains
-    db.record_analysis(run_id, "threads", {"threads": torch.get_num_threads()})
-    progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
-                       start_epoch * steps_per_epoch)
+    return start_epoch, records
 
-    status, diverged_step = "finished", None
-    for epoch in range(start_epoch, cfg.epochs):
-        # the order of an epoch depends only on (seed, epoch): resuming reproduces it
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, epoch)
-        meter = EpochMeter().start()
-        losses, trace_start, steps = [], len(prec.trace), []
-        skipped0, nonfinite0 = prec.skipped, prec.nonfinite
-        consecutive_bad = 0
-        model.train()
-        for i in range(0, n, cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size]
-            xb, yb = x_train[idx], y_train[idx]
-            opt.zero_grad()
-            with prec.autocast():
-                loss = nn.functional.cross_entropy(model(xb).float(), yb)
-            prec.backward(loss)
-            grad_norm = _grad_norm(model, prec.loss_scale.scale)
-            steps.append({"step": prec.steps, "loss": loss.item(),
-                          "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm})
-            prec.step(opt)
-            lv = steps[-1]["loss"]
-            losses.append(lv)
-            consecutive_bad = consecutive_bad + 1 if not math.isfinite(lv) else 0
-            meter.sample()
-            progress.step()
-            params_bad = (prec.steps % 20 == 0 or i + cfg.batch_size >= n) and not all(
-                torch.isfinite(p).all() for p in model.parameters())
-            if params_bad or consecutive_bad >= 200:
-                status, diverged_step = "diverged", prec.steps - 1
-                break
-        timing = meter.stop()  # the training steps' time; evaluation is not counted
-        finite = [v for v in losses if math.isfinite(v)]
-        train_loss = sum(finite) / len(finite) if len(finite) == len(losses) else float("nan")
-        if status == "diverged":
-            test_loss, test_acc = float("nan"), float("nan")
-        else:
-            test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
-        record = dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
-                      test_acc=test_acc, skipped=prec.skipped - skipped0,
-                      nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
-                      trace=prec.trace[trace_start:], steps=steps, **timing)
-        _record_epoch(db, run_id, record)
-        progress.epoch_done(f"{policy} seed {seed}", epoch + 1, cfg.epochs, train_loss=train_loss,
-                            test_acc=test_acc, seconds=timing["seconds"])
-        if status == "diverged":
-            break
-        records.append(record)
-        # the weights as a native run stores them (emulated fp16 as float16: half the bytes);
-        # load_state_dict copies them back into the float32 carriers exactly
-        atomic_save({"model": prec.checkpoint_state_dict(), "optimizer": opt.state_dict(),
-                     "precision": prec.state_dict(), "epoch": epoch,
-                     "rng": torch.get_rng_state(), "records": records}, ckpt_path)
+
+def _run_epoch(cfg: CompareConfig, data: Dataset, model: nn.Module, opt, prec: Precision,
+               x_train, y_train, seed: int, epoch: int, progress: Progress
+               ) -> tuple[dict, int | None]:
+    """One epoch trained and evaluated: its record and the step it diverged at (None if not)."""
+    # the order of an epoch depends only on (seed, epoch): resuming reproduces it
+    perm = torch.randperm(len(x_train),
+                          generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    for group in opt.param_groups:
+        group["lr"] = lr_at(cfg, epoch)
+    meter = EpochMeter().start()
+    trace_start, skipped0, nonfinite0 = len(prec.trace), prec.skipped, prec.nonfinite
+    losses, steps, diverged_step = _train_steps(cfg, model, opt, prec, x_train, y_train, perm,
+                                                meter, progress)
+    timing = meter.stop()  # the training steps' time; evaluation is not counted
+    finite = [v for v in losses if math.isfinite(v)]
+    train_loss = sum(finite) / len(finite) if len(finite) == len(losses) else float("nan")
+    if diverged_step is not None:
+        test_loss, test_acc = float("nan"), float("nan")
+    else:
+        test_loss, test_acc = evaluate(model, prec, data.x_test, data.y_test)
+    record = dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
+                  test_acc=test_acc, skipped=prec.skipped - skipped0,
+                  nonfinite=prec.nonfinite - nonfinite0, loss_scale=prec.loss_scale.scale,
+                  trace=prec.trace[trace_start:], steps=steps, **timing)
+    return record, diverged_step
+
+
+def _train_steps(cfg: CompareConfig, model: nn.Module, opt, prec: Precision, x_train, y_train,
+                 perm: torch.Tensor, meter: EpochMeter, progress: Progress
+                 ) -> tuple[list[float], list[dict], int | None]:
+    """An epoch's steps in ``perm``'s order: losses, step records, the diverged step (or None)."""
+    n = len(x_train)
+    losses, steps = [], []
+    consecutive_bad = 0
+    model.train()
+    for i in range(0, n, cfg.batch_size):
+        idx = perm[i:i + cfg.batch_size]
+        xb, yb = x_train[idx], y_train[idx]
+        opt.zero_grad()
+        with prec.autocast():
+            loss = nn.functional.cross_entropy(model(xb).float(), yb)
+        prec.backward(loss)
+        grad_norm = _grad_norm(model, prec.loss_scale.scale)
+        steps.append({"step": prec.steps, "loss": loss.item(),
+                      "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm})
+        prec.step(opt)
+        lv = steps[-1]["loss"]
+        losses.append(lv)
+        consecutive_bad = consecutive_bad + 1 if not math.isfinite(lv) else 0
+        meter.sample()
+        progress.step()
+        params_bad = (prec.steps % 20 == 0 or i + cfg.batch_size >= n) and not all(
+            torch.isfinite(p).all() for p in model.parameters())
+        if params_bad or consecutive_bad >= 200:
+            return losses, steps, prec.steps - 1
+    return losses, steps, None
+
+
+def _finish_run(cfg: CompareConfig, data: Dataset, db: ResultsDB, run_id: str, status: str,
+                diverged_step: int | None, model: nn.Module, prec: Precision, x_train, y_train,
+                ckpt_path: Path, progress: Progress) -> None:
+    """A run's end: its coverage and analyses recorded, its status stored, its checkpoint gone."""
     _record_coverage(db, run_id, prec)  # every forward of this run's training
     if status == "finished":
         try:
@@ -430,7 +471,6 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
     if ckpt_path.exists():
         ckpt_path.unlink()
     progress.run_done()
-    return status
 
 
 def _disk_error(err: BaseException, db_path: Path) -> RunIOError:

@@ -422,6 +422,11 @@ def quantize(
             out = _in_layout(x, None, prm, keyed)
             if out is not None:
                 return out
+    return _quantize_general(x, fmt, rounding, generator, random_bits, seed, impl)
+
+
+def _quantize_general(x, fmt, rounding, generator, random_bits, seed, impl) -> torch.Tensor:
+    """:func:`quantize` past its fast path: graph ops, the argument checks, then the numerics."""
     if (emits_graph_ops() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
@@ -445,34 +450,7 @@ def quantize(
         if isinstance(fmt, BinaryFormat):
             out = _binary(xf)
         else:
-            keyed = type(seed) is tuple and generator is None
-            if not mode.is_stochastic:
-                seed = (0, 0)
-            else:
-                seed = draw_seed(generator) if seed is None else _keys_of(seed)
-            code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
-            if isinstance(fmt, (FloatFormat, FixedFormat)) and random_bits is None and \
-                    impl == "auto" and _kernel.available():
-                if not mode.is_stochastic:
-                    _prepare(key, fmt, code, rmask)
-                elif keyed:
-                    _prepare(key, fmt, code, rmask, _PREPARED_KEYED)
-            if impl == "auto" and _on_accelerator(xf) and \
-                    not (code == R_NEAREST_EVEN and fmt in _NATIVE_CASTS) and \
-                    xf.numel() <= _fused.max_numel(fmt):
-                # on a GPU: the fused decomposition's int32 ops over the whole tensor (a few
-                # dozen kernel launches; the reference path's chunk loop launched thousands)
-                keys = (torch.tensor(seed, dtype=torch.int64, device=xf.device)
-                        if mode.is_stochastic else None)
-                out = _fused_on_device(xf, fmt, mode, rbits or 0, keys)
-            elif isinstance(fmt, BlockFormat):
-                out = _blocks(xf, fmt, code, rmask, seed, impl)
-            elif isinstance(fmt, (FloatFormat, FixedFormat)):
-                out = _elementwise(xf, fmt, code, rmask, seed, impl, None)
-            else:
-                raise TypeError(f"cannot quantize to {fmt} directly: dynamic fixed point keeps "
-                                "a range per group of tensors; use Precision, or "
-                                "fmt.at_range(r) for a given range")
+            out = _round_values(xf, fmt, key, mode, rbits, random_bits, generator, seed, impl)
         out = out.reshape(x.shape)
         if out.stride() != x.stride() and memory_order(x) is not None:
             # a dense input's layout kept, as torch's elementwise ops keep it (a channels-last
@@ -480,6 +458,38 @@ def quantize(
             # otherwise take mixed layouts)
             return torch.empty_like(x).copy_(out)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _round_values(xf: torch.Tensor, fmt, key, mode: Rounding, rbits, random_bits, generator,
+                  seed, impl: Impl) -> torch.Tensor:
+    """Round float32 ``xf`` (non-empty, checked arguments) onto a non-binary format's grid."""
+    keyed = type(seed) is tuple and generator is None
+    if not mode.is_stochastic:
+        seed = (0, 0)
+    else:
+        seed = draw_seed(generator) if seed is None else _keys_of(seed)
+    code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
+    if isinstance(fmt, (FloatFormat, FixedFormat)) and random_bits is None and \
+            impl == "auto" and _kernel.available():
+        if not mode.is_stochastic:
+            _prepare(key, fmt, code, rmask)
+        elif keyed:
+            _prepare(key, fmt, code, rmask, _PREPARED_KEYED)
+    if impl == "auto" and _on_accelerator(xf) and \
+            not (code == R_NEAREST_EVEN and fmt in _NATIVE_CASTS) and \
+            xf.numel() <= _fused.max_numel(fmt):
+        # on a GPU: the fused decomposition's int32 ops over the whole tensor (a few
+        # dozen kernel launches; the reference path's chunk loop launched thousands)
+        keys = (torch.tensor(seed, dtype=torch.int64, device=xf.device)
+                if mode.is_stochastic else None)
+        return _fused_on_device(xf, fmt, mode, rbits or 0, keys)
+    if isinstance(fmt, BlockFormat):
+        return _blocks(xf, fmt, code, rmask, seed, impl)
+    if isinstance(fmt, (FloatFormat, FixedFormat)):
+        return _elementwise(xf, fmt, code, rmask, seed, impl, None)
+    raise TypeError(f"cannot quantize to {fmt} directly: dynamic fixed point keeps "
+                    "a range per group of tensors; use Precision, or "
+                    "fmt.at_range(r) for a given range")
 
 
 def quantize_(

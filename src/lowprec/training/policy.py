@@ -240,70 +240,10 @@ def _bad_policy(spec, why: str = "") -> ValueError:
 
 
 def _parse_spec(spec: str) -> Policy:
-    kv: dict[str, str] = {}
-    seen: dict[str, str] = {}  # role -> the key as written
-    for item in _join_loss_scale_options(split_top(spec)):
-        if "=" not in item:
-            raise _bad_policy(spec, f"{item!r} is not key=value")
-        key, val = (s.strip() for s in item.split("=", 1))
-        if key.lower() not in _KEYS:
-            raise _bad_policy(spec, f"unknown key {key!r}")
-        role = _KEYS[key.lower()]
-        if role in kv:
-            # p=fp16,p=bf16 (or p=... and params=...): which one was meant is a guess
-            raise ValueError(f"{role} given twice ({seen[role]}={kv[role]!r} and {key}={val!r}); "
-                             "give each key once")
-        kv[role], seen[role] = val, key
-    if not kv:
-        raise _bad_policy(spec)
-    kwargs: dict = {}
-
-    def fmt_and_mode(value: str):
-        # "e5m2:sr" -> (format, mode); formats themselves never contain ':'
-        f, _, mode = value.partition(":")
-        return parse_format(f), (mode or None)
-
-    if "params" in kv:
-        f, mode = fmt_and_mode(kv["params"])
-        kwargs["params"] = f
-        if mode:
-            # p=fmt:kahan names the write-back; a rounding mode (p=fmt:sr) picks the stochastic
-            # or nearest write-back
-            if mode.lower() in UPDATE_MODES:
-                kwargs["update"] = mode.lower()
-            else:
-                wmode, bits = parse_rounding(mode)
-                if wmode is Rounding.STOCHASTIC_LIMITED:
-                    # the write-back draws 32 bits; accepting srN here would drop the N
-                    raise ValueError(f"p={kv['params']!r}: the write-back takes nearest, "
-                                     f"stochastic (32 random bits) or kahan, not {mode!r}")
-                kwargs["update"] = (WriteBack.STOCHASTIC if wmode.is_stochastic
-                                    else WriteBack.NEAREST)
-    params = kwargs.get("params", FP32)
-    if "compute" in kv:
-        kwargs["compute"], mode = fmt_and_mode(kv["compute"])
-        if mode:
-            kwargs["rounding"] = mode
-    compute = kwargs.get("compute", params)
-    kwargs.setdefault("compute", compute)
-    if "grads" in kv:
-        kwargs["grads"], mode = fmt_and_mode(kv["grads"])
-        if mode:
-            kwargs["grad_rounding"] = mode
-    kwargs.setdefault("grads", compute)
-    kwargs["optimizer_state"] = (parse_format(kv["optimizer_state"]) if "optimizer_state" in kv
-                                 else params)
-    if "master" in kv:
-        kwargs["master"] = None if kv["master"].lower() in ("none", "") else parse_format(
-            kv["master"])
-    # one setting given twice in two ways: p=fp16:kahan with u=nearest, c=fp16:sr with r=...
-    if "update" in kv and "update" in kwargs:
-        raise ValueError(f"the write-back is given twice (p={kv['params']!r} and "
-                         f"{seen['update']}={kv['update']!r}); give it once")
-    for role, key in (("compute", "c"), ("grads", "g")):
-        if "rounding" in kv and role in kv and ":" in kv[role]:
-            raise ValueError(f"the {role} rounding is given twice ({seen[role]}={kv[role]!r} and "
-                             f"{seen['rounding']}={kv['rounding']!r}); give it once")
+    kv, seen = _split_spec(spec)
+    kwargs = _role_formats(kv)
+    params, compute = kwargs.get("params", FP32), kwargs["compute"]
+    _refuse_given_twice(kv, seen, kwargs)
     for key in ("loss_scale", "backend", "scope", "update"):
         if key in kv:
             kwargs[key] = kv[key].lower()
@@ -321,6 +261,87 @@ def _parse_spec(spec: str) -> Policy:
                  and params == FP32 and compute != FP32)
         kwargs["scope"] = Scope.MATMUL if wider else Scope.ALL
     return Policy(**kwargs)
+
+
+def _split_spec(spec: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A spec's items as {role: value} and {role: the key as written}; each role given once."""
+    kv: dict[str, str] = {}
+    seen: dict[str, str] = {}  # role -> the key as written
+    for item in _join_loss_scale_options(split_top(spec)):
+        if "=" not in item:
+            raise _bad_policy(spec, f"{item!r} is not key=value")
+        key, val = (s.strip() for s in item.split("=", 1))
+        if key.lower() not in _KEYS:
+            raise _bad_policy(spec, f"unknown key {key!r}")
+        role = _KEYS[key.lower()]
+        if role in kv:
+            # p=fp16,p=bf16 (or p=... and params=...): which one was meant is a guess
+            raise ValueError(f"{role} given twice ({seen[role]}={kv[role]!r} and {key}={val!r}); "
+                             "give each key once")
+        kv[role], seen[role] = val, key
+    if not kv:
+        raise _bad_policy(spec)
+    return kv, seen
+
+
+def _fmt_and_mode(value: str):
+    """``"e5m2:sr"`` -> (format, mode or None); formats themselves never contain ':'."""
+    f, _, mode = value.partition(":")
+    return parse_format(f), (mode or None)
+
+
+def _role_formats(kv: dict[str, str]) -> dict:
+    """Policy's keyword arguments for the formats of the roles (and the modes written on them)."""
+    kwargs: dict = {}
+    if "params" in kv:
+        f, mode = _fmt_and_mode(kv["params"])
+        kwargs["params"] = f
+        if mode:
+            kwargs["update"] = _write_back(kv["params"], mode)
+    params = kwargs.get("params", FP32)
+    if "compute" in kv:
+        kwargs["compute"], mode = _fmt_and_mode(kv["compute"])
+        if mode:
+            kwargs["rounding"] = mode
+    compute = kwargs.get("compute", params)
+    kwargs.setdefault("compute", compute)
+    if "grads" in kv:
+        kwargs["grads"], mode = _fmt_and_mode(kv["grads"])
+        if mode:
+            kwargs["grad_rounding"] = mode
+    kwargs.setdefault("grads", compute)
+    kwargs["optimizer_state"] = (parse_format(kv["optimizer_state"]) if "optimizer_state" in kv
+                                 else params)
+    if "master" in kv:
+        kwargs["master"] = None if kv["master"].lower() in ("none", "") else parse_format(
+            kv["master"])
+    return kwargs
+
+
+def _write_back(value: str, mode: str):
+    """The write-back that ``p=fmt:mode`` names (``value`` is the p= value, for the error)."""
+    # p=fmt:kahan names the write-back; a rounding mode (p=fmt:sr) picks the stochastic
+    # or nearest write-back
+    if mode.lower() in UPDATE_MODES:
+        return mode.lower()
+    wmode, bits = parse_rounding(mode)
+    if wmode is Rounding.STOCHASTIC_LIMITED:
+        # the write-back draws 32 bits; accepting srN here would drop the N
+        raise ValueError(f"p={value!r}: the write-back takes nearest, "
+                         f"stochastic (32 random bits) or kahan, not {mode!r}")
+    return WriteBack.STOCHASTIC if wmode.is_stochastic else WriteBack.NEAREST
+
+
+def _refuse_given_twice(kv: dict[str, str], seen: dict[str, str], kwargs: dict) -> None:
+    """ValueError for one setting given twice in two ways (a p=/c=/g= suffix and its own key)."""
+    # one setting given twice in two ways: p=fp16:kahan with u=nearest, c=fp16:sr with r=...
+    if "update" in kv and "update" in kwargs:
+        raise ValueError(f"the write-back is given twice (p={kv['params']!r} and "
+                         f"{seen['update']}={kv['update']!r}); give it once")
+    for role, key in (("compute", "c"), ("grads", "g")):
+        if "rounding" in kv and role in kv and ":" in kv[role]:
+            raise ValueError(f"the {role} rounding is given twice ({seen[role]}={kv[role]!r} and "
+                             f"{seen['rounding']}={kv['rounding']!r}); give it once")
 
 
 _FIXED_POLICY_RE = re.compile(r"^(?:fixed<(\d+),(\d+)>|q(-?\d+)\.(\d+))-(sr|rn)$")
