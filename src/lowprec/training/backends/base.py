@@ -136,19 +136,23 @@ class PrecisionBackend:
 BACKENDS: dict[Backend, type[PrecisionBackend]] = {}
 
 
-def register_backend(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
-    """Register ``cls`` for its ``kind`` (usable as a decorator); one class per kind."""
+def _register(table: dict, cls: type[PrecisionBackend], what: str) -> type[PrecisionBackend]:
+    """``cls`` into ``table`` under its ``kind``, checked: one class per kind."""
     if not (isinstance(cls, type) and issubclass(cls, PrecisionBackend)):
         raise TypeError(f"a backend must be a PrecisionBackend subclass, got {cls!r}")
     kind = getattr(cls, "kind", None)
     kind = Backend.parse(kind) if isinstance(kind, str) else None
     if kind is None or kind is Backend.AUTO:
         raise ValueError(f"{cls.__name__}.kind must be a Backend other than auto")
-    if BACKENDS.get(kind, cls) is not cls:
-        raise ValueError(f"a backend for {kind} is already registered "
-                         f"({BACKENDS[kind].__name__})")
-    BACKENDS[kind] = cls
+    if table.get(kind, cls) is not cls:
+        raise ValueError(f"{what} for {kind} is already registered ({table[kind].__name__})")
+    table[kind] = cls
     return cls
+
+
+def register_backend(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
+    """Register ``cls`` for its ``kind`` (usable as a decorator); one class per kind."""
+    return _register(BACKENDS, cls, "a backend")
 
 
 #: kind -> the backend that runs it compiled (``Precision(..., compile=True)``)
@@ -158,17 +162,7 @@ COMPILED_BACKENDS: dict[Backend, type[PrecisionBackend]] = {}
 def register_compiled_backend(cls: type[PrecisionBackend]) -> type[PrecisionBackend]:
     """Register ``cls`` as the compiled backend of its ``kind`` (usable as a decorator): the
     class :func:`backend_class` gives with ``compiled=True``; one class per kind."""
-    if not (isinstance(cls, type) and issubclass(cls, PrecisionBackend)):
-        raise TypeError(f"a backend must be a PrecisionBackend subclass, got {cls!r}")
-    kind = getattr(cls, "kind", None)
-    kind = Backend.parse(kind) if isinstance(kind, str) else None
-    if kind is None or kind is Backend.AUTO:
-        raise ValueError(f"{cls.__name__}.kind must be a Backend other than auto")
-    if COMPILED_BACKENDS.get(kind, cls) is not cls:
-        raise ValueError(f"a compiled backend for {kind} is already registered "
-                         f"({COMPILED_BACKENDS[kind].__name__})")
-    COMPILED_BACKENDS[kind] = cls
-    return cls
+    return _register(COMPILED_BACKENDS, cls, "a compiled backend")
 
 
 def backend_class(kind: Backend, compiled: bool = False) -> type[PrecisionBackend]:
