@@ -4,9 +4,11 @@ and of every guide run as written (each page in order, in one namespace that sta
 getting-started page's; tests/integrations/test_docs.py runs the integrations guide's, which
 need the optional dependencies)."""
 
+import importlib
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 #: the pages whose Python blocks run here (integrations.md: tests/integrations/test_docs.py;
 #: scaling.md's example runs under torchrun: tests/training/test_distributed.py)
+#: the API reference's pages and the package each documents
+REFERENCE = {"lowprec": "lowprec", "numerics": "lowprec.numerics", "training": "lowprec.training",
+             "analysis": "lowprec.analysis", "optim": "lowprec.optim",
+             "results": "lowprec.results", "integrations": "lowprec.integrations"}
 PAGES = ["guides/formats.md", "guides/train.md", "guides/regimes.md", "guides/compare.md",
          "guides/analyse.md", "guides/certify.md", "guides/plan.md"]
 
@@ -58,11 +64,20 @@ def test_site_builds_strictly(tmp_path):
                            str(tmp_path / "site"), "--config-file", str(ROOT / "mkdocs.yml")],
                           capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1",
                                                                 "PATH": "/usr/bin:/bin"},
-                          cwd=ROOT)
+                          cwd=tmp_path)  # the config's paths hold from any folder
     assert done.returncode == 0, done.stderr[-4000:]
     site = tmp_path / "site"
     for page in ["index.html", "guides/certify/index.html", "reference/results/index.html"]:
         assert (site / page).is_file(), page
-    # the API reference was generated from the docstrings
+    # the API reference was generated from the docstrings: every public name of every
+    # package page has its entry (sub-modules have pages or guides of their own)
     ref = (site / "reference" / "lowprec" / "index.html").read_text()
     assert 'id="lowprec.Precision.setup"' in ref and 'id="lowprec.quantize"' in ref
+    for page, name in REFERENCE.items():
+        html = (site / "reference" / page / "index.html").read_text()
+        ids = set(re.findall(r'id="([A-Za-z_][\w.]*)"', html))
+        module = importlib.import_module(name)
+        missing = [n for n in module.__all__ if not n.startswith("_")
+                   and not isinstance(getattr(module, n), types.ModuleType)
+                   and not any(i == f"{name}.{n}" or i.endswith("." + n) for i in ids)]
+        assert not missing, f"{page}: {missing}"

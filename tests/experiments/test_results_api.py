@@ -4,6 +4,7 @@ the SQLite database itself (the reference: what the runner wrote), with nothing 
 import json
 import math
 import os
+import re
 import sqlite3
 
 import pytest
@@ -36,7 +37,7 @@ def _rows(run, sql):
 def _same(a, b):
     if a is None:
         return b is None or (isinstance(b, float) and math.isnan(b))
-    return a == b or (isinstance(a, float) and b == pytest.approx(a, rel=0, abs=0))
+    return a == b
 
 
 def _snapshot(folder):
@@ -77,6 +78,15 @@ def test_tables_equal_the_database_and_nothing_is_written(run):
     analyses = _rows(run, "SELECT * FROM analysis")
     assert len(res.analyses) == len(analyses) > 0
     assert all(isinstance(p, dict) for p in res.analyses["payload"])
+    assert list(res.memory.columns) == list(lowprec.results.MEMORY_COLUMNS)
+    for got in res.memory.to_dict("records"):
+        ref = _rows(run, f"SELECT * FROM memory WHERE run_id = '{got['run_id']}'")[0]
+        assert got["policy"] == runs[got["run_id"]]["policy"]
+        assert all(got[k] == v for k, v in ref.items())
+    # one dtype whatever the data: no run diverged here, and every run has a ledger
+    assert str(res.runs["diverged_step"].dtype) == "Int64" and res.runs["diverged_step"].isna().all()
+    assert str(res.runs["memory_total"].dtype) == "Int64"
+    assert res.runs["final_test_acc"].between(0, 1).all()  # fractions, not percent
 
 
 def test_run_summary_is_the_last_and_best_epoch(run):
@@ -115,7 +125,8 @@ def test_non_finite_values_read_as_nan(tmp_path):
                     steps=[{"step": 0, "loss": float("inf"), "lr": 0.1, "grad_norm": None}])
     db.finish_run("a", "diverged", diverged_step=0)
     db.close()
-    res = lowprec.results.load(tmp_path)
+    res = lowprec.results.load(tmp_path / "results.db")  # the database file names its folder
+    assert res.path == tmp_path and "1 runs" in repr(res)
     e = res.epochs.iloc[0]
     assert math.isnan(e["train_loss"]) and math.isnan(e["test_loss"]) and e["test_acc"] == 0.1
     s = res.steps.iloc[0]
@@ -123,7 +134,7 @@ def test_non_finite_values_read_as_nan(tmp_path):
     r = res.runs.iloc[0]
     assert r["status"] == "diverged" and r["diverged_step"] == 0
     assert math.isnan(r["final_train_loss"]) and r["final_test_acc"] == 0.1
-    assert math.isnan(r["memory_total"])  # no ledger recorded
+    assert r["memory_total"] is __import__("pandas").NA  # no ledger recorded
 
 
 def test_several_models_get_a_model_column(tmp_path, run):
@@ -142,7 +153,8 @@ def test_several_models_get_a_model_column(tmp_path, run):
 
 
 def test_folder_without_results_is_named(tmp_path):
-    with pytest.raises(RunError, match=str(tmp_path) + ".*has no results.db"):
+    assert lowprec.results.RunError is RunError
+    with pytest.raises(RunError, match=re.escape(str(tmp_path)) + ".*has no results.db"):
         lowprec.results.load(tmp_path)
     (tmp_path / "results.db").write_bytes(b"not a database" * 100)
     with pytest.raises(lowprec.results.CorruptDatabase, match="results.db"):

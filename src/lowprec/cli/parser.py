@@ -78,7 +78,7 @@ def _add_quantize(sub) -> None:
     offer_formats(q.add_argument("--format", "-f", action="append", required=True,
                                  help="target format (repeatable), e.g. -f fp16 -f e4m3fn"))
     offer(q.add_argument("--rounding", "-r", default="nearest",
-                         help="nearest, nearest_away, toward_zero, up, down, stochastic, srN"),
+                         help=", ".join(_names.ROUNDING_NAMES + ("srN",))),
           _names.ROUNDING_NAMES)
     q.add_argument("--seed", type=int_arg(0, MAX_SEED), default=0,
                    help="seed of stochastic rounding")

@@ -6,7 +6,8 @@ in-memory copy, so a comparison still running, or a read-only folder, can be rea
 the run's ``policy`` and ``seed`` so that a ``groupby("policy")`` needs no join. A comparison
 over several models (``RUN_DIR/models.json``) gives the rows of every model's folder with a
 ``model`` column first. Values that were not finite in training (stored as SQL NULL) read as
-NaN; JSON columns (a run's config, versions and hardware, an analysis payload) read as dicts.
+NaN, a missing integer (a run's ``diverged_step``, ``memory_total``) as pandas' ``<NA>``; JSON
+columns (a run's config, versions and hardware, an analysis payload) read as dicts.
 pandas is needed (``pip install lowprec[results]``); it is imported on first use.
 """
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["Results", "load", "RUN_COLUMNS", "EPOCH_COLUMNS", "STEP_COLUMNS",
-           "ANALYSIS_COLUMNS"]
+           "ANALYSIS_COLUMNS", "MEMORY_COLUMNS"]
 
 #: the columns of :attr:`Results.runs`, in order (a ``model`` column first for several models)
 RUN_COLUMNS = ("run_id", "policy", "seed", "status", "backend", "final_test_acc",
@@ -37,14 +38,16 @@ EPOCH_COLUMNS = ("run_id", "policy", "seed", "epoch", "train_loss", "test_loss",
                  "seconds", "cpu_seconds", "load", "other_cpus", "skipped", "nonfinite",
                  "loss_scale", "ended")
 #: the columns of :attr:`Results.steps` (``loss_scale`` and ``skipped`` from the loss-scale
-#: trace: NaN where the run kept no trace, as fp32 and bf16 runs do)
+#: trace: 1.0 and 0 for a run without loss scaling; NaN where no trace was stored for a step)
 STEP_COLUMNS = ("run_id", "policy", "seed", "step", "epoch", "loss", "lr", "grad_norm",
                 "loss_scale", "skipped")
 #: the columns of :attr:`Results.analyses`: one row per stored analysis, ``kind`` as the run
-#: stored it (``certificate:fp16``, ``layers``, ``updates`` ...), ``payload`` a dict
+#: stored it (``certificate:fp16``, ``layers:fp16``, ``lost:bf16``, ``ranges:fp16``,
+#: ``threads``, ``plan`` ...), ``payload`` a dict
 ANALYSIS_COLUMNS = ("run_id", "policy", "seed", "kind", "payload")
-_MEMORY_COLUMNS = ("run_id", "params", "grads", "optimizer_state", "master", "activations",
-                   "total")
+#: the columns of :attr:`Results.memory`: the memory ledger's bytes by role
+MEMORY_COLUMNS = ("run_id", "policy", "seed", "params", "grads", "optimizer_state", "master",
+                  "activations", "total")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class Results:
         epochs: one row per run and epoch (``EPOCH_COLUMNS``).
         steps: one row per run and optimizer step (``STEP_COLUMNS``).
         analyses: one row per run and analysis (``ANALYSIS_COLUMNS``).
-        memory: one row per run: the memory ledger's bytes by role.
+        memory: one row per run (``MEMORY_COLUMNS``): the memory ledger's bytes by role.
         config: the comparison's configuration as stored (None when none was recorded).
     """
 
@@ -70,6 +73,10 @@ class Results:
     analyses: pd.DataFrame
     memory: pd.DataFrame
     config: dict[str, Any] | None
+
+    def __repr__(self) -> str:
+        return (f"Results({str(self.path)!r}: {len(self.runs)} runs, {len(self.epochs)} "
+                f"epochs, {len(self.steps)} steps, {len(self.analyses)} analyses)")
 
     def analysis(self, kind: str) -> pd.DataFrame:
         """The analyses of one ``kind`` flattened to columns (``pandas.json_normalize`` of the
@@ -89,14 +96,18 @@ class Results:
 
 
 def load(run_dir: str | Path) -> Results:
-    """The results of the run folder ``run_dir`` (written by ``lowprec compare --out``) as
-    DataFrames; nothing in the folder is written. RunError when the folder holds no results;
-    ``CorruptDatabase`` when its database cannot be read."""
+    """The results of the run folder ``run_dir`` (written by ``lowprec compare --out``; its
+    ``results.db`` is accepted too) as DataFrames; nothing in the folder is written. RunError
+    when the folder holds no results; ``CorruptDatabase`` when its database cannot be read;
+    ImportError naming the extra when pandas is missing."""
     try:
         import pandas as pd
     except ImportError:
-        raise RunError("lowprec.results needs pandas: pip install 'lowprec[results]'") from None
+        raise ImportError("lowprec.results needs pandas: pip install 'lowprec[results]'") \
+            from None
     run_dir = Path(run_dir)
+    if run_dir.name == "results.db" and run_dir.is_file():
+        run_dir = run_dir.parent
     if (run_dir / "results.db").is_file():
         return _load_one(run_dir, pd)
     if (run_dir / MODELS_FILE).is_file():
@@ -145,11 +156,12 @@ def _load_one(run_dir: Path, pd: Any) -> Results:
 
     epochs = keyed(epochs, EPOCH_COLUMNS).astype({"test_acc": float, "train_loss": float,
                                                   "test_loss": float})
+    memory = keyed(memory, MEMORY_COLUMNS)
     steps = keyed(steps, STEP_COLUMNS).astype({"loss": float, "lr": float, "grad_norm": float,
                                                "loss_scale": float})
     return Results(path=run_dir, runs=_run_table(runs, epochs, memory), epochs=epochs,
-                   steps=steps, analyses=keyed(analyses, ANALYSIS_COLUMNS),
-                   memory=memory[list(_MEMORY_COLUMNS)], config=config)
+                   steps=steps, analyses=keyed(analyses, ANALYSIS_COLUMNS), memory=memory,
+                   config=config)
 
 
 def _run_table(runs: pd.DataFrame, epochs: pd.DataFrame, memory: pd.DataFrame) -> pd.DataFrame:
@@ -165,4 +177,7 @@ def _run_table(runs: pd.DataFrame, epochs: pd.DataFrame, memory: pd.DataFrame) -
     out = out.merge(memory[["run_id", "total"]].rename(columns={"total": "memory_total"}),
                     on="run_id", how="left")
     out["epochs"] = out["epochs"].fillna(0).astype(int)
+    # integers that may be missing keep one dtype whatever the data: pandas' nullable Int64
+    # (pd.NA where a run did not diverge or recorded no ledger)
+    out = out.astype({"diverged_step": "Int64", "memory_total": "Int64"})
     return out[list(RUN_COLUMNS)].reset_index(drop=True)
