@@ -11,7 +11,6 @@ To compare two trees, run this file with ``PYTHONPATH=OTHER/src`` and then witho
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 import warnings
@@ -19,6 +18,7 @@ import warnings
 import torch
 
 import lowprec
+from lowprec.training.hardware import device_facts
 
 
 def _runner(policy: str):
@@ -60,7 +60,9 @@ def main() -> None:
             for _ in range(args.steps):
                 step()
             times[p].append((time.perf_counter() - t) / args.steps * 1e6)
-    print(f"lowprec {lowprec.__file__}; {platform.processor() or platform.machine()}, 1 thread")
+    cpu = device_facts("cpu")
+    print(f"lowprec {lowprec.__file__}; CPU {cpu.name} ({cpu.capability}: "
+          f"{' '.join(sorted(cpu.features)) or 'no 16-bit features'}), 1 thread")
     base = statistics.median(times["32-true"])
     for p in policies:
         med = statistics.median(times[p])

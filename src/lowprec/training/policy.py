@@ -324,7 +324,7 @@ def _write_back(value: str, mode: str):
     # or nearest write-back
     if mode.lower() in UPDATE_MODES:
         return mode.lower()
-    wmode, bits = parse_rounding(mode)
+    wmode, _ = parse_rounding(mode)
     if wmode is Rounding.STOCHASTIC_LIMITED:
         # the write-back draws 32 bits; accepting srN here would drop the N
         raise ValueError(f"p={value!r}: the write-back takes nearest, "

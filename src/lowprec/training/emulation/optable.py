@@ -182,12 +182,17 @@ def layer_norm(em, op: OpCall):
     return kernels.layer_norm(em, op.rule, op.key, *op.args, cuda=em.cuda_kernels(op.args))
 
 
-def attention_native(em, op: OpCall):
+def _cpu_kernel(em, op: OpCall, dtype_of):
+    """match_cpu_kernels: the op by this CPU's own 16-bit kernel, in the dtype ``dtype_of``
+    gives (None: declined)."""
     if not em.match_cpu_kernels:
         return DECLINE
-    dt = native_gemm.attention_dtype(op.rule, op.args, op.kwargs)
-    # the kernel itself
+    dt = dtype_of(op.rule, op.args, op.kwargs)
     return DECLINE if dt is None else native_gemm.native_gemm(op.func, dt)(*op.args, **op.kwargs)
+
+
+def attention_native(em, op: OpCall):
+    return _cpu_kernel(em, op, native_gemm.attention_dtype)
 
 
 def attention(em, op: OpCall):
@@ -201,10 +206,7 @@ def attention(em, op: OpCall):
 
 
 def elementwise_native(em, op: OpCall):
-    if not em.match_cpu_kernels:
-        return DECLINE
-    dt = native_gemm.elementwise_dtype(op.rule, op.args, op.kwargs)
-    return DECLINE if dt is None else native_gemm.native_gemm(op.func, dt)(*op.args, **op.kwargs)
+    return _cpu_kernel(em, op, native_gemm.elementwise_dtype)
 
 
 def replayed(em, op: OpCall):
