@@ -59,13 +59,14 @@ class Net(nn.Module):
 
 
 def run(policy: str, case: str, fused: bool, monkeypatch) -> tuple[list, int]:
-    """Outputs, gradients and parameters over two SGD steps; the fused cell's calls."""
+    """Outputs, gradients and parameters over two SGD steps; the fused steps run (by the
+    per-step node or the whole-layer one)."""
     calls = []
-    original = recurrent_kernels._LSTMCell.apply
+    original = recurrent_kernels._cell_forward
     with monkeypatch.context() as m:
         if not fused:
             m.setattr(kernel, "lstm_available", lambda: False)
-        m.setattr(recurrent_kernels._LSTMCell, "apply",
+        m.setattr(recurrent_kernels, "_cell_forward",
                   lambda *a: calls.append(1) or original(*a))
         make, packed = LAYERS[case]
         torch.manual_seed(0)
@@ -101,6 +102,21 @@ def test_the_fused_cell_gives_the_op_by_op_replays_bits(policy, case, monkeypatc
     assert len(fused) == len(replay)
     for i, (a, b) in enumerate(zip(fused, replay)):
         assert_same_bits(a, b, f"{policy} {case}: tensor {i}")
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections")
+@pytest.mark.parametrize("case,nodes", [("batch-first", 1), ("time-first-2-layers-bidirectional", 4),
+                                        ("no-bias-odd-width", 1), ("projections-packed", 0)])
+def test_whole_layers_run_as_one_node(case, nodes, monkeypatch):
+    """A layer without projections or packing, with gradients, runs as one autograd node
+    (``_LSTMLayer``: each direction of each layer, a forward a step); the test above holds its
+    bits to the per-step chain's, and tests/training/test_fidelity.py to ``model.half()``'s."""
+    calls = []
+    original = recurrent_kernels._LSTMLayer.apply
+    monkeypatch.setattr(recurrent_kernels._LSTMLayer, "apply",
+                        lambda *a: calls.append(1) or original(*a))
+    run("16-true", case, True, monkeypatch)
+    assert len(calls) == 2 * nodes
 
 
 def test_stochastic_and_mixed_policies_keep_the_op_by_op_replay(monkeypatch):

@@ -37,7 +37,10 @@ node (:class:`_LSTMCell`) whose forward rounds and combines in C what torch's ow
 tanh give, and whose backward replays the op-by-op backward's roundings in C, in the same
 order (the same bits, tested: tests/training/test_lstm_cell.py); a 16-bit sum of two
 gradients is one kernel pass (:class:`_Rounder`): a faster emulated step on the benchmark
-LSTM (benchmarks/RESULTS.md, figure F7).
+LSTM (benchmarks/RESULTS.md, figure F7). With gradients, a whole unidirectional unpacked layer
+without projections is one node (:class:`_LSTMLayer`) whose backward walks the steps as the
+chain of per-step nodes would (the same products, sums and roundings, in the same order):
+the chain's six Python autograd nodes a step go (figure F34).
 
 Dynamic fixed point, block formats and stochastic rounding run the same forward, differentiated
 op by op as the engine differentiates any op. Measured against ``model.half()`` and
@@ -63,6 +66,7 @@ from ...numerics import kernel as _kernel
 from ...numerics.formats import FP16, FP32, FixedFormat, FloatFormat
 from ...numerics.params import element_params
 from ...numerics.quantize import emits_graph_ops, quantize
+from .gradmarks import note_rounded
 from .kernels import plain_formats
 
 __all__ = ["RNN_OPS", "RecurrentCall", "parse", "replay"]
@@ -221,6 +225,39 @@ def _cell_params(fmt):
         return None
 
 
+def _cell_forward(lin, xw, c, pc):
+    """One fused LSTM step's forward (:class:`_LSTMCell`): (h, the new cell state, what its
+    backward reads)."""
+    lin = lin.contiguous()
+    xw = xw if xw.stride(-1) == 1 else xw.contiguous()
+    c = c if c.stride(-1) == 1 else c.contiguous()
+    gates = torch.empty_like(lin)
+    _kernel.lstm_gates(lin, xw, gates, pc)
+    i, f, g, o = gates.chunk(4, 1)
+    acts, cn = torch.empty_like(gates), c.new_empty(c.shape)
+    # (tanh of a contiguous copy: the same values, and faster than over the strided chunk,
+    # figure F32 of benchmarks/RESULTS.md)
+    _kernel.lstm_forward(torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g.contiguous()),
+                         torch.sigmoid(o), c, acts, cn, pc)
+    tc = torch.tanh(cn)
+    h = torch.empty_like(cn)
+    _kernel.lstm_forward2(tc, acts, h, pc)
+    return h, cn, (acts, tc, c)
+
+
+def _cell_backward(dh, dcn, saved, pg, half):
+    """One fused step's backward: (the gates' gradient, the cell state's)."""
+    acts, tc, c = saved
+    if dh is None:  # as the op-by-op cell's rounding node gets it: zeros
+        dh = torch.zeros_like(tc)
+    dh = dh if dh.stride(-1) == 1 else dh.contiguous()
+    if dcn is not None and dcn.stride(-1) != 1:
+        dcn = dcn.contiguous()
+    d_gates, dc = torch.empty_like(acts), torch.empty_like(tc)
+    _kernel.lstm_backward(dh, dcn, acts, tc, c, d_gates, dc, pg, half)
+    return d_gates, dc
+
+
 class _LSTMCell(torch.autograd.Function):
     """One LSTM step of the replay, fused: from the step's ``linear_hh`` output ``lin`` (not
     rounded), its input projection ``xw`` and the cell state ``c`` to (h, the new cell state),
@@ -235,35 +272,98 @@ class _LSTMCell(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lin, xw, c, pc, pg, half):
         ctx.set_materialize_grads(False)
-        lin = lin.contiguous()
-        xw = xw if xw.stride(-1) == 1 else xw.contiguous()
-        c = c if c.stride(-1) == 1 else c.contiguous()
-        gates = torch.empty_like(lin)
-        _kernel.lstm_gates(lin, xw, gates, pc)
-        i, f, g, o = gates.chunk(4, 1)
-        acts, cn = torch.empty_like(gates), c.new_empty(c.shape)
-        _kernel.lstm_forward(torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o),
-                             c, acts, cn, pc)
-        tc = torch.tanh(cn)
-        h = torch.empty_like(cn)
-        _kernel.lstm_forward2(tc, acts, h, pc)
-        ctx.save_for_backward(acts, tc, c)
+        h, cn, saved = _cell_forward(lin, xw, c, pc)
+        ctx.save_for_backward(*saved)
         ctx.spec = (pg, half)
         return h, cn
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dh, dcn):
-        acts, tc, c = ctx.saved_tensors
-        pg, half = ctx.spec
-        if dh is None:  # as the op-by-op cell's rounding node gets it: zeros
-            dh = torch.zeros_like(tc)
-        dh = dh if dh.stride(-1) == 1 else dh.contiguous()
-        if dcn is not None and dcn.stride(-1) != 1:
-            dcn = dcn.contiguous()
-        d_gates, dc = torch.empty_like(acts), torch.empty_like(tc)
-        _kernel.lstm_backward(dh, dcn, acts, tc, c, d_gates, dc, pg, half)
+        d_gates, dc = _cell_backward(dh, dcn, ctx.saved_tensors, *ctx.spec)
         return d_gates, d_gates, dc, None, None, None
+
+
+def _sum_of_uses(grads, rnd):
+    """The gradient of a tensor from its uses' (None: unused), as :class:`_Split` sums them."""
+    total, raw = None, False
+    for g in grads:
+        if g is not None:
+            total, raw = (g, True) if total is None else (rnd.add2(total, g), False)
+    return rnd(total) if raw else total
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    """The layout test of autograd's mm backward (``mm_mat1_backward``/``mm_mat2_backward``,
+    FunctionsManual.cpp): a column-major operand gets its gradient computed transposed."""
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+class _LSTMLayer(torch.autograd.Function):
+    """A whole unidirectional, unpacked LSTM layer of fused steps (:class:`_LSTMCell`) as one
+    autograd node: the same forward, and a backward that replays, step by step from the last,
+    what the chain of per-step nodes computes: each step's hidden-state gradient summed from
+    its two uses (the output, the next step's ``linear_hh``) as :class:`_Split` sums them, the
+    cell's backward by the kernel, ``linear_hh``'s backward as autograd's ``addmm`` backward
+    computes it (the same matrix products, chosen by the same layout test), and the weights'
+    gradients rounded step by step and summed in the parameter format, the last step's first
+    (:class:`_Uses`). One node instead of about six a step: the per-step Python and autograd
+    overhead of the chain goes, the bits stay (tests/training/test_lstm_cell.py).
+
+    ``xw`` is the input projection of the whole sequence (time, batch, 4 hidden); returns
+    (the output sequence, the last hidden state, the last cell state)."""
+
+    @staticmethod
+    def forward(ctx, xw, h0, c0, w, b, reverse, pc, pg, half, rnd_g, rnd_w):
+        ctx.set_materialize_grads(False)
+        steps = xw.shape[0]
+        order = range(steps - 1, -1, -1) if reverse else range(steps)
+        h, c = h0, c0
+        outs, saved = [None] * steps, []
+        for t in order:
+            h_prev = h
+            h, c, s = _cell_forward(F.linear(h_prev, w, b), xw[t], c, pc)
+            outs[t] = h
+            saved += [h_prev, *s]
+        ctx.save_for_backward(w, b, *saved)
+        ctx.spec = (reverse, steps, pg, half, rnd_g, rnd_w)
+        return torch.stack(outs), h, c
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_out, g_h, g_c):
+        w, b, *saved = ctx.saved_tensors
+        reverse, steps, pg, half, rnd_g, rnd_w = ctx.spec
+        need = ctx.needs_input_grad
+        order = list(range(steps - 1, -1, -1) if reverse else range(steps))
+        # (one copy of a strided output gradient, not one per step in the 16-bit sums)
+        outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
+        wt = w.t()
+        d_lin = [None] * steps  # by the step's place in the forward's order
+        for k in range(steps - 1, -1, -1):  # the steps in backward order
+            t = order[k]
+            h_prev, s = saved[4 * k], saved[4 * k + 1:4 * k + 4]
+            dh = _sum_of_uses((outs[t], g_h), rnd_g)
+            d, g_c = _cell_backward(dh, g_c, s, pg, half)
+            d_lin[k] = d
+            g_h = None
+            if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
+                g_h = wt.mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
+        dxw = None
+        if need[0]:
+            dxw = torch.stack(d_lin[::-1] if reverse else d_lin)
+            note_rounded(dxw, rnd_g.fmt)  # (the kernel rounded each: the projection's
+            # rounding nodes skip it)
+        dw = db = None
+        for k in range(steps - 1, -1, -1):  # each step's weight gradient, the last first
+            d, h_prev = d_lin[k], saved[4 * k]
+            if need[3]:
+                gw = d.t().mm(h_prev) if _column_major(wt) else h_prev.t().mm(d).t()
+                dw = rnd_w(gw) if dw is None else rnd_w.add2(gw, dw)
+            if need[4]:
+                gb = d.sum(0)
+                db = rnd_w(gb) if db is None else rnd_w.add2(gb, db)
+        return dxw, g_h, g_c, dw, db, None, None, None, None, None, None
 
 
 class _Replay:
@@ -315,7 +415,15 @@ class _Replay:
         """at::linear (Linear.cpp): addmm for 2-D and contiguous 3-D inputs, one rounding;
         a non-contiguous 3-D input with a bias: matmul, then add_(bias), each rounded."""
         if b is not None and x.dim() == 3 and not x.is_contiguous():
-            return self.act(self.act(torch.matmul(x, w.t())) + b)
+            m = torch.matmul(x, w.t())
+            if m._is_view():
+                return self.act(self.act(m) + b)
+            # the same roundings and sum in place: no new (time x batch x 4 hidden) buffers
+            # (figure F33 of benchmarks/RESULTS.md)
+            self.engine.round_(m, self.rule, self.key)
+            m.add_(b)
+            self.engine.round_(m, self.rule, self.key)
+            return m
         return self.act(F.linear(x, w, b))
 
     # -- cells (RNN.cpp's LSTMCell, GRUCell, SimpleCell with pre_compute_input) ----------------
@@ -387,7 +495,11 @@ class _Replay:
     def full(self, x, state, p, reverse: bool):
         """FullLayer over a (time, batch, features) input; ``reverse``: the backward direction
         of FullBidirectionalLayer (same projection, steps walked backwards)."""
-        steps = self.linear(x, p[0], p[2]).unbind(0)
+        xw = self.linear(x, p[0], p[2])
+        layer = self._layer(xw, state, p, reverse)
+        if layer is not None:
+            return layer
+        steps = xw.unbind(0)
         uses = self.uses(p)
         h, c = state
         h_uses = self.split(h, self.uses_of_h)
@@ -397,6 +509,27 @@ class _Replay:
             h, c = self.cell(steps[t], h_uses, c, uses)
             outs[t], h, h_uses = self.after_step(h, k + 1 < len(order))
         return torch.stack(outs), (h, c)
+
+    def _layer(self, xw, state, p, reverse: bool):
+        """The whole layer as one node (:class:`_LSTMLayer`) where the per-step chain would be
+        fused cells with gradients: an LSTM without projections whose weights, if they take
+        gradients, sum them in the parameter format; else None."""
+        _, w_hh, _, b_hh, w_hr = p
+        h0, c0 = state
+        tensors = [t for t in (xw, h0, w_hh, b_hh) if t is not None]
+        if self.kind != "lstm" or self.fused is None or w_hr is not None or \
+                not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors) or \
+                xw.dtype != torch.float32 or xw.device.type != "cpu" or c0 is None or \
+                c0.dtype != torch.float32 or c0.dim() != 2 or xw.shape[0] == 0 or \
+                (self.weight_rounding is None and
+                 any(t is not None and t.requires_grad for t in (w_hh, b_hh))):
+            return None
+        stream = self.engine._stream
+        if stream is not None:  # each step's gates take gradients: six sites a step
+            stream.n += 6 * xw.shape[0]
+        out, h, c = _LSTMLayer.apply(xw, h0, c0, w_hh, b_hh, reverse, *self.fused,
+                                     self.grad_rounding, self.weight_rounding)
+        return out, (h, c)
 
     def packed(self, data, sizes, state, p, reverse: bool):
         """PackedLayer (the hidden state shrinks as sequences end, the finished rows kept for
