@@ -241,6 +241,13 @@ def _in_layout(x: torch.Tensor, out: torch.Tensor | None, prm, stochastic: bool
     batched transpose (channels-last, a transposed matrix) is rounded in place of its layout,
     in memory order, each element's random counter computed from its logical index (below 16
     channels, in tiles gathered into logical order; ``lp_quantize_f32_bt``)."""
+    if not stochastic and out is None and x.dim() == 4 and \
+            x.is_contiguous(memory_format=torch.channels_last):
+        # (the commonest case, a channels-last activation, without the general layout
+        # analysis: the kernel reads the dense memory as it lies, whatever the order)
+        out = torch.empty_like(x)
+        _kernel.quantize_prepared(x, out, prm)
+        return out
     perm = memory_order(x)
     if perm is None or (out is not None and out.stride() != x.stride()):
         return None
@@ -503,6 +510,19 @@ def quantize_(
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
     Inside ``torch.compile``: the op's result copied into ``x``."""
+    if random_bits is None and generator is None and seed is None and type(x) in _PLAIN and \
+            x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and \
+            x.numel():
+        # a deterministic rounding a first call prepared (:func:`quantize`'s fast path, in
+        # place: a parameter's gradient rounded at every step)
+        try:
+            prm = _PREPARED.get((fmt, rounding))
+        except TypeError:  # an unhashable argument: the checks below say what is wrong
+            prm = None
+        if prm is not None and not emits_graph_ops():
+            _kernel.quantize_prepared(x, x, prm)
+            return x
+    key = (fmt, rounding)
     if emits_graph_ops():
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
@@ -525,6 +545,8 @@ def quantize_(
         ):
             keys = ((draw_seed(generator) if seed is None else _keys_of(seed))
                     if mode.is_stochastic else (0, 0))
+            if not mode.is_stochastic and random_bits is None and _kernel.available():
+                _prepare(key, fmt, ROUNDING_CODES[mode], random_mask(rbits))
             _elementwise(x, fmt, ROUNDING_CODES[mode], random_mask(rbits), keys, "kernel", x)
             return x
         x.copy_(quantize(x, fmt, mode, generator=generator, random_bits=rbits or None,

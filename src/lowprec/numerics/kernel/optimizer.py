@@ -20,12 +20,25 @@ def opt_dtype_code(dtype: torch.dtype) -> int | None:
     return _DT.get(dtype)
 
 
+_PREPARED: dict = {}  # (element parameters, deterministic rounding) -> the kernel's parameters
+
+
+def _prepared(ep: ElementParams, rounding: int):
+    """A deterministic rounding's kernel parameters, built once (the kernel only reads them)."""
+    prm = _PREPARED.get((ep, rounding))
+    if prm is None:
+        prm = _PREPARED[(ep, rounding)] = library.prepare(ep, rounding, 0)
+    return prm
+
+
 def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
              sq: ElementParams) -> None:
     """Fused optimizer step on contiguous CPU tensors (see lp_opt_step in csrc/optimizer.c)."""
-    pp = library.params(pq, p_rounding, random_mask(32) if p_rounding == R_STOCHASTIC else 0,
-                        seed)
-    sp = library.params(sq, 0, 0, (0, 0))
+    if p_rounding == R_STOCHASTIC:
+        pp = library.params(pq, p_rounding, random_mask(32), seed)
+    else:
+        pp = _prepared(pq, p_rounding)
+    sp = _prepared(sq, 0)
     dummy = p.data_ptr()
     library.lib().lp_opt_step(p.data_ptr(), g.data_ptr(),
                               s1.data_ptr() if s1 is not None else dummy,

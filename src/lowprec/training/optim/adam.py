@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from ...numerics import kernel as _kernel
 from ...numerics.formats import FloatFormat
 from .base import LowPrecisionOptimizer, sqrt_rn
 from .writeback import group_lr
@@ -86,8 +87,6 @@ class Adam(LowPrecisionOptimizer):
         state[key] = self._state_tensor(p, p, sf)
 
     def _fused(self, p, state, group, grad_scale) -> bool:
-        from ...numerics import kernel as _kernel
-
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = state["step"]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, FP32, FixedFormat, FloatFormat, Format
+from ...numerics.params import ROUNDING_CODES, element_params
+from ...numerics.quantize import draw_seed
+from ...numerics.rounding import Rounding
 from ...numerics.storage import compact, storage_dtype
 from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, write
@@ -151,17 +155,28 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
 
     # -- the fused CPU kernel ---------------------------------------------------------------
     def _can_fuse(self, p, state) -> bool:
-        from ...numerics import kernel as _kernel
-
         st = self.storage
+        if torch.compiler.is_compiling() or not p.is_contiguous() or \
+                not p.grad.is_contiguous() or "master" in state or st.update == "kahan" or \
+                not _kernel.available():
+            # (a ctypes call cannot enter a graph: compiled steps take the torch path (the
+            # same bits), whose roundings are lowprec::quantize nodes)
+            return False
         pf, sf = st.pformat(p), st.sformat(p)
+        key = (pf, sf, p.dtype, p.grad.dtype, p.device.type)
+        known = self.__dict__.setdefault("_fusable", {})  # id(p) -> (key, verdict)
+        seen = known.get(id(p))
+        if seen is None or seen[0] != key:  # (the same objects: compared by identity first)
+            seen = known[id(p)] = (key, self._fusable_formats(p, pf, sf))
+        return seen[1]
+
+    @staticmethod
+    def _fusable_formats(p, pf, sf) -> bool:
+        """The kernel takes these formats and dtypes (fp32 storage keeps torch's exact op
+        sequence)."""
         return (
-            # a ctypes call cannot enter a graph: compiled steps take the torch path (the same
-            # bits), whose roundings are lowprec::quantize nodes
-            not torch.compiler.is_compiling()
-            and _kernel.available() and p.device.type == "cpu" and p.is_contiguous()
-            and p.grad.is_contiguous() and "master" not in state and st.update != "kahan"
-            and (pf != FP32 or sf != FP32)  # fp32 storage keeps torch's exact op sequence
+            p.device.type == "cpu"
+            and (pf != FP32 or sf != FP32)
             and isinstance(pf, (FloatFormat, FixedFormat)) and isinstance(sf, (FloatFormat,
                                                                                FixedFormat))
             and _kernel.opt_dtype_code(p.dtype) is not None
@@ -170,11 +185,6 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         )
 
     def _run_fused(self, p, s1, s2, opt, grad_scale) -> None:
-        from ...numerics import kernel as _kernel
-        from ...numerics.params import ROUNDING_CODES, element_params
-        from ...numerics.quantize import draw_seed
-        from ...numerics.rounding import Rounding
-
         st = self.storage
         opt.p_dtype = _kernel.opt_dtype_code(p.dtype)
         opt.g_dtype = _kernel.opt_dtype_code(p.grad.dtype)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ...numerics import kernel as _kernel
 from ...numerics.storage import storage_dtype
 from .base import LowPrecisionOptimizer
 from .writeback import group_lr
@@ -58,8 +59,6 @@ class SGD(LowPrecisionOptimizer):
         state["step"] = 0
 
     def _fused(self, p, state, group, grad_scale) -> bool:
-        from ...numerics import kernel as _kernel
-
         state["step"] += 1
         mom = group["momentum"]
         first = mom and "momentum_buffer" not in state
