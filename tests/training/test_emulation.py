@@ -300,12 +300,15 @@ def test_a_gradient_its_one_consumer_rounded_is_not_rounded_again(policy, monkey
 def _same_bits_fewer_roundings(monkeypatch, policy, build, shape, patch):
     """3 SGD steps of ``build()`` under ``policy``, as it is and with ``patch`` (module, name,
     value: a skip turned off): the same gradients and parameters bit for bit, and fewer kernel
-    calls as it is (as many for block formats, never noted)."""
-    from lowprec.training.emulation import autograd_fns
+    calls as it is (as many for block formats, never noted). Every output rounding is the
+    ``Round`` node that skips (not torch's cast round trip, which small fp16/bf16 tensors
+    otherwise take: tests/training/test_round_paths.py)."""
+    from lowprec.training.emulation import autograd_fns, engine
 
     def run(patched: bool):
         calls = []
         with monkeypatch.context() as m:
+            m.setattr(engine, "CAST_ROUND_TRIP_MAX", 0)
             if patched:
                 m.setattr(*patch)
             q = autograd_fns.quantize_keyed

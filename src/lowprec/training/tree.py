@@ -19,7 +19,7 @@ __all__ = ["tensors_in", "map_floating", "cast_floating", "output_tensor", "call
 
 def tensors_in(obj, out: list) -> list:
     """Append every tensor of ``obj`` (nested tuples, lists, dicts) to ``out``; returns it."""
-    if torch.is_tensor(obj):
+    if isinstance(obj, torch.Tensor):  # (torch.is_tensor is this, behind a call)
         out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for v in obj:

@@ -197,7 +197,7 @@ def _bound_ok(b, fmt: Format) -> bool:
 
 
 def _floating(t) -> bool:
-    return torch.is_tensor(t) and t.dtype in ROUNDABLE
+    return isinstance(t, torch.Tensor) and t.dtype in ROUNDABLE
 
 
 def _each_output(fn, out, inputs):
@@ -208,7 +208,7 @@ def _each_output(fn, out, inputs):
 
 def _map(fn, obj):
     """``fn`` over the tensors of nested tuples, lists, namedtuples (PackedSequence) and dicts."""
-    if torch.is_tensor(obj):
+    if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple):
         vals = [_map(fn, v) for v in obj]
@@ -268,8 +268,9 @@ def _cast_round_trip(t: torch.Tensor, fwd, bwd, rule: Rule) -> torch.dtype | Non
     the gradient format ``bwd`` one of fp16/bf16, both to nearest even; eagerly, a small
     float32 tensor), else None."""
     if t.numel() > CAST_ROUND_TRIP_MAX or t.dtype != torch.float32 or fwd != bwd or \
-            rule.rounding is not Rounding.NEAREST_EVEN or \
-            rule.grad_rounding is not Rounding.NEAREST_EVEN or emits_graph_ops():
+            getattr(rule.rounding, "mode", rule.rounding) is not Rounding.NEAREST_EVEN or \
+            getattr(rule.grad_rounding, "mode", rule.grad_rounding) is not \
+            Rounding.NEAREST_EVEN or emits_graph_ops():
         return None
     return _CAST_DTYPES.get(fwd)
 
@@ -822,7 +823,9 @@ class Emulation:
         if not grid:
             op.args, op.kwargs = self._pure_inputs(name, rule, key, args, kwargs, inplace)
         out = optable.run(self, op)
-        args, kwargs = op.args, op.kwargs  # (a handler may have replaced them)
+        if op.args is not args or op.kwargs is not kwargs:  # (rounded, or a handler's)
+            args, kwargs = op.args, op.kwargs
+            inputs = tensors_in(args, tensors_in(kwargs, []))
         if name in BUFFER_OPS:
             self._round_buffers(args, rule)
         if inplace:
@@ -832,7 +835,6 @@ class Emulation:
             elif name in _MASKS and _floating(t) and t.requires_grad:
                 pass_through(t)  # relu_, hardtanh_, clamp_: the node that wrote t
             return out
-        inputs = tensors_in(args, tensors_in(kwargs, []))
         on_grid = grid and all(_marked(a, fmt) for a in inputs if _floating(a))
         # one dynamic fixed-point group per module and role
         return self.round_outputs(out, inputs, rule, key, on_grid=fmt if on_grid else None,
