@@ -77,3 +77,23 @@ def test_other_formats_and_modes_keep_round(monkeypatch):
     for policy in ("p=fp16,c=fp16:sr,g=fp16:sr", "p=fp16,c=fp16,g=bf16", "p=e4m3,c=e4m3"):
         _, n = _run(policy, engine.CAST_ROUND_TRIP_MAX, monkeypatch)
         assert n > 0, policy
+
+
+@pytest.mark.parametrize("cast_max", [0, None])
+def test_a_second_order_gradient_raises_on_either_path(cast_max, monkeypatch):
+    """The engine's gradient roundings have no derivative (``once_differentiable``): a gradient
+    penalty (``create_graph=True``, then differentiating the gradient) raises, whichever path
+    each output's rounding took. Found by review: with the cast round trip on small tensors and
+    ``Round`` on large ones, the terms through ``Round`` were silently missing."""
+    if cast_max is not None:
+        monkeypatch.setattr(engine, "CAST_ROUND_TRIP_MAX", cast_max)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 4))  # (32 x 300: small)
+    prec = Precision("16-true", seed=0)
+    model, _ = prec.setup(net)
+    x = torch.randn(32, 8)
+    with prec.autocast():
+        out = model(x).float().pow(2).sum()
+    (g,) = torch.autograd.grad(out, [net[0].weight], create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        g.pow(2).sum().backward()

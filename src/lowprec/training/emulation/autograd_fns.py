@@ -11,6 +11,7 @@ keys come from a :class:`Site` of the forward's :class:`Stream` (or a generator)
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...numerics.keys import derive_keys
 from ...numerics.quantize import quantize, quantize_
@@ -117,6 +118,7 @@ class Round(torch.autograd.Function):
         return fresh(quantize_keyed(x, fwd, mode, gen))
 
     @staticmethod
+    @once_differentiable  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen = ctx.spec
         if bwd is not None and g is not None and g.dtype in ROUNDABLE:
@@ -180,6 +182,7 @@ class Upcast(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
+    @once_differentiable  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if bwd is not None and g is not None and g.dtype in ROUNDABLE:
@@ -200,6 +203,7 @@ class Consumed(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in ROUNDABLE:
@@ -220,6 +224,7 @@ class Broadcast(torch.autograd.Function):
         return x.expand(shape)
 
     @staticmethod
+    @once_differentiable  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen, shape = ctx.spec
         if g is not None and g.dtype in ROUNDABLE:

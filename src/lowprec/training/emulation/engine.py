@@ -266,8 +266,10 @@ CAST_ROUND_TRIP_MAX = 1 << 18
 def _cast_round_trip(t: torch.Tensor, fwd, bwd, rule: Rule) -> torch.dtype | None:
     """The 16-bit dtype whose cast round trip rounds ``t`` as ``Round`` would (``fwd`` and
     the gradient format ``bwd`` one of fp16/bf16, both to nearest even; eagerly, a small
-    float32 tensor), else None."""
+    float32 tensor, row-major or channels-last: a cast keeps any other layout, where ``Round``
+    gives a row-major result), else None."""
     if t.numel() > CAST_ROUND_TRIP_MAX or t.dtype != torch.float32 or fwd != bwd or \
+            not (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)) or \
             getattr(rule.rounding, "mode", rule.rounding) is not Rounding.NEAREST_EVEN or \
             getattr(rule.grad_rounding, "mode", rule.grad_rounding) is not \
             Rounding.NEAREST_EVEN or emits_graph_ops():
