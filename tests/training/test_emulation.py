@@ -300,15 +300,12 @@ def test_a_gradient_its_one_consumer_rounded_is_not_rounded_again(policy, monkey
 def _same_bits_fewer_roundings(monkeypatch, policy, build, shape, patch):
     """3 SGD steps of ``build()`` under ``policy``, as it is and with ``patch`` (module, name,
     value: a skip turned off): the same gradients and parameters bit for bit, and fewer kernel
-    calls as it is (as many for block formats, never noted). Every output rounding is the
-    ``Round`` node that skips (not torch's cast round trip, which small fp16/bf16 tensors
-    otherwise take: tests/training/test_round_paths.py)."""
-    from lowprec.training.emulation import autograd_fns, engine
+    calls as it is (as many for block formats, never noted)."""
+    from lowprec.training.emulation import autograd_fns
 
     def run(patched: bool):
         calls = []
         with monkeypatch.context() as m:
-            m.setattr(engine, "CAST_ROUND_TRIP_MAX", 0)
             if patched:
                 m.setattr(*patch)
             q = autograd_fns.quantize_keyed
@@ -684,3 +681,18 @@ def test_batch_norm_of_non_plain_formats_against_float64(layout):
     assert torch.allclose(bs.grad.double(), G.sum(dims), rtol=1e-6, atol=1e-6)
     assert torch.allclose(rm.double(), 0.9 * rm0.double() + 0.1 * mean, rtol=1e-6)
     assert torch.allclose(rv.double(), 0.9 * rv0.double() + 0.1 * var * n / (n - 1), rtol=1e-6)
+
+
+def test_a_second_order_gradient_raises():
+    """The engine's gradient roundings have no derivative (``once_differentiable``): a gradient
+    penalty (``create_graph=True``, then differentiating the gradient) raises torch's error for
+    it, rather than giving a gradient with some terms missing or an unrelated error."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 4))
+    prec = Precision("16-true", seed=0)
+    model, _ = prec.setup(net)
+    with prec.autocast():
+        out = model(torch.randn(32, 8)).float().pow(2).sum()
+    (g,) = torch.autograd.grad(out, [net[0].weight], create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        g.pow(2).sum().backward()

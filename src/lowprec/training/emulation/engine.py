@@ -52,8 +52,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...numerics.formats import BF16, FP16, FP32, BlockFormat, FixedFormat, FloatFormat, Format
-from ...numerics.quantize import draw_seed, emits_graph_ops, quantize_
+from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
+from ...numerics.quantize import draw_seed, quantize_
 from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
@@ -252,29 +252,6 @@ def _expanded(func: types.FunctionType) -> types.FunctionType:
             body = func
         _EXPANDED[func] = body
     return body
-
-
-_CAST_DTYPES = {FP16: torch.float16, BF16: torch.bfloat16}
-# up to this many elements, a rounding to nearest fp16/bf16 whose gradient is rounded the same
-# way runs as torch's cast round trip, whose two autograd nodes are C++ (the cast's backward
-# casts the gradient: the same rounding): cheaper than :class:`Round`'s Python node on small
-# tensors, dearer on large ones (two memory passes and a 16-bit buffer against one pass);
-# figure F35 of benchmarks/RESULTS.md
-CAST_ROUND_TRIP_MAX = 1 << 18
-
-
-def _cast_round_trip(t: torch.Tensor, fwd, bwd, rule: Rule) -> torch.dtype | None:
-    """The 16-bit dtype whose cast round trip rounds ``t`` as ``Round`` would (``fwd`` and
-    the gradient format ``bwd`` one of fp16/bf16, both to nearest even; eagerly, a small
-    float32 tensor, row-major or channels-last: a cast keeps any other layout, where ``Round``
-    gives a row-major result), else None."""
-    if t.numel() > CAST_ROUND_TRIP_MAX or t.dtype != torch.float32 or fwd != bwd or \
-            not (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)) or \
-            getattr(rule.rounding, "mode", rule.rounding) is not Rounding.NEAREST_EVEN or \
-            getattr(rule.grad_rounding, "mode", rule.grad_rounding) is not \
-            Rounding.NEAREST_EVEN or emits_graph_ops():
-        return None
-    return _CAST_DTYPES.get(fwd)
 
 
 class _Mode(TorchFunctionMode):
@@ -615,13 +592,8 @@ class Emulation:
         with torch._C.DisableTorchFunction():
             fwd, bwd = self._fmts(rule, key, t, axis, grads)
             if t.requires_grad and torch.is_grad_enabled():
-                dt = _cast_round_trip(t, fwd, bwd, rule)
-                if dt is not None:  # the same roundings, forward and backward, in C++
-                    self._keys()  # (the site a Round would take)
-                    out = t.to(dt).to(torch.float32)
-                else:
-                    out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
-                                      self._keys())
+                out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                                  self._keys())
             else:
                 out = fresh(autograd_fns.quantize_keyed(t, fwd, rule.rounding, self._keys()))
         if axis is None:
