@@ -66,6 +66,15 @@ def _prepare(key, fmt, code: int, rmask: int, table: dict = _PREPARED) -> None:
         pass
 
 
+def _prepared(table: dict, fmt, rounding):
+    """What :func:`_prepare` put in ``table`` for (fmt, rounding) as given, else None (an
+    unhashable argument too: the full path's checks then say what is wrong)."""
+    try:
+        return table.get((fmt, rounding))
+    except TypeError:
+        return None
+
+
 _TRACING = threading.local()
 
 
@@ -414,11 +423,8 @@ def quantize(
         # keys given as two ints (the eager engine's), put into a copy of the arguments
         keyed = type(seed) is tuple and generator is None
         plain = seed is None and (generator is None or isinstance(generator, torch.Generator))
-        try:
-            prm = (_PREPARED_KEYED if keyed else _PREPARED).get((fmt, rounding)) \
-                if keyed or plain else None
-        except TypeError:  # an unhashable argument: the checks below say what is wrong
-            prm = None
+        prm = _prepared(_PREPARED_KEYED if keyed else _PREPARED, fmt, rounding) \
+            if keyed or plain else None
         if prm is not None and x.numel() and not emits_graph_ops():
             if keyed:  # (refused as the full path refuses them: a bad pair raises here)
                 prm = _kernel.with_keys(prm, *_keys_of(seed))
@@ -515,10 +521,7 @@ def quantize_(
             x.numel():
         # a deterministic rounding a first call prepared (:func:`quantize`'s fast path, in
         # place: a parameter's gradient rounded at every step)
-        try:
-            prm = _PREPARED.get((fmt, rounding))
-        except TypeError:  # an unhashable argument: the checks below say what is wrong
-            prm = None
+        prm = _prepared(_PREPARED, fmt, rounding)
         if prm is not None and not emits_graph_ops():
             _kernel.quantize_prepared(x, x, prm)
             return x

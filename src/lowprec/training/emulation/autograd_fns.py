@@ -171,6 +171,14 @@ def consumer_sum(t: torch.Tensor) -> GradSum:
     return acc
 
 
+def _arrival(g, bwd, bmode, gen, acc):
+    """One consumer's gradient ``g`` rounded to ``bwd`` (not again where a replayed kernel
+    rounded it) and added to the tensor's other consumers' (``acc``: :class:`GradSum`, or
+    None): what autograd gets from a :class:`Consumed` or :class:`Upcast` node."""
+    g = round_grad(g, bwd, bmode, gen)
+    return g if acc is None else acc.add(g, bwd, bmode, gen)
+
+
 class Upcast(torch.autograd.Function):
     """A 16-bit value cast up (``h.to(torch.float32)``): a copy, exact; the gradient reaching
     it is cast back to the 16-bit format, as the cast's backward does natively, and added to
@@ -186,9 +194,7 @@ class Upcast(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if bwd is not None and g is not None and g.dtype in ROUNDABLE:
-            g = round_grad(g, bwd, bmode, gen)
-            if acc is not None:
-                g = acc.add(g, bwd, bmode, gen)
+            g = _arrival(g, bwd, bmode, gen, acc)
         return g, None, None, None, None, None, None
 
 
@@ -207,9 +213,7 @@ class Consumed(torch.autograd.Function):
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in ROUNDABLE:
-            g = round_grad(g, bwd, bmode, gen)  # (not again: what a replayed kernel rounded)
-            if acc is not None:
-                g = acc.add(g, bwd, bmode, gen)
+            g = _arrival(g, bwd, bmode, gen, acc)
         return g, None, None, None, None
 
 

@@ -128,6 +128,16 @@ def parse(name: str, args, kwargs) -> RecurrentCall | None:
                          float(p), bool(train), bool(bidir), bool(batch_first))
 
 
+def _sum_of_uses(grads, rnd):
+    """The gradient of a tensor from its uses' (None: unused), in order: rnd(total + rnd(g)),
+    the first one rounded on its own (:class:`_Split`, :class:`_LSTMLayer`)."""
+    total, raw = None, False
+    for g in grads:
+        if g is not None:
+            total, raw = (g, True) if total is None else (rnd.add2(total, g), False)
+    return rnd(total) if raw else total
+
+
 class _Split(torch.autograd.Function):
     """``n`` uses of one tensor (views of it). Backward: each use's gradient rounded (the 16-bit
     tensor that use's backward writes), then summed in order, each sum rounded: autograd adds
@@ -144,11 +154,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        rnd, total, raw = ctx.rnd, None, False
-        for g in grads:
-            if g is not None:  # rnd(total + rnd(g)), the first one rounded on its own
-                total, raw = (g, True) if total is None else (rnd.add2(total, g), False)
-        return (rnd(total) if raw else total), None, None
+        return _sum_of_uses(grads, ctx.rnd), None, None
 
 
 class _Rounder:
@@ -282,15 +288,6 @@ class _LSTMCell(torch.autograd.Function):
     def backward(ctx, dh, dcn):
         d_gates, dc = _cell_backward(dh, dcn, ctx.saved_tensors, *ctx.spec)
         return d_gates, d_gates, dc, None, None, None
-
-
-def _sum_of_uses(grads, rnd):
-    """The gradient of a tensor from its uses' (None: unused), as :class:`_Split` sums them."""
-    total, raw = None, False
-    for g in grads:
-        if g is not None:
-            total, raw = (g, True) if total is None else (rnd.add2(total, g), False)
-    return rnd(total) if raw else total
 
 
 def _column_major(t: torch.Tensor) -> bool:
