@@ -272,8 +272,11 @@ def _train_entry(entry, policy, compile, steps=3):
     ("dict-input", "16-true", None),
     # its fp32 embedding gradient: ATen's kernel (the decomposition added 3 rows otherwise)
     ("encoder", "16-mixed", None),
-    # its masked mean runs .to(h.dtype): float16 eagerly, float32 frozen into a graph
-    ("encoder", "16-true", "reads the dtype of a tensor made at zoo.py"),
+    # its masked mean runs .to(h.dtype): float16 eagerly, float32 in Dynamo's plain trace; traced
+    # again with the engine's answer (float16)
+    ("encoder", "16-true", None),
+    # dropout: ATen's kernel (native_dropout, Inductor's fallback_random), the eager draws
+    ("bert", "16-true", None),
 ])
 def test_zoo_models_compile_or_say_why_with_the_eager_bits(name, policy, reason):
     entry = _zoo()[name]
@@ -327,30 +330,42 @@ def test_compile_on_the_native_backend_says_it_does_nothing():
 
 class _ReadsDtypes(torch.nn.Module):
     """Model code reading dtypes: harmlessly (a comparison whose answer is the same under
-    16-true, float16 == float16, as in a graph, float32 == float32: ViT's input check) or, with
-    ``finfo``, into a constant the graph would freeze (-3.4e38 for float16's -65504)."""
+    16-true, float16 == float16, as in a graph, float32 == float32: ViT's input check); with
+    ``finfo``, into a constant the graph would freeze (-3.4e38 for float16's -65504); with
+    ``eye``, into a factory's dtype; with ``branch``, into a branch taken only under float16,
+    which breaks the graph."""
 
-    def __init__(self, finfo: bool):
+    def __init__(self, read: str):
         super().__init__()
         torch.manual_seed(0)
-        self.finfo = finfo
+        self.read = read
         self.lin = torch.nn.Linear(4, 3)
 
     def forward(self, x):
         if x.dtype != self.lin.weight.dtype:
             x = x.to(self.lin.weight.dtype)
         h = self.lin(x)
-        if self.finfo:  # a large negative score where a native fp16 run has -65504
+        if self.read == "finfo":  # a large negative score where a native fp16 run has -65504
             h = torch.where(h > 0.5, torch.finfo(h.dtype).min, h)
+        if self.read == "eye":  # float16 in the re-trace: its matmul with float32 is fake's
+            h = h @ torch.eye(3, dtype=h.dtype)
+        if self.read == "branch":
+            lo = torch.finfo(h.dtype).min
+            if h.dtype == torch.float16:
+                torch._dynamo.graph_break()
+            h = torch.where(h > 0.5, lo, h)
         return h
 
 
-@pytest.mark.parametrize("finfo", [False, True])
-def test_a_dtype_read_compiles_only_where_a_graph_cannot_freeze_it(finfo):
+@pytest.mark.parametrize("read", ["compare", "finfo", "eye", "branch"])
+def test_a_dtype_read_is_traced_as_the_engine_answers_it_or_falls_back(read):
+    """A read the graph would freeze otherwise than eager emulation answers it (finfo) is
+    traced again with the engine's answer, and compiles with the eager bits; where that trace
+    fails (a branch Dynamo cannot take), it runs eagerly, both reasons said in one line."""
     import types as _types
 
     entry = _types.SimpleNamespace(
-        build=lambda: _ReadsDtypes(finfo),
+        build=lambda: _ReadsDtypes(read),
         batch=lambda: (torch.randn(6, 4, generator=torch.Generator().manual_seed(1)),
                        torch.tensor([0, 1, 2, 0, 1, 2])),
         loss=lambda out, y: torch.nn.functional.cross_entropy(out.float().clamp(min=-1e4), y))
@@ -359,12 +374,16 @@ def test_a_dtype_read_compiles_only_where_a_graph_cannot_freeze_it(finfo):
         warnings.simplefilter("always")
         run = _train_entry(entry, "16-true", True)
     said = [str(w.message) for w in rec if "compiled emulation" in str(w.message)]
-    if finfo:
+    if read == "branch":
         assert len(said) == 1 and "reads the dtype of a tensor made at test_compiled" in said[0]
+        assert "traced again with the engine's answers" in said[0]
         assert run[0].forward.reason is not None
     else:
         assert said == [] and run[0].forward.reason is None
-    _same_run(eager, run, f"finfo={finfo}")
+    if read == "finfo":  # the eager answer, float16's, is in the graph
+        assert any(torch.equal(o, o.clamp(min=-65504.0)) for o in run[1])
+        assert (run[1][0] == -65504.0).any()
+    _same_run(eager, run, f"read={read}")
 
 
 def test_the_forward_saves_no_boolean_mask_and_the_backward_reads_the_same_values():

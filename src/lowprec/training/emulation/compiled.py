@@ -489,7 +489,7 @@ def _decompositions() -> dict:
             aten._native_batch_norm_legit_no_training, aten.native_batch_norm_backward,
             aten.embedding_dense_backward, aten.gelu, aten.gelu_backward, aten.silu,
             aten.silu_backward, aten.max_pool2d_with_indices,
-            aten.max_pool2d_with_indices_backward)
+            aten.max_pool2d_with_indices_backward, aten.native_dropout)
     table = dict(select_decomp_table())
     for packet in keep:
         for name in packet.overloads():
@@ -523,8 +523,11 @@ def _inner(gm, example_inputs, **kwargs):
     # the engine's fp16/bf16 roundings to nearest are cast round trips (fused.native_casts),
     # which must be kept, not simplified away; so is a cast the model makes itself
     # (x.half().float()). No layout optimisation:
-    # a convolution's backward in channels-last sums in another order than eager's
-    with torch._inductor.config.patch(emulate_precision_casts=True, layout_optimization=False):
+    # a convolution's backward in channels-last sums in another order than eager's. Random ops
+    # (dropout's native_dropout, kept whole by _decompositions) on ATen's kernels, drawing from
+    # torch's generator as the eager run draws (Inductor's own would give other masks)
+    with torch._inductor.config.patch(emulate_precision_casts=True, layout_optimization=False,
+                                      fallback_random=True):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -590,41 +593,67 @@ def _cast_to(node) -> torch.dtype | None:
 # logical dtype from the eager engine (float16 under 16-true) but the physical one, float32, from
 # Dynamo's trace of the plain forward, which then freezes it into the graph (``.to(h.dtype)``
 # becomes an upcast to an fp32 island: the zoo encoder's masked mean). Each read by code outside
-# torch is recorded while Dynamo traces (the tensor's graph node and the dtype it answered) and
-# checked when the engine runs the graph (:func:`_checked_interpreter`): answers that could have
-# changed the graph fail the compilation, which falls back. torch's own modules are not checked:
-# they read dtypes to choose fast paths (``query.dtype != in_proj_bias.dtype``, the same answer
-# either way) and mask types (0 and -inf, exact in every float format); nn.MultiheadAttention
-# with a padding mask compiles bit-identical.
+# torch is recorded while Dynamo traces (the tensor's graph node, the dtype it answered, and
+# where the read is: :func:`_read_key`) and checked when the engine runs the graph
+# (:func:`_checked_interpreter`): answers that could have changed the graph fail the
+# compilation with the engine's answers, and :class:`CompiledForward` traces the model once
+# more with those answers given to the reads (``.to(h.dtype)`` then casts to float16 in the
+# graph, which the engine runs as the eager cast); where that fails too, it falls back. torch's
+# own modules are not checked: they read dtypes to choose fast paths (``query.dtype !=
+# in_proj_bias.dtype``, the same answer either way) and mask types (0 and -inf, exact in every
+# float format); nn.MultiheadAttention with a padding mask compiles bit-identical.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_READS: list | None = None  # while a CompiledForward traces: [(fx node, dtype answered)]
+# while a CompiledForward traces: [(fx node, dtype answered, _read_key)]
+_READS: list | None = None
+_ANSWERS: dict = {}  # _read_key -> the dtype the eager engine answers there (a re-trace's)
+
+
+def _read_key(node: torch.fx.Node, tx) -> tuple:
+    """A dtype read's place, the same in a trace and its re-trace: the tensor's graph node
+    (its name) and the instruction reading it (code object and offset)."""
+    code = tx.f_code
+    return (node.name, code.co_filename, code.co_firstlineno, code.co_name,
+            tx.current_instruction.offset)
 
 
 @contextlib.contextmanager
-def _recording_dtype_reads(into: list):
+def _recording_dtype_reads(into: list, answers: dict | None = None):
+    """Record the floating dtype reads of model code while Dynamo traces (into ``into``);
+    ``answers`` (:func:`_read_key` -> dtype): reads answered with that dtype instead."""
+    from torch._dynamo.variables.base import VariableTracker
     from torch._dynamo.variables.tensor import TensorVariable
 
-    global _READS
+    global _READS, _ANSWERS
     plain = TensorVariable.method_attr_dtype
 
     def read(self, tx):
         if (_READS is not None and self.dtype is not None and self.dtype.is_floating_point
                 and not tx.f_code.co_filename.startswith(_TORCH_DIR)):
-            _READS.append((self.proxy.node, self.dtype))
+            key = _read_key(self.proxy.node, tx)
+            answer = _ANSWERS.get(key)
+            _READS.append((self.proxy.node, self.dtype if answer is None else answer, key))
+            if answer is not None:
+                return VariableTracker.build(tx, answer)
         return plain(self, tx)
 
     outer, _READS = _READS, into
+    outer_answers, _ANSWERS = _ANSWERS, dict(answers or {})
     TensorVariable.method_attr_dtype = read
     try:
         yield
     finally:
         TensorVariable.method_attr_dtype = plain
-        _READS = outer
+        _READS, _ANSWERS = outer, outer_answers
 
 
 class DtypeReadError(RuntimeError):
     """Model code read a tensor's dtype that the compiled graph would fix otherwise than eager
-    emulation answers it."""
+    emulation answers it. ``answers``: :func:`_read_key` -> the engine's answer, for each
+    read answered otherwise (a re-trace gives them; empty where none would help)."""
+
+    def __init__(self, message: str, answers: dict | None = None) -> None:
+        super().__init__(message)
+        self.answers = dict(answers or {})
 
 
 def _where(node: torch.fx.Node) -> str:
@@ -665,25 +694,28 @@ def _checked_interpreter(engine: Emulation, reads: dict, gm: torch.fx.GraphModul
     when every read Dynamo answered with one dtype the engine answers with one other (the
     comparisons between them come out the same) and no node of the graph takes that dtype as an
     argument (where ``.to(h.dtype)`` or ``torch.finfo(h.dtype)`` would have put it): ViT's
-    ``pixel_values.dtype != weight.dtype``. Otherwise the run raises :class:`DtypeReadError`."""
+    ``pixel_values.dtype != weight.dtype``. Otherwise the run raises :class:`DtypeReadError`
+    with the engine's answers (``reads``: node -> [(Dynamo's answer, :func:`_read_key`)], a
+    pair per read of that node's tensor)."""
     class Checked(torch.fx.Interpreter):
         def run(self, *args, **kwargs):
             self.answers = []  # (node, Dynamo's answer, the engine's)
             out = super().run(*args, **kwargs)
-            wrong = [(n, want, got) for n, want, got in self.answers if want != got]
-            for n, want, got in wrong:
-                same = {g for _, w, g in self.answers if w == want}
+            wrong = [(n, want, got, key) for n, want, got, key in self.answers if want != got]
+            for n, want, got, _ in wrong:
+                same = {g for _, w, g, _ in self.answers if w == want}
                 if len(same) > 1 or _fixes_a_dtype(gm, want):
                     raise DtypeReadError(
                         f"the model reads the dtype of a tensor{_where(n)}: {got} under this "
-                        f"policy, {want} in a compiled graph, which would fix it there")
+                        f"policy, {want} in a compiled graph, which would fix it there",
+                        {key: got for _, _, got, key in wrong})
             return out
 
         def run_node(self, n):
             out = super().run_node(n)
-            want = reads.get(n)
-            if want is not None and torch.is_tensor(out):
-                self.answers.append((n, want, engine.reported_dtype(out)))
+            if n in reads and torch.is_tensor(out):
+                got = engine.reported_dtype(out)
+                self.answers.extend((n, want, got, key) for want, key in reads[n])
             return out
     return Checked
 
@@ -714,7 +746,9 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
         owned[id(p)] = True
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-        checks = dict(reads or ())
+        checks: dict = {}  # node -> [(the dtype read, where)], each read of it
+        for n, dtype, key in reads or ():
+            checks.setdefault(n, []).append((dtype, key))
         if reads:
             reads.clear()
         _check_kept(engine, checks, gm)
@@ -766,9 +800,10 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
 
 def _check_kept(engine: Emulation, checks: dict, gm: torch.fx.GraphModule) -> None:
     """DtypeReadError where the model read the dtype of a tensor the graph does not keep
-    (``checks``: node -> the dtype read), which the policy may answer otherwise than float32."""
+    (``checks``: node -> [(the dtype read, where)]), which the policy may answer otherwise than
+    float32 (no answer to give a re-trace: the engine never sees that tensor)."""
     nodes = set(gm.graph.nodes)
-    for node, dtype in checks.items():
+    for node in checks:
         if node not in nodes and any(format_dtype(f) is not None for r in _rules(engine)
                                      for f in (r.compute, r.grads, r.params)):
             raise DtypeReadError(
@@ -829,6 +864,9 @@ class CompiledForward:
         self.quantize_nodes: dict[str, int] = {}
         self._compiled: dict = {}  # (engine.active, keys drawn) -> the compiled forward
         self._reads: list = []  # dtype reads of the trace under way (_recording_dtype_reads)
+        #: dtype reads answered as the eager engine answers them (_read_key -> dtype), learnt
+        #: from a trace that failed on them (DtypeReadError), for the re-trace
+        self._answers: dict = {}
         self._keys: list = [None]  # the base keys of the call under way (stochastic rounding)
         self._warned = False
         if self.reason is not None:
@@ -843,6 +881,7 @@ class CompiledForward:
         new.compiler, new.options = self.compiler, dict(self.options)
         new.reason, new._warned = self.reason, self._warned
         new.quantize_nodes, new._compiled, new._reads, new._keys = {}, {}, [], [None]
+        new._answers = dict(self._answers)
         return new
 
     def _fall_back(self, reason: str) -> None:
@@ -876,6 +915,38 @@ class CompiledForward:
         if em.observers:  # an analysis watching each op: it has to see them run
             return self.eager(*args, **kwargs)
         keyed = em.draws_keys()
+        keys = None
+        if keyed:  # the eager root forward's draw, on the model's device
+            keys = seed_tensor(em.generator)
+            dev = next((t.device for t in em.model.parameters()), None) or next(
+                (t.device for t in tensors_in((args, kwargs), [])), keys.device)
+            keys = keys.to(dev)
+        self._keys[0] = keys
+        try:
+            first = None  # the failure that made it trace again, if one did
+            while True:
+                try:
+                    return self._run(keyed, keys, args, kwargs)
+                except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
+                    inner = getattr(err, "inner_exception", None) or err
+                    if isinstance(inner, DtypeReadError) and inner.answers and \
+                            not inner.answers.keys() <= self._answers.keys():
+                        # trace again, the reads answered as the eager engine answers them
+                        first = first or err
+                        self._answers.update(inner.answers)
+                        self._compiled.clear()
+                        self._reads.clear()
+                        continue
+                    why = _why(err) if first is None or first is err else \
+                        f"{_why(first)}; traced again with the engine's answers: {_why(err)}"
+                    self._fall_back(why)
+                    return self._eager_keyed(keys, args, kwargs)
+        finally:
+            self._keys[0] = None
+
+    def _run(self, keyed: bool, keys, args, kwargs):
+        """The compiled forward (compiled at its first call: one per state of the engine)."""
+        em = self.engine
         fn = self._compiled.get((em.active, keyed))
         if fn is None:
             # the engine's Python state the backend reads (whether it rounds) is no guard of
@@ -885,25 +956,12 @@ class CompiledForward:
                 backend=backend(em, self.compiler, self.quantize_nodes, self._reads,
                                 self._keys),
                 **self.options)
-        keys = None
-        if keyed:  # the eager root forward's draw, on the model's device
-            keys = seed_tensor(em.generator)
-            dev = next((t.device for t in em.model.parameters()), None) or next(
-                (t.device for t in tensors_in((args, kwargs), [])), keys.device)
-            keys = keys.to(dev)
-        self._keys[0] = keys
-        try:
-            # the backward compiled with the forward (torch compiles it lazily, at the first
-            # loss.backward(), by default): a failure there falls back here too
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-                    _recording_dtype_reads(self._reads):
-                return fn(keys, *args, **kwargs)[0] if keyed else fn(*args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
-            self._fall_back(_why(err))
-            return self._eager_keyed(keys, args, kwargs)
-        finally:
-            self._keys[0] = None
+        # the backward compiled with the forward (torch compiles it lazily, at the first
+        # loss.backward(), by default): a failure there falls back here too
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+                torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
+                _recording_dtype_reads(self._reads, self._answers):
+            return fn(keys, *args, **kwargs)[0] if keyed else fn(*args, **kwargs)
 
 
 def compile_model(engine: Emulation, compiler: str = "inductor", **options) -> CompiledForward:
