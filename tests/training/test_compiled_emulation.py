@@ -483,6 +483,23 @@ def test_max_pooling_runs_atens_kernel_in_the_compiled_graphs(monkeypatch):
                    aten.max_pool2d_with_indices_backward.default in t for t in targets)
 
 
+def test_stochastic_roundings_run_the_kernel_in_the_compiled_graphs(monkeypatch):
+    """Under q6.10-sr every rounding of the compiled graphs is the opaque lowprec::quantize
+    (the C kernel, one pass) on a CPU: the fused decomposition's random-word hash was most of
+    the first compiled step. The bits are eager's (test_compiled_emulation_has_the_eager_bits:
+    mlp, bncnn under q6.10-sr)."""
+    from lowprec.numerics.ops import quantize_op
+    from lowprec.training.emulation.compiled import roundings_in
+
+    graphs = _compiled_graphs(monkeypatch, "mlp", "q6.10-sr")
+    opaque = [len(gm.graph.find_nodes(op="call_function", target=quantize_op()))
+              for gm in graphs]
+    # every rounding (opaque ones, and the fused decomposition's, which end in a bitcast or
+    # fixed point's saturating where) is an opaque one
+    assert len(graphs) == 2 and min(opaque) >= 2
+    assert [roundings_in(gm.graph) for gm in graphs] == opaque
+
+
 class _Pool1(nn.Module):
     """Max pooling spelled with one-element lists (ATen reads them as both sides)."""
 

@@ -10,7 +10,8 @@ Inside ``torch.compile`` (``torch.compiler.is_compiling()``), :func:`quantize` a
 algorithm as int32 torch ops (:mod:`.fused`), which AOTAutograd expands and Inductor fuses into
 the neighbouring kernels, for every format but dynamic fixed point (and tensors of 2**31
 elements or more); otherwise the opaque ``lowprec::quantize`` custom op (:mod:`.ops`), whose
-implementation is this eager function. Either way compiled code gets the eager bits.
+implementation is this eager function (compiled emulation takes it for stochastic rounding on a
+CPU too: :func:`tracing_graph`). Either way compiled code gets the eager bits.
 ``impl="op"`` or ``impl="fused"`` picks one of them explicitly, eagerly too. The format and
 rounding become constants of the graph; stochastic rounding's two keys travel as a tensor,
 ``seed=`` (:func:`seed_tensor` draws them from a generator, as the eager path does), because
@@ -79,18 +80,22 @@ _TRACING = threading.local()
 
 
 @contextlib.contextmanager
-def tracing_graph():
+def tracing_graph(stochastic_kernel: bool = False):
     """Inside this block (in this thread) :func:`quantize` and :func:`quantize_` emit graph
     ops, as inside ``torch.compile``: for code that traces outside Dynamo (compiled emulation's
     backend runs the engine under AOTAutograd), where torch before 2.13 reports
     ``is_compiling()`` False (seen with torch 2.11: the eager path then read a traced seed's
-    values)."""
-    old = getattr(_TRACING, "on", False)
-    _TRACING.on = True
+    values). ``stochastic_kernel``: stochastic rounding of a CPU tensor as the opaque op, one
+    pass of the C kernel (where it is built), instead of the fused decomposition, whose
+    random-word hash (some 36 int32 ops per rounding, each in a vector and a scalar variant)
+    was most of compiled emulation's first step under q6.10-sr and ran slower than the kernel
+    (benchmarks/RESULTS.md, "Issue 37, fourth session")."""
+    old = getattr(_TRACING, "on", False), getattr(_TRACING, "sr_kernel", False)
+    _TRACING.on, _TRACING.sr_kernel = True, stochastic_kernel
     try:
         yield
     finally:
-        _TRACING.on = old
+        _TRACING.on, _TRACING.sr_kernel = old
 
 
 def emits_graph_ops() -> bool:
@@ -443,7 +448,8 @@ def _quantize_general(x, fmt, rounding, generator, random_bits, seed, impl) -> t
     if (emits_graph_ops() and impl == "auto") or impl in ("fused", "op"):
         spelled = _spelled(fmt, rounding, random_bits)
         if spelled is not None:
-            return _as_op(x, spelled, generator, seed, opaque=impl == "op")
+            return _as_op(x, spelled, generator, seed,
+                          opaque={"op": True, "fused": False}.get(impl))
         if impl in ("fused", "op"):  # the checks below name what is wrong with the arguments
             impl = "auto"
     _check_input(x)
@@ -595,9 +601,16 @@ def _seed_between_graphs(generator) -> torch.Tensor:
     return seed_tensor(generator)
 
 
-def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool = False
+def _as_op(x: torch.Tensor, spelled: tuple, generator, seed, opaque: bool | None = None
            ) -> torch.Tensor:
+    """The rounding as a graph op: opaque (``lowprec::quantize``) or the fused decomposition;
+    ``opaque=None`` chooses: the opaque op for stochastic rounding of a CPU tensor inside
+    ``tracing_graph(stochastic_kernel=True)`` (where the kernel is built), else the fused one
+    (for the formats and sizes it covers)."""
     fmt, mode, bits, stochastic, limit, source = spelled
+    if opaque is None:
+        opaque = stochastic and getattr(_TRACING, "sr_kernel", False) and \
+            x.device.type == "cpu" and _kernel.available()
     _check_input(x)
     check_generator(generator)
     if generator is not None and seed is not None:

@@ -786,8 +786,9 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
 
         # the engine's roundings as graph ops while AOTAutograd traces the forward and, through
         # autograd, the backward (torch 2.11 reports is_compiling() False here)
-        # fp16/bf16 roundings as cast round trips, which _inner keeps (emulate_precision_casts)
-        with tracing_graph(), _fused.native_casts():
+        # fp16/bf16 roundings as cast round trips, which _inner keeps (emulate_precision_casts);
+        # stochastic ones on a CPU as the opaque op (the C kernel)
+        with tracing_graph(stochastic_kernel=True), _fused.native_casts():
             return aot_autograd(
                 fw_compiler=counted("forward"), bw_compiler=counted("backward", is_backward=True),
                 inference_compiler=counted("inference", is_inference=True),
