@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from helpers import assert_same_bits
 from lowprec import Precision, quantize
-from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier
+from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier, build_model
 from lowprec.training.backends import BackendChoiceWarning
 from lowprec.training.policy import Backend, parse_policy
 from lowprec.training.emulation.compiled import CompiledForward, compile_model
@@ -37,6 +37,8 @@ MODELS = {
                                     nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
                                     nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
                                     nn.Flatten(), nn.Linear(16, 10)), (8, 1, 8, 8)),
+    # residual blocks: batch norm's y = x * a + b' (addcmul) in every block, adaptive pooling
+    "resnet20": (lambda: build_model("resnet20", (1, 28, 28), 10), (8, 1, 28, 28)),
 }
 
 
@@ -114,7 +116,9 @@ def _same_run(a, b, what):
     # rounding's keys derived from it in the graph as the eager engine derives them
     ("mlp", "q6.10-sr"), ("transformer", "p=fp16,c=fp16:sr,g=fp16:sr"),
     # batch norm of a format no 16-bit kernel stands for: the fp32 kernels, opaque
-    ("bncnn", "q6.10-sr")])
+    ("bncnn", "q6.10-sr"),
+    # Inductor's addcmul (no fused multiply-add on a CPU) moved roundings at step 2
+    ("resnet20", "q6.10-sr")])
 def test_compiled_emulation_has_the_eager_bits(name, policy):
     compiled = _train(name, policy, compile=True)  # first: nothing cached by an eager run
     eager = _train(name, policy)
@@ -275,8 +279,9 @@ def _train_entry(entry, policy, compile, steps=3):
     # its masked mean runs .to(h.dtype): float16 eagerly, float32 in Dynamo's plain trace; traced
     # again with the engine's answer (float16)
     ("encoder", "16-true", None),
-    # dropout: ATen's kernel (native_dropout, Inductor's fallback_random), the eager draws
-    ("bert", "16-true", None),
+    # dropout: ATen's kernel (native_dropout, Inductor's fallback_random), the eager draws;
+    # stochastic rounding: the opaque op (the C kernel) beside them
+    ("bert", "16-true", None), ("bert", "q6.10-sr", None),
 ])
 def test_zoo_models_compile_or_say_why_with_the_eager_bits(name, policy, reason):
     entry = _zoo()[name]
@@ -498,6 +503,17 @@ def test_stochastic_roundings_run_the_kernel_in_the_compiled_graphs(monkeypatch)
     # fixed point's saturating where) is an opaque one
     assert len(graphs) == 2 and min(opaque) >= 2
     assert [roundings_in(gm.graph) for gm in graphs] == opaque
+
+
+def test_addcmul_and_adaptive_pooling_run_atens_kernels_in_the_compiled_graphs(monkeypatch):
+    """Batch norm's y = x * a + b' (addcmul: ATen's CPU kernel contracts it to one fused
+    multiply-add, Inductor's CPU code does not) and adaptive average pooling (Inductor sums
+    its windows in another order) are ATen's kernels in the compiled graphs."""
+    graphs = _compiled_graphs(monkeypatch, "bncnn", "16-true")
+    targets = {n.target for gm in graphs for n in gm.graph.nodes}
+    lc, aten = torch.ops.lowprec_compiled, torch.ops.aten
+    assert {lc.addcmul.default, lc.adaptive_avg_pool2d.default} <= targets
+    assert not {aten.addcmul.default, aten._adaptive_avg_pool2d.default} & targets
 
 
 class _Pool1(nn.Module):

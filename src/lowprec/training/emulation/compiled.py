@@ -164,8 +164,8 @@ def _register_gemms_and_reductions() -> None:
 
 
 def _register_pointwise() -> None:
-    """lowprec_compiled::unary, activation(_backward), softmax(_backward)
-    (:func:`_opaque_ops`)."""
+    """lowprec_compiled::unary, activation(_backward), addcmul, adaptive_avg_pool2d,
+    softmax(_backward) (:func:`_opaque_ops`)."""
     aten = torch.ops.aten
 
     @torch.library.custom_op("lowprec_compiled::unary", mutates_args=())
@@ -188,6 +188,26 @@ def _register_pointwise() -> None:
 
     activation_.register_fake(lambda x, name, approximate: torch.empty_like(x))
     activation_bw_.register_fake(lambda g, x, name, approximate: torch.empty_like(g))
+
+    # ATen's CPU addcmul is compiled with its multiply and add contracted to one fused
+    # multiply-add (one rounding); Inductor's CPU code, built with -ffp-contract=off, rounds the
+    # product first: 18% of a batch-norm output's fp32 values (the engine's y = x * a + b')
+    # differ by an ulp, and now and then a rounding to the format with them (ResNet-20 under
+    # stochastic gradients: the outputs of its second step)
+    @torch.library.custom_op("lowprec_compiled::addcmul", mutates_args=())
+    def addcmul_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return aten.addcmul.default(c, a, b)
+
+    addcmul_.register_fake(lambda c, a, b: aten.addcmul.default(c, a, b))
+
+    # adaptive average pooling: Inductor lowers it with its own window sums (another order than
+    # ATen's kernel: 6,771 of 4,096 x 20 outputs differed, 8 x 64 x 7 x 7 to 1 x 1); its backward
+    # spreads each gradient alike
+    @torch.library.custom_op("lowprec_compiled::adaptive_avg_pool2d", mutates_args=())
+    def adaptive_avg_pool_(x: torch.Tensor, size: list[int]) -> torch.Tensor:
+        return aten._adaptive_avg_pool2d.default(x, size)
+
+    adaptive_avg_pool_.register_fake(lambda x, size: aten._adaptive_avg_pool2d.default(x, size))
 
     @torch.library.custom_op("lowprec_compiled::softmax", mutates_args=())
     def softmax_(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -325,6 +345,10 @@ def _pointwise_rewrites() -> dict:
                                             lambda a, kw, name=name: (a[0], name))
 
     out.update({
+        aten.addcmul.default: (lc.addcmul.default, lambda a, kw: None if kw or len(a) != 3
+                               else tuple(a)),
+        aten._adaptive_avg_pool2d.default: (lc.adaptive_avg_pool2d.default,
+                                            lambda a, kw: None if kw else (a[0], list(a[1]))),
         aten.gelu.default: (lc.activation.default, lambda a, kw: None if kw else (
             a[0], "gelu", a[1] if len(a) > 1 else "none")),
         aten.silu.default: (lc.activation.default, lambda a, kw: None if kw else (
