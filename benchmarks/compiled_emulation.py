@@ -10,7 +10,13 @@ largest difference in fp32 ulps. One thread; compile time is left out of the ste
 
     python benchmarks/compiled_emulation.py [--models mlp,lenet,transformer]
         [--policies 16-true,bf16-true,16-mixed] [--batch 64] [--steps 5] [--rounds 5]
-        [--device cuda]
+        [--layout contiguous|runner] [--device cuda]
+
+``--layout runner`` lays models with 2-d convolutions out channels-last, their inputs too, as
+``lowprec compare`` trains them (:func:`lowprec.experiments.models.channels_last`); the default,
+``contiguous``, keeps them as built (NCHW), where oneDNN converts some gradients to
+channels-last inside the convolutions' backward (a one-channel input, 1x1 kernels: layouts that
+are both).
 
 The policies run on the emulated backend (``b=emulated``), whatever ``auto`` would choose here.
 On a GPU (``--device cuda``; benchmarks/gpu.py runs it there) the rounding compiles to Triton
@@ -31,7 +37,8 @@ from torch.nn import functional as F
 
 from lowprec import Precision
 from lowprec.training.policy import parse_policy
-from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier, build_model
+from lowprec.experiments.models import (MLP, LeNet5, TransformerClassifier, build_model,
+                                       channels_last)
 
 MODELS = {
     "mlp": (lambda: MLP((1, 28, 28), 10, hidden=(512, 512)), (1, 28, 28)),
@@ -51,10 +58,12 @@ class Variant:
     """One model under one set-up; ``step()`` runs one training step."""
 
     def __init__(self, name: str, policy: str | None, compiled: bool, batch: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", layout: str = "contiguous") -> None:
         build, shape = MODELS[name]
         torch.manual_seed(0)
         model = build().to(device)
+        if layout == "runner":
+            channels_last(model)
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(batch, *shape, generator=g).to(device)
         self.y = torch.randint(0, 10, (batch,), generator=g).to(device)
@@ -119,13 +128,13 @@ def timed(fn, device: str) -> float:
 
 
 def measure(name: str, pols: list[str], batch: int, steps: int, rounds: int,
-            device: str = "cpu") -> list[dict]:
+            device: str = "cpu", layout: str = "contiguous") -> list[dict]:
     """One row per policy: step times relative to eager fp32 and bits against eager emulation."""
-    variants = {("fp32", False): Variant(name, None, False, batch, device),
-                ("fp32", True): Variant(name, None, True, batch, device)}
+    variants = {("fp32", False): Variant(name, None, False, batch, device, layout),
+                ("fp32", True): Variant(name, None, True, batch, device, layout)}
     for pol in pols:
         for c in (False, True):
-            variants[(pol, c)] = Variant(name, pol, c, batch, device)
+            variants[(pol, c)] = Variant(name, pol, c, batch, device, layout)
     times: dict = {k: [] for k in variants}
     for _ in range(rounds):  # interleaved: a slow moment of the machine hits all alike
         for k, v in variants.items():
@@ -156,6 +165,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps per timing round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "runner"],
+                    help="runner: convolutional models channels-last, as lowprec compare")
     a = ap.parse_args()
     if a.device == "cpu":
         torch.set_num_threads(1)
@@ -163,17 +174,19 @@ def main() -> None:
     where = (torch.cuda.get_device_name(0) if a.device == "cuda" else
              f"{platform.processor() or platform.machine()}, "
              f"{torch.backends.cpu.get_cpu_capability()}, 1 thread")
-    print(f"# {where}, torch {torch.__version__}, batch {a.batch}")
+    print(f"# {where}, torch {torch.__version__}, batch {a.batch}, layout {a.layout}; "
+          "step times / eager fp32's")
     print("| model | policy | fp32 compiled | emulated eager | emulated compiled | "
-          "compiled vs eager emulation (3 steps) |")
-    print("|---|---|---|---|---|---|")
+          "emulated compiled / fp32 compiled | compiled vs eager emulation (3 steps) |")
+    print("|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         rows = measure(name, a.policies.split(";" if ";" in a.policies else ","), a.batch,
-                       a.steps, a.rounds, a.device)
+                       a.steps, a.rounds, a.device, a.layout)
         for r in rows:
             print(f"| {name} | {r['policy']} | {r['fp32_compiled']:.2f}x | "
-                  f"{r['emulated_eager']:.2f}x | {r['emulated_compiled']:.2f}x | {r['bits']} |")
-        print(f"| {name} | fp32 eager ms/step | {rows[0]['fp32_eager_ms']:.1f} | | | "
+                  f"{r['emulated_eager']:.2f}x | {r['emulated_compiled']:.2f}x | "
+                  f"{r['compiled_emulated_vs_compiled_fp32']:.2f}x | {r['bits']} |")
+        print(f"| {name} | fp32 eager ms/step | {rows[0]['fp32_eager_ms']:.1f} | | | | "
               f"fp32 compiled vs eager: {rows[0]['fp32_compiled_vs_eager_bits']} |")
 
 
