@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from helpers import assert_same_bits
 from lowprec import Precision, quantize
+from lowprec.numerics import kernel
 from lowprec.experiments.models import MLP, LeNet5, TransformerClassifier, build_model
 from lowprec.training.backends import BackendChoiceWarning
 from lowprec.training.policy import Backend, parse_policy
@@ -37,7 +38,7 @@ MODELS = {
                                     nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
                                     nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
                                     nn.Flatten(), nn.Linear(16, 10)), (8, 1, 8, 8)),
-    # residual blocks: batch norm's y = x * a + b' (addcmul) in every block, adaptive pooling
+    # residual blocks: batch norm's y = x * a + b' (addcmul) in every block
     "resnet20": (lambda: build_model("resnet20", (1, 28, 28), 10), (8, 1, 28, 28)),
 }
 
@@ -338,7 +339,9 @@ class _ReadsDtypes(torch.nn.Module):
     16-true, float16 == float16, as in a graph, float32 == float32: ViT's input check); with
     ``finfo``, into a constant the graph would freeze (-3.4e38 for float16's -65504); with
     ``eye``, into a factory's dtype; with ``branch``, into a branch taken only under float16,
-    which breaks the graph."""
+    which breaks the graph; with ``literal``, into comparisons with ``torch.float16`` (Dynamo
+    takes the other branch on float32, leaving nothing of the read in the graph); with
+    ``renamed``, the same after a ``finfo`` read whose answer renames the later nodes."""
 
     def __init__(self, read: str):
         super().__init__()
@@ -359,10 +362,16 @@ class _ReadsDtypes(torch.nn.Module):
             if h.dtype == torch.float16:
                 torch._dynamo.graph_break()
             h = torch.where(h > 0.5, lo, h)
+        if self.read in ("literal", "renamed"):
+            if self.read == "renamed":  # an answer that adds nodes: later reads get new keys
+                h = torch.where(h > 5, torch.finfo(h.dtype).min, h)
+            for _ in range(2):
+                if h.dtype == torch.float16:  # a comparison with a literal: x4 eagerly
+                    h = h * 2
         return h
 
 
-@pytest.mark.parametrize("read", ["compare", "finfo", "eye", "branch"])
+@pytest.mark.parametrize("read", ["compare", "finfo", "eye", "branch", "literal", "renamed"])
 def test_a_dtype_read_is_traced_as_the_engine_answers_it_or_falls_back(read):
     """A read the graph would freeze otherwise than eager emulation answers it (finfo) is
     traced again with the engine's answer, and compiles with the eager bits; where that trace
@@ -386,8 +395,7 @@ def test_a_dtype_read_is_traced_as_the_engine_answers_it_or_falls_back(read):
     else:
         assert said == [] and run[0].forward.reason is None
     if read == "finfo":  # the eager answer, float16's, is in the graph
-        assert any(torch.equal(o, o.clamp(min=-65504.0)) for o in run[1])
-        assert (run[1][0] == -65504.0).any()
+        assert all(o.min() >= -65504.0 for o in run[1]) and (run[1][0] == -65504.0).any()
     _same_run(eager, run, f"read={read}")
 
 
@@ -488,6 +496,7 @@ def test_max_pooling_runs_atens_kernel_in_the_compiled_graphs(monkeypatch):
                    aten.max_pool2d_with_indices_backward.default in t for t in targets)
 
 
+@pytest.mark.skipif(not kernel.available(), reason="the compiled C kernel is not built")
 def test_stochastic_roundings_run_the_kernel_in_the_compiled_graphs(monkeypatch):
     """Under q6.10-sr every rounding of the compiled graphs is the opaque lowprec::quantize
     (the C kernel, one pass) on a CPU: the fused decomposition's random-word hash was most of
@@ -514,6 +523,37 @@ def test_addcmul_and_adaptive_pooling_run_atens_kernels_in_the_compiled_graphs(m
     lc, aten = torch.ops.lowprec_compiled, torch.ops.aten
     assert {lc.addcmul.default, lc.adaptive_avg_pool2d.default} <= targets
     assert not {aten.addcmul.default, aten._adaptive_avg_pool2d.default} & targets
+
+
+class _Dropped(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.drop, self.b = nn.Linear(64, 256), nn.Dropout(p), nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.b(self.drop(self.a(x)))
+
+
+@pytest.mark.parametrize("policy", ["q6.10-sr", "16-mixed"])
+@pytest.mark.parametrize("p", [0.15, 0.42])
+def test_dropout_compiles_with_the_eager_masks_and_scale(p, policy):
+    """Dropout draws eager's masks (torch's generator, ATen's kernel) and scales by eager's
+    float32 1 / (1 - p): the trace's native_dropout scales in double, an ulp apart at these p
+    (the zoo BERT's 0.1 happens to agree)."""
+    import types as _types
+
+    entry = _types.SimpleNamespace(
+        build=lambda: _Dropped(p),
+        batch=lambda: (torch.randn(64, 64, generator=torch.Generator().manual_seed(1)),
+                       torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(2))),
+        loss=lambda out, y: F.cross_entropy(out.float(), y))
+    torch.manual_seed(5)
+    eager = _train_entry(entry, policy, False)
+    torch.manual_seed(5)
+    run = _train_entry(entry, policy, True)
+    assert run[0].forward.reason is None
+    _same_run(eager, run, f"dropout p={p} {policy}")
 
 
 class _Pool1(nn.Module):

@@ -32,7 +32,8 @@ __all__ = ["quantize_op", "quantize_fused_op"]
 def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
               seed: torch.Tensor | None = None) -> torch.Tensor:
     if seed is not None and seed.device.type == "cpu" and x.device.type == "cpu" and \
-            seed.numel() == 2 and not (seed.is_floating_point() or seed.dtype == torch.bool):
+            seed.numel() == 2 and not (seed.is_floating_point() or seed.is_complex()
+                                       or seed.dtype == torch.bool):
         # the two keys as ints: quantize's fast path with prepared kernel arguments (compiled
         # emulation's stochastic roundings, one call each), which checks their range
         k0, k1 = seed.reshape(2).tolist()

@@ -41,7 +41,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import os
+import threading
 import types
 import warnings
 
@@ -164,8 +166,9 @@ def _register_gemms_and_reductions() -> None:
 
 
 def _register_pointwise() -> None:
-    """lowprec_compiled::unary, activation(_backward), addcmul, adaptive_avg_pool2d,
-    softmax(_backward) (:func:`_opaque_ops`)."""
+    """lowprec_compiled::unary, activation(_backward), addcmul, softmax(_backward); and
+    adaptive_avg_pool2d and dropout(_backward), which are not pointwise but are registered
+    here too (:func:`_opaque_ops`)."""
     aten = torch.ops.aten
 
     @torch.library.custom_op("lowprec_compiled::unary", mutates_args=())
@@ -200,14 +203,41 @@ def _register_pointwise() -> None:
 
     addcmul_.register_fake(lambda c, a, b: aten.addcmul.default(c, a, b))
 
-    # adaptive average pooling: Inductor lowers it with its own window sums (another order than
-    # ATen's kernel: 6,771 of 4,096 x 20 outputs differed, 8 x 64 x 7 x 7 to 1 x 1); its backward
-    # spreads each gradient alike
+    # adaptive average pooling to more than 1 x 1 (1 x 1 is ATen's mean, opaque already):
+    # Inductor lowers it with its own window sums, in another order than ATen's kernel (5,162
+    # of 23,040 outputs differed, 8 x 16 x 7 x 7 to 3 x 3, twenty draws); Inductor runs its
+    # backward on ATen's kernel already
     @torch.library.custom_op("lowprec_compiled::adaptive_avg_pool2d", mutates_args=())
     def adaptive_avg_pool_(x: torch.Tensor, size: list[int]) -> torch.Tensor:
         return aten._adaptive_avg_pool2d.default(x, size)
 
     adaptive_avg_pool_.register_fake(lambda x, size: aten._adaptive_avg_pool2d.default(x, size))
+
+    # dropout as eager torch.dropout computes it on a CPU (ATen's _dropout_impl: the noise
+    # bernoulli_(1 - p) from torch's generator, divided by 1 - p in float32, times the input),
+    # where the trace holds native_dropout (x * mask * (1 / (1 - p)) in double): the same
+    # masks, but the scale an ulp apart for some p (15 of p = 0.01 ... 0.99)
+    @torch.library.custom_op("lowprec_compiled::dropout", mutates_args=())
+    def dropout_(x: torch.Tensor, p: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not train or p == 0 or x.numel() == 0:
+            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+        if p == 1:
+            return x * torch.zeros((), dtype=x.dtype), torch.zeros_like(x, dtype=torch.bool)
+        noise = torch.empty_like(x).bernoulli_(1 - p)
+        mask = noise.bool()
+        return x * noise.div_(1 - p), mask
+
+    @torch.library.custom_op("lowprec_compiled::dropout_backward", mutates_args=())
+    def dropout_bw_(g: torch.Tensor, mask: torch.Tensor, keep: float) -> torch.Tensor:
+        # keep = 1 - p (from native_dropout_backward's scale 1 / (1 - p), which gives back
+        # 1 - p in float32 for every p of 0.01 ... 0.99): the gradient times eager's noise
+        if keep == 0:
+            return g * torch.zeros((), dtype=g.dtype)
+        return g * mask.to(g.dtype).div_(keep)
+
+    dropout_.register_fake(lambda x, p, train: (torch.empty_like(x),
+                                                torch.empty_like(x, dtype=torch.bool)))
+    dropout_bw_.register_fake(lambda g, mask, keep: torch.empty_like(g))
 
     @torch.library.custom_op("lowprec_compiled::softmax", mutates_args=())
     def softmax_(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -349,6 +379,11 @@ def _pointwise_rewrites() -> dict:
                                else tuple(a)),
         aten._adaptive_avg_pool2d.default: (lc.adaptive_avg_pool2d.default,
                                             lambda a, kw: None if kw else (a[0], list(a[1]))),
+        aten.native_dropout.default: (lc.dropout.default, lambda a, kw: None if kw or len(a) != 3
+                                      or a[2] is None else (a[0], float(a[1]), bool(a[2]))),
+        aten.native_dropout_backward.default: (
+            lc.dropout_backward.default, lambda a, kw: None if kw or len(a) != 3
+            else (a[0], a[1], 0.0 if math.isinf(float(a[2])) else 1.0 / float(a[2]))),
         aten.gelu.default: (lc.activation.default, lambda a, kw: None if kw else (
             a[0], "gelu", a[1] if len(a) > 1 else "none")),
         aten.silu.default: (lc.activation.default, lambda a, kw: None if kw else (
@@ -616,58 +651,72 @@ def _cast_to(node) -> torch.dtype | None:
 # Model code that reads a tensor's dtype (``h.dtype``, ``torch.finfo(h.dtype)``) gets its
 # logical dtype from the eager engine (float16 under 16-true) but the physical one, float32, from
 # Dynamo's trace of the plain forward, which then freezes it into the graph (``.to(h.dtype)``
-# becomes an upcast to an fp32 island: the zoo encoder's masked mean). Each read by code outside
-# torch is recorded while Dynamo traces (the tensor's graph node, the dtype it answered, and
-# where the read is: :func:`_read_key`) and checked when the engine runs the graph
-# (:func:`_checked_interpreter`): answers that could have changed the graph fail the
-# compilation with the engine's answers, and :class:`CompiledForward` traces the model once
-# more with those answers given to the reads (``.to(h.dtype)`` then casts to float16 in the
-# graph, which the engine runs as the eager cast); where that fails too, it falls back. torch's
-# own modules are not checked: they read dtypes to choose fast paths (``query.dtype !=
-# in_proj_bias.dtype``, the same answer either way) and mask types (0 and -inf, exact in every
-# float format); nn.MultiheadAttention with a padding mask compiles bit-identical.
+# becomes an upcast to an fp32 island: the zoo encoder's masked mean; ``h.dtype ==
+# torch.float16`` a branch not taken). Each read by code outside torch is recorded while Dynamo
+# traces (the tensor's graph node, the dtype it answered, and where the read is:
+# :func:`_read_key`) and checked when the engine runs the graph (:func:`_checked_interpreter`):
+# any answer other than the engine's fails the compilation with the engine's answers, and
+# :class:`CompiledForward` traces the model again with those answers given to the reads
+# (``.to(h.dtype)`` then casts to float16 in the graph, which the engine runs as the eager cast),
+# up to :data:`_RETRACES` times; where that does not settle, it falls back. torch's own modules
+# are not checked: they read dtypes to choose fast paths (``query.dtype != in_proj_bias.dtype``,
+# the same answer either way) and mask types (0 and -inf, exact in every float format);
+# nn.MultiheadAttention with a padding mask compiles bit-identical.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# while a CompiledForward traces: [(fx node, dtype answered, _read_key)]
-_READS: list | None = None
-_ANSWERS: dict = {}  # _read_key -> the dtype the eager engine answers there (a re-trace's)
+_RETRACES = 3  # traces with the engine's answers after the first, at most
+# per thread, while a CompiledForward traces: .reads [(fx node, dtype answered, _read_key)] and
+# .answers {_read_key: the dtype the eager engine answers there}
+_DTYPE_READS = threading.local()
+_HOOK_LOCK = threading.Lock()
+_HOOKED: list = []  # [the plain TensorVariable.method_attr_dtype] once the hook is installed
 
 
 def _read_key(node: torch.fx.Node, tx) -> tuple:
     """A dtype read's place, the same in a trace and its re-trace: the tensor's graph node
-    (its name) and the instruction reading it (code object and offset)."""
+    (its name) and the instruction reading it (code object and offset). An answer that renames
+    later nodes gives their reads new keys: the next trace learns those."""
     code = tx.f_code
     return (node.name, code.co_filename, code.co_firstlineno, code.co_name,
             tx.current_instruction.offset)
 
 
-@contextlib.contextmanager
-def _recording_dtype_reads(into: list, answers: dict | None = None):
-    """Record the floating dtype reads of model code while Dynamo traces (into ``into``);
-    ``answers`` (:func:`_read_key` -> dtype): reads answered with that dtype instead."""
+def _install_dtype_hook() -> None:
+    """Dynamo's answer to ``tensor.dtype`` recorded (and replaced) in the thread that traces
+    inside :func:`_recording_dtype_reads`, and torch's own elsewhere; installed once."""
     from torch._dynamo.variables.base import VariableTracker
     from torch._dynamo.variables.tensor import TensorVariable
 
-    global _READS, _ANSWERS
-    plain = TensorVariable.method_attr_dtype
+    with _HOOK_LOCK:
+        if _HOOKED:
+            return
+        plain = TensorVariable.method_attr_dtype
 
-    def read(self, tx):
-        if (_READS is not None and self.dtype is not None and self.dtype.is_floating_point
-                and not tx.f_code.co_filename.startswith(_TORCH_DIR)):
-            key = _read_key(self.proxy.node, tx)
-            answer = _ANSWERS.get(key)
-            _READS.append((self.proxy.node, self.dtype if answer is None else answer, key))
-            if answer is not None:
-                return VariableTracker.build(tx, answer)
-        return plain(self, tx)
+        def read(self, tx):
+            reads = getattr(_DTYPE_READS, "reads", None)
+            if (reads is not None and self.dtype is not None and self.dtype.is_floating_point
+                    and not tx.f_code.co_filename.startswith(_TORCH_DIR)):
+                key = _read_key(self.proxy.node, tx)
+                answer = _DTYPE_READS.answers.get(key)
+                reads.append((self.proxy.node, self.dtype if answer is None else answer, key))
+                if answer is not None:
+                    return VariableTracker.build(tx, answer)
+            return plain(self, tx)
 
-    outer, _READS = _READS, into
-    outer_answers, _ANSWERS = _ANSWERS, dict(answers or {})
-    TensorVariable.method_attr_dtype = read
+        TensorVariable.method_attr_dtype = read
+        _HOOKED.append(plain)
+
+
+@contextlib.contextmanager
+def _recording_dtype_reads(into: list, answers: dict | None = None):
+    """Record the floating dtype reads of model code while Dynamo traces in this thread (into
+    ``into``); ``answers`` (:func:`_read_key` -> dtype): reads answered with that dtype."""
+    _install_dtype_hook()
+    outer = getattr(_DTYPE_READS, "reads", None), getattr(_DTYPE_READS, "answers", {})
+    _DTYPE_READS.reads, _DTYPE_READS.answers = into, dict(answers or {})
     try:
         yield
     finally:
-        TensorVariable.method_attr_dtype = plain
-        _READS, _ANSWERS = outer, outer_answers
+        _DTYPE_READS.reads, _DTYPE_READS.answers = outer
 
 
 class DtypeReadError(RuntimeError):
@@ -693,46 +742,24 @@ def _where(node: torch.fx.Node) -> str:
     return f" made at {os.path.basename(path)}:{line}"
 
 
-def _fixes_a_dtype(gm: torch.fx.GraphModule, dtype: torch.dtype) -> bool:
-    """Whether a node of ``gm`` takes ``dtype`` (``.to(torch.float32)``, ``dtype=``) or one of
-    its ``torch.finfo`` constants as an argument: where a dtype read could have gone."""
-    fi = torch.finfo(dtype)
-    consts = {float(fi.min), float(fi.max), float(fi.eps), float(fi.tiny)}
-    found = False
-
-    def look(a):
-        nonlocal found
-        if a is dtype or (isinstance(a, float) and a in consts):
-            found = True
-        return a
-
-    for n in gm.graph.nodes:
-        if n.op == "call_function" or n.op == "call_method":
-            torch.fx.node.map_aggregate((n.args, n.kwargs), look)
-    return found
-
-
-def _checked_interpreter(engine: Emulation, reads: dict, gm: torch.fx.GraphModule):
-    """A ``torch.fx.Interpreter`` class checking the dtypes read in ``reads`` (node -> the dtype
-    Dynamo's trace answered) against what ``engine`` answers. Answers that differ are harmless
-    when every read Dynamo answered with one dtype the engine answers with one other (the
-    comparisons between them come out the same) and no node of the graph takes that dtype as an
-    argument (where ``.to(h.dtype)`` or ``torch.finfo(h.dtype)`` would have put it): ViT's
-    ``pixel_values.dtype != weight.dtype``. Otherwise the run raises :class:`DtypeReadError`
-    with the engine's answers (``reads``: node -> [(Dynamo's answer, :func:`_read_key`)], a
-    pair per read of that node's tensor)."""
+def _checked_interpreter(engine: Emulation, reads: dict):
+    """A ``torch.fx.Interpreter`` class checking the dtypes read in ``reads`` (node ->
+    [(Dynamo's answer, :func:`_read_key`)], a pair per read of that node's tensor) against what
+    ``engine`` answers: any that differ raise :class:`DtypeReadError` with the engine's answers.
+    (A difference can look harmless and not be: ViT's ``pixel_values.dtype != weight.dtype``
+    compares two answers alike, but ``h.dtype == torch.float16`` is a branch Dynamo took on
+    float32; so every one is traced again.)"""
     class Checked(torch.fx.Interpreter):
         def run(self, *args, **kwargs):
             self.answers = []  # (node, Dynamo's answer, the engine's)
             out = super().run(*args, **kwargs)
             wrong = [(n, want, got, key) for n, want, got, key in self.answers if want != got]
-            for n, want, got, _ in wrong:
-                same = {g for _, w, g, _ in self.answers if w == want}
-                if len(same) > 1 or _fixes_a_dtype(gm, want):
-                    raise DtypeReadError(
-                        f"the model reads the dtype of a tensor{_where(n)}: {got} under this "
-                        f"policy, {want} in a compiled graph, which would fix it there",
-                        {key: got for _, _, got, key in wrong})
+            if wrong:
+                n, want, got, _ = wrong[0]
+                raise DtypeReadError(
+                    f"the model reads the dtype of a tensor{_where(n)}: {got} under this "
+                    f"policy, {want} in a compiled graph, which would fix it there",
+                    {key: got for _, _, got, key in wrong})
             return out
 
         def run_node(self, n):
@@ -776,7 +803,7 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
         if reads:
             reads.clear()
         _check_kept(engine, checks, gm)
-        interpreter = _checked_interpreter(engine, checks, gm) if checks else torch.fx.Interpreter
+        interpreter = _checked_interpreter(engine, checks) if checks else torch.fx.Interpreter
         drawn = keys[0] if keys else None  # the call being traced draws keys (draws_keys())
         kidx = next((i for i, e in enumerate(example_inputs) if e is drawn), None)
         if drawn is not None and kidx is None:
@@ -864,9 +891,14 @@ def _fresh_function(fn, keyed: bool = False):
                               "lowprec_compiled_forward", None, call.__closure__)
 
 
+def _cause(err: BaseException) -> BaseException:
+    """The backend's own error inside Dynamo's wrapper (``err`` where there is none)."""
+    return getattr(err, "inner_exception", None) or err
+
+
 def _why(err: BaseException) -> str:
     """One line naming a compile failure (the backend's own error, not Dynamo's wrapper)."""
-    inner = getattr(err, "inner_exception", None) or err
+    inner = _cause(err)
     text = str(inner)
     if isinstance(inner, DtypeReadError):  # torch.fx adds the node it was running
         text = text.split("While executing")[0]
@@ -889,8 +921,9 @@ class CompiledForward:
         self.quantize_nodes: dict[str, int] = {}
         self._compiled: dict = {}  # (engine.active, keys drawn) -> the compiled forward
         self._reads: list = []  # dtype reads of the trace under way (_recording_dtype_reads)
-        #: dtype reads answered as the eager engine answers them (_read_key -> dtype), learnt
-        #: from a trace that failed on them (DtypeReadError), for the re-trace
+        #: per state of the engine (as _compiled), the dtype reads answered as the eager
+        #: engine answers them (_read_key -> dtype), learnt from traces that failed on them
+        #: (DtypeReadError), for the next trace
         self._answers: dict = {}
         self._keys: list = [None]  # the base keys of the call under way (stochastic rounding)
         self._warned = False
@@ -906,7 +939,7 @@ class CompiledForward:
         new.compiler, new.options = self.compiler, dict(self.options)
         new.reason, new._warned = self.reason, self._warned
         new.quantize_nodes, new._compiled, new._reads, new._keys = {}, {}, [], [None]
-        new._answers = dict(self._answers)
+        new._answers = {k: dict(v) for k, v in self._answers.items()}
         return new
 
     def _fall_back(self, reason: str) -> None:
@@ -949,17 +982,19 @@ class CompiledForward:
         self._keys[0] = keys
         try:
             first = None  # the failure that made it trace again, if one did
-            while True:
+            answers = self._answers.setdefault((em.active, keyed), {})
+            for attempt in range(_RETRACES + 1):
                 try:
-                    return self._run(keyed, keys, args, kwargs)
+                    return self._run(keyed, keys, args, kwargs, answers)
                 except Exception as err:  # noqa: BLE001 - any failure to compile: eager, said once
-                    inner = getattr(err, "inner_exception", None) or err
-                    if isinstance(inner, DtypeReadError) and inner.answers and \
-                            not inner.answers.keys() <= self._answers.keys():
+                    inner = _cause(err)
+                    new = {k: v for k, v in getattr(inner, "answers", {}).items()
+                           if answers.get(k) != v}
+                    if isinstance(inner, DtypeReadError) and new and attempt < _RETRACES:
                         # trace again, the reads answered as the eager engine answers them
                         first = first or err
-                        self._answers.update(inner.answers)
-                        self._compiled.clear()
+                        answers.update(new)
+                        self._compiled.pop((em.active, keyed), None)
                         self._reads.clear()
                         continue
                     why = _why(err) if first is None or first is err else \
@@ -969,8 +1004,9 @@ class CompiledForward:
         finally:
             self._keys[0] = None
 
-    def _run(self, keyed: bool, keys, args, kwargs):
-        """The compiled forward (compiled at its first call: one per state of the engine)."""
+    def _run(self, keyed: bool, keys, args, kwargs, answers: dict):
+        """The compiled forward (compiled at its first call: one per state of the engine; its
+        dtype reads answered by ``answers`` while traced)."""
         em = self.engine
         fn = self._compiled.get((em.active, keyed))
         if fn is None:
@@ -985,7 +1021,7 @@ class CompiledForward:
         # loss.backward(), by default): a failure there falls back here too
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
                 torch._functorch.config.patch(force_non_lazy_backward_lowering=True), \
-                _recording_dtype_reads(self._reads, self._answers):
+                _recording_dtype_reads(self._reads, answers):
             return fn(keys, *args, **kwargs)[0] if keyed else fn(*args, **kwargs)
 
 
