@@ -7,7 +7,7 @@ import torch
 from ...numerics.formats import FP32, Format
 from ...numerics.storage import compact, format_of_dtype, storage_dtype
 from .protocol import PolicyOptimizer
-from .writeback import Storage, kahan_write, round_to
+from .writeback import Storage, kahan_write, round_to, write
 
 __all__ = ["FormatOptimizer"]
 
@@ -133,8 +133,8 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                     id(p), torch.zeros_like(p, dtype=storage_dtype(pf)))
                 kahan_write(st, p, old[p], p.float(), c)
             else:
-                w32 = p.float()
-                p.copy_(round_to(w32, st.now(pf, p, "param", w32), st.update, st.generator))
+                w32 = p.float()  # (p itself when fp32: rounded in place)
+                write(p, w32, st.now(pf, p, "param", w32), st.update, st.generator)
             sf = st.sformat(p)
             if sf != FP32:
                 for key, val in self.optimizer.state.get(p, {}).items():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import FP32, Format, parse_format
-from ...numerics.quantize import quantize
+from ...numerics.quantize import quantize, quantize_
 from ...numerics.rounding import check_generator
 from ...numerics.storage import NATIVE_DTYPES, format_of_dtype
 from ..policy import Policy, WriteBack
@@ -50,9 +50,13 @@ def kahan_write(st: "Storage", p: torch.Tensor, w32: torch.Tensor, w_new: torch.
 
 def write(dst: torch.Tensor, x32: torch.Tensor, fmt: Format, mode: str, generator) -> None:
     """dst <- x32 rounded to fmt. When dst's own dtype is fmt, torch's cast in copy_ already
-    rounds to nearest even, exactly as quantize would: one pass instead of two."""
+    rounds to nearest even, exactly as quantize would: one pass instead of two; when x32 is dst
+    (an fp32 parameter updated in place), rounded to nearest in place: one pass, no copy."""
     if mode != "stochastic" and NATIVE_DTYPES.get(fmt) == dst.dtype:
         dst.copy_(x32)
+    elif x32 is dst and mode != "stochastic":
+        if fmt != FP32:
+            quantize_(dst, fmt, "nearest")
     else:
         dst.copy_(round_to(x32, fmt, mode, generator))
 
