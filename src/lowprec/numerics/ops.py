@@ -31,13 +31,6 @@ __all__ = ["quantize_op", "quantize_fused_op"]
 @torch.library.custom_op("lowprec::quantize", mutates_args=(), device_types=None)
 def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
               seed: torch.Tensor | None = None) -> torch.Tensor:
-    if seed is not None and seed.device.type == "cpu" and x.device.type == "cpu" and \
-            seed.numel() == 2 and not (seed.is_floating_point() or seed.is_complex()
-                                       or seed.dtype == torch.bool):
-        # the two keys as ints: quantize's fast path with prepared kernel arguments (compiled
-        # emulation's stochastic roundings, one call each), which checks their range
-        k0, k1 = seed.reshape(2).tolist()
-        seed = (int(k0), int(k1))
     y = quantize(x, fmt, rounding, random_bits=random_bits or None, seed=seed)
     return y.clone() if y._base is not None or y is x else y  # an op may not return a view
 

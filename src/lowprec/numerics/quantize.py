@@ -76,6 +76,13 @@ def _prepared(table: dict, fmt, rounding):
         return None
 
 
+def _keys_given(seed, generator) -> bool:
+    """Whether stochastic rounding's keys are given as values the fast path reads: two ints
+    (the eager engine's) or a CPU tensor of them (compiled emulation's opaque op gets them so)."""
+    return generator is None and (type(seed) is tuple or (
+        type(seed) is torch.Tensor and seed.device.type == "cpu"))
+
+
 _TRACING = threading.local()
 
 
@@ -425,8 +432,9 @@ def quantize(
         # arguments a first call prepared (Python's cost per call otherwise: figure F9 of
         # benchmarks/RESULTS.md): a
         # deterministic mode to a float or fixed-point format, or stochastic rounding with its
-        # keys given as two ints (the eager engine's), put into a copy of the arguments
-        keyed = type(seed) is tuple and generator is None
+        # keys given as two ints (the eager engine's) or a CPU tensor of them (the opaque op's), put
+        # into a copy of the arguments
+        keyed = _keys_given(seed, generator)
         plain = seed is None and (generator is None or isinstance(generator, torch.Generator))
         prm = _prepared(_PREPARED_KEYED if keyed else _PREPARED, fmt, rounding) \
             if keyed or plain else None
@@ -482,7 +490,7 @@ def _quantize_general(x, fmt, rounding, generator, random_bits, seed, impl) -> t
 def _round_values(xf: torch.Tensor, fmt, key, mode: Rounding, rbits, random_bits, generator,
                   seed, impl: Impl) -> torch.Tensor:
     """Round float32 ``xf`` (non-empty, checked arguments) onto a non-binary format's grid."""
-    keyed = type(seed) is tuple and generator is None
+    keyed = _keys_given(seed, generator)
     if not mode.is_stochastic:
         seed = (0, 0)
     else:
