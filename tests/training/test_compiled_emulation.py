@@ -445,17 +445,28 @@ def test_the_forward_saves_no_boolean_mask_and_the_backward_reads_the_same_value
 
 def _compiled_graphs(monkeypatch, name: str, policy: str) -> list:
     """The ATen graphs (forward, backward) Inductor gets for one compiled training step of
-    ``name`` under ``policy``, after lowprec's rewrites (opaque ops)."""
+    ``name`` under ``policy``, after lowprec's rewrites (opaque ops): copies taken as Inductor
+    is called, since Inductor's own passes rewrite the graph in place where its cache misses."""
+    import types
+
+    import torch._inductor.compile_fx as cfx
+
     from lowprec.training.emulation import compiled as mod
 
     graphs = []
-    inner = mod._inner
+    inner, lowprec_inner = cfx.compile_fx_inner, mod._inner
 
     def keep(gm, example_inputs, **kwargs):
-        graphs.append(gm)
+        graph = torch.fx.Graph()  # (nodes copied, their metadata shared: no deep copy of
+        graph.output(graph.graph_copy(gm.graph, {}))  # the fake tensors while tracing)
+        graphs.append(types.SimpleNamespace(graph=graph))
         return inner(gm, example_inputs, **kwargs)
 
-    monkeypatch.setattr(mod, "_inner", keep)
+    def lowprec_keeps(gm, example_inputs, **kwargs):  # (a compiler of its own: no graph of an
+        return lowprec_inner(gm, example_inputs, **kwargs)  # earlier test from the caches)
+
+    monkeypatch.setattr(cfx, "compile_fx_inner", keep)
+    monkeypatch.setattr(mod, "_inner", lowprec_keeps)
     _train(name, policy, steps=1, compile=True)
     return graphs
 
@@ -512,6 +523,21 @@ def test_stochastic_roundings_run_the_kernel_in_the_compiled_graphs(monkeypatch)
     # fixed point's saturating where) is an opaque one
     assert len(graphs) == 2 and min(opaque) >= 2
     assert [roundings_in(gm.graph) for gm in graphs] == opaque
+
+
+@pytest.mark.skipif(not kernel.available(), reason="the compiled C kernel is not built")
+def test_inductor_hands_the_stochastic_rounding_its_input_in_the_traced_layout():
+    """After a compiled step under q6.10-sr, Inductor's lowering of lowprec::quantize keeps its
+    input's traced stride order (the op's tag): compiled emulation once registered it as
+    taking contiguous inputs, and each channels-last gradient of ResNet-20 was transposed to
+    row-major for its rounding and back (the run kept the eager bits, at 1.7x eager fp32's
+    step against eager emulation's 1.5x)."""
+    from torch._inductor.lowering import constrain_to_fx_strides, maybe_layout_constraints
+
+    from lowprec.numerics.ops import quantize_op
+
+    _train("mlp", "q6.10-sr", steps=1, compile=True)
+    assert maybe_layout_constraints(quantize_op()) is constrain_to_fx_strides
 
 
 def test_addcmul_and_adaptive_pooling_run_atens_kernels_in_the_compiled_graphs(monkeypatch):

@@ -28,11 +28,27 @@ from .quantize import quantize
 __all__ = ["quantize_op", "quantize_fused_op"]
 
 
-@torch.library.custom_op("lowprec::quantize", mutates_args=(), device_types=None)
+# needs_fixed_stride_order: Inductor hands the op its input in the order of the traced strides
+# (a channels-last activation or gradient stays channels-last: below, the op returns that
+# layout). Without the tag it constrains a custom op only where the node records eager input
+# values; with none, it lays a pointwise producer out row-major, and ResNet-20's channels-last
+# gradients were transposed for each rounding and back (benchmarks/RESULTS.md, "Issue 37, fifth
+# session"). The layout changes no bit: stochastic rounding counts logical indices.
+@torch.library.custom_op("lowprec::quantize", mutates_args=(), device_types=None,
+                         tags=(torch.Tag.needs_fixed_stride_order,))
 def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
               seed: torch.Tensor | None = None) -> torch.Tensor:
-    y = quantize(x, fmt, rounding, random_bits=random_bits or None, seed=seed)
-    return y.clone() if y._base is not None or y is x else y  # an op may not return a view
+    # only limited stochastic rounding takes its bits as an argument: the other modes imply
+    # theirs (32 for "stochastic"), and quantize's fast path takes random_bits=None only
+    # (passing 32 cost ~65 us a call at 131,072 elements on the general path)
+    bits = (random_bits or None) if rounding == "stochastic_limited" else None
+    y = quantize(x, fmt, rounding, random_bits=bits, seed=seed)
+    if y is x or y._base is not None or y.stride() != x.stride():
+        # an op may not return a view, and returns what its fake declares: x's layout where x
+        # is dense (quantize keeps a dense layout: a channels-last activation stays so), else
+        # empty_like's (a sliced input comes back dense)
+        y = torch.empty_like(x).copy_(y)
+    return y
 
 
 @_quantize.register_fake

@@ -89,19 +89,6 @@ def unsupported(engine: Emulation) -> str | None:
     return None
 
 
-def _contiguous_quantize() -> None:
-    """lowprec::quantize as an Inductor fallback that gets contiguous inputs. Its kernel
-    returns a contiguous tensor while its fake implementation declares ``empty_like(x)``, a
-    permuted input's strides; Inductor's default for a custom op (its inputs as the fake saw
-    them) then asserts the fake's strides on the real output and fails (seen on attention's
-    transposed activations). With a contiguous input both agree. (The op's fake could declare a
-    contiguous result instead.)"""
-    from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
-
-    if quantize_op() not in lowerings:
-        make_fallback(quantize_op(), layout_constraint=require_contiguous)
-
-
 _OPAQUE: dict = {}  # ATen op -> (its lowprec_compiled op, how to pass its arguments)
 # Inductor's vector loops take ATen's vectorised exp (Sleef) on whole vectors but std::exp on
 # a row's tail, where ATen's kernel runs the vector code on a partial vector: the tail's values
@@ -785,7 +772,6 @@ def backend(engine: Emulation, compiler: str = "inductor", stats: dict | None = 
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}; accepted: {', '.join(COMPILERS)}")
     import torch._inductor.compile_fx  # noqa: F401 - Inductor's decompositions need its lowerings
-    _contiguous_quantize()
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
