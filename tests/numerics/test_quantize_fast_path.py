@@ -66,9 +66,12 @@ def _args(rounding: str, keys) -> dict:
 
 
 @pytest.mark.parametrize("shape", [(4, 6, 5, 7), (2, 6, 30, 30), (3, 37, 9, 11),
-                                   (2, 300, 30, 30)])
-# stochastic rounding of channels-last: below 16 channels, tiles of 16 columns x 512 rows (900
-# rows: two row blocks); from 16, runs of the C values (300: one 256-element tile and a tail)
+                                   (2, 300, 30, 30), (2, 16, 30, 30), (3, 64, 5, 7),
+                                   (16, 128, 3, 3), (2, 8, 30, 30), (3, 2, 5, 7)])
+# stochastic rounding of channels-last: a power of two of channels up to 128, 2-D tiles of whole
+# memory rows (16 and 8: two row blocks of 512 rows; the transposed (16, 128, 3, 3): 16
+# columns); other counts below 16, tiles of 16 columns x 512 rows gathered into logical order
+# (900 rows: two row blocks); else runs of the C values (300: one 256-element tile and a tail)
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
 def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):

@@ -150,12 +150,14 @@ typedef struct {
     int32_t fixed_sr;             /* fixed point: stochastic rounding with 32 random bits by
                                    * the float path's trick at a per-element shift */
     uint32_t quantum;             /* float32 bits of 2**qsub (fixed_sr) */
+    uint32_t cs;                  /* the 2-D tiles' (quantize.c) columns per memory row, log2 */
 } lp_inv;
 
 LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
     lp_inv v;
     const float scale = u2f(pow2_bits(imin(imax(sh, -127), 127)));
     v.man = p->man;
+    v.cs = 0;
     v.bemin = p->bemin + sh;
     v.qsub = p->qsub + sh;
     v.signed_zero = p->signed_zero;

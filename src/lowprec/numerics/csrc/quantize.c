@@ -100,11 +100,18 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
 #define LP_BASE(MODE) ((MODE) == R_SRFX ? R_STOCHASTIC : (MODE))
 /* the random counter of element j of a tile: logical indices lo0, lo0 + st, ... */
 #define LP_CTR(j) (lo0 + (uint32_t)(j) * st)
+/* ... of a 2-D tile (lp_quantize_f32_bt): memory rows of 2**p.cs values, each value of a row a
+ * column whose logical index steps by st, each next row by 1 */
+#define LP_CTR2(j) (lo0 + ((uint32_t)(j) >> p.cs) + ((uint32_t)(j) & ((1u << p.cs) - 1u)) * st)
 
 #define LP_DEFINE_LOOP(NAME, MODE)                                                               \
-    LP_CLONES static void NAME##_tile(const uint32_t *in, uint32_t *out, int64_t n, uint32_t lo0, \
-                                      uint32_t st, uint32_t k0, uint32_t k1,                     \
-                                      const lp_inv *pp) {                                        \
+    LP_DEFINE_TILE(NAME##_tile, MODE, LP_CTR)                                                    \
+    LP_DEFINE_RANGE(NAME, MODE)
+
+/* A tile: n values rounded with the invariants *pp, element j's random counter CTR(j). */
+#define LP_DEFINE_TILE(TNAME, MODE, LP_CTR)                                                      \
+    LP_CLONES static void TNAME(const uint32_t *in, uint32_t *out, int64_t n, uint32_t lo0,      \
+                                uint32_t st, uint32_t k0, uint32_t k1, const lp_inv *pp) {       \
         const lp_inv p = *pp;                                                                     \
         int64_t i = 0;                                                                            \
         const int fast = (MODE == R_NEAREST_EVEN && (p.fast || p.fixed_ne)) ||                            \
@@ -166,7 +173,9 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
             if (LP_BASE(MODE) == R_STOCHASTIC) r = lp_rand(LP_CTR(i), k0, k1);                           \
             out[i] = quantize_one(in[i], r, &p, LP_BASE(MODE));                                   \
         }                                                                                         \
-    }                                                                                             \
+    }
+
+#define LP_DEFINE_RANGE(NAME, MODE)                                                              \
     static void NAME(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, int32_t sh,      \
                      const lp_params *pp) {                                                       \
         const lp_inv p = make_inv(pp, sh);                                                        \
@@ -182,6 +191,8 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
 LP_DETERMINISTIC_MODES(LP_LOOP_OF)
 LP_DEFINE_LOOP(loop_sr, R_STOCHASTIC)
 LP_DEFINE_LOOP(loop_sr_fixed, R_SRFX)
+LP_DEFINE_TILE(loop_sr_tile2, R_STOCHASTIC, LP_CTR2)
+LP_DEFINE_TILE(loop_sr_fixed_tile2, R_SRFX, LP_CTR2)
 
 loop_fn pick_loop(int mode) {
 #define LP_LOOP_CASE(SUFFIX, MODE) case MODE: return loop_##SUFFIX;
@@ -358,10 +369,16 @@ void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) 
  * each memory row (the C values of one position) is one run of the mode's tile whose random
  * counter starts at its first value's logical index and steps by `rows`. The caller keeps the
  * logical size below 2**32 (one high word of the counter). */
-/* Below LP_BT_RUNS channels a run is too short for a tile call: tiles of LP_BT_C columns x
- * LP_BT_R rows are gathered into logical order on the stack instead, each logical row rounded
- * with its own indices, then scattered back; from LP_BT_RUNS channels on, runs are faster
- * (benchmarks/RESULTS.md, figure F15). */
+/* Stochastic rounding with a power of two of columns below LP_TILE (the channels of most CNNs)
+ * takes 2-D tiles: one tile call rounds LP_TILE / cols whole memory rows in memory order, the
+ * counter of a value stepping by rows along its memory row and by 1 to the next (LP_CTR2). At 16
+ * channels that is 1.03-1.05x the contiguous rounding, where a call per memory row cost 1.38x
+ * and the gathered tiles below 1.92x; at 8, 4 and 2 channels 1.02-1.15x against the gathered
+ * tiles' 1.52-2.08x (benchmarks/RESULTS.md, "Issue 37, fifth session").
+ * Other column counts below LP_BT_RUNS make runs too short for a tile call: tiles of LP_BT_C
+ * columns x LP_BT_R rows are gathered into logical order on the stack instead, each logical row
+ * rounded with its own indices, then scattered back; from LP_BT_RUNS columns on, runs are
+ * faster (benchmarks/RESULTS.md, figure F15). */
 #ifndef LP_BT_RUNS
 #define LP_BT_RUNS 16
 #endif
@@ -386,8 +403,11 @@ static void bt_unit(const uint32_t *in, uint32_t *out, int64_t rows, int64_t col
 
 void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
                         int64_t cols, const lp_params *p, int nthreads) {
-    if (cols < LP_BT_RUNS) {
-        const loop_fn f = loop_for(p);
+    const loop_fn lf = loop_for(p);
+    const tile_fn t2 = lf == loop_sr ? loop_sr_tile2 : lf == loop_sr_fixed ? loop_sr_fixed_tile2
+                                                                            : NULL;
+    if (cols < LP_BT_RUNS && !(t2 != NULL && (cols & (cols - 1)) == 0)) {
+        const loop_fn f = lf;
         const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
         const int nt = lp_threads_over(batch * rows * cols, units, nthreads);
 #ifdef _OPENMP
@@ -397,9 +417,31 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
             bt_unit(in, out, rows, cols, u / rblocks, (u % rblocks) * LP_BT_R, p, f);
         return;
     }
-    const tile_fn t = tile_of(loop_for(p));
-    const lp_inv inv = make_inv(p, 0);
+    const tile_fn t = tile_of(lf);
+    lp_inv inv = make_inv(p, 0);
     const uint32_t k0 = p->k0, k1 = p->k1; /* high word 0: the key's mix32(0) is 0 */
+    if (t2 != NULL && (cols & (cols - 1)) == 0 && cols < LP_TILE) {
+        /* a power of two of columns below a tile: 2-D tiles of whole memory rows (above) */
+        inv.cs = 0;
+        while ((1 << inv.cs) < cols) ++inv.cs;
+        const int64_t per = LP_TILE / cols, rblocks = (rows + LP_BT_R - 1) / LP_BT_R;
+        const int64_t units2 = batch * rblocks;
+        const int nt2 = lp_threads_over(batch * rows * cols, units2, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt2) schedule(static)
+#endif
+        for (int64_t u = 0; u < units2; ++u) {
+            const int64_t n = u / rblocks, r0 = (u % rblocks) * LP_BT_R;
+            const int64_t r1 = r0 + LP_BT_R < rows ? r0 + LP_BT_R : rows;
+            for (int64_t r = r0; r < r1; r += per) {
+                const int64_t rn = r1 - r < per ? r1 - r : per;
+                const int64_t at = (n * rows + r) * cols;
+                t2(in + at, out + at, rn * cols, (uint32_t)(n * cols * rows + r),
+                   (uint32_t)rows, k0, k1, &inv);
+            }
+        }
+        return;
+    }
     const int64_t units = batch * rows;
     const int nt = lp_threads_over(units * cols, units, nthreads);
 #ifdef _OPENMP
