@@ -215,18 +215,21 @@ def test_the_op_is_registered_when_the_numerics_layer_is_imported():
     assert lowprec.quantize is quantize
 
 
-@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced",
+                                    "sliced_channels_last"])
 @pytest.mark.parametrize("rounding,bits", [("nearest", 0), ("stochastic", 32), ("stochastic", 0),
                                            ("stochastic_limited", 4)])
 def test_the_op_returns_the_layout_its_fake_declares(layout, rounding, bits):
     """The op's result has ``empty_like(x)``'s strides, what its fake declares (Inductor
-    asserts them): a dense input's layout kept, a sliced one's result dense; the values are
-    quantize's. Stochastic rounding's 32 bits, as a graph passes them, give the bits of the
-    mode's default."""
+    asserts them): a dense input's layout kept, a sliced one's result dense, in the order
+    empty_like gives (a sliced channels-last tensor: channels-last, where quantize's result is
+    row-major); the values are quantize's. Stochastic rounding's 32 bits, as a graph passes
+    them, give the bits of the mode's default."""
     g = torch.Generator().manual_seed(5)
     base = torch.randn(6, 5, 4, 7, generator=g) * 3
     x = {"channels_last": base.to(memory_format=torch.channels_last),
-         "transposed": base[0, 0].t(), "sliced": base[:, :, ::2]}[layout]
+         "transposed": base[0, 0].t(), "sliced": base[:, :, ::2],
+         "sliced_channels_last": base.to(memory_format=torch.channels_last)[..., ::2]}[layout]
     keys = seed_tensor(torch.Generator().manual_seed(6)) if rounding != "nearest" else None
     y = quantize_op()(x, "q6.10", rounding, bits, keys)
     assert y.stride() == torch.empty_like(x).stride()
@@ -237,9 +240,10 @@ def test_the_op_returns_the_layout_its_fake_declares(layout, rounding, bits):
 
 def test_inductor_hands_the_op_a_channels_last_producer_as_it_was_traced():
     """Inside an Inductor graph the op takes a pointwise producer's result in the traced
-    (channels-last) layout and its result stays so, with the eager bits. Its
-    needs_fixed_stride_order tag keeps that where a graph records no eager input values
-    (Inductor leaves a custom op unconstrained there)."""
+    (channels-last) layout and its result stays so, with the eager bits. Here Dynamo records
+    the eager input values, which constrain a custom op's inputs without a tag too; the op's
+    needs_fixed_stride_order tag keeps the order where a graph records none (Inductor leaves
+    an untagged custom op unconstrained there), and only its check below fails without it."""
     x = torch.randn(4, 16, 5, 5).to(memory_format=torch.channels_last)
     keys = seed_tensor(torch.Generator().manual_seed(7))
 

@@ -67,11 +67,14 @@ def _args(rounding: str, keys) -> dict:
 
 @pytest.mark.parametrize("shape", [(4, 6, 5, 7), (2, 6, 30, 30), (3, 37, 9, 11),
                                    (2, 300, 30, 30), (2, 16, 30, 30), (3, 64, 5, 7),
-                                   (16, 128, 3, 3), (2, 8, 30, 30), (3, 2, 5, 7)])
-# stochastic rounding of channels-last: a power of two of channels up to 128, 2-D tiles of whole
-# memory rows (16 and 8: two row blocks of 512 rows; the transposed (16, 128, 3, 3): 16
-# columns); other counts below 16, tiles of 16 columns x 512 rows gathered into logical order
-# (900 rows: two row blocks); else runs of the C values (300: one 256-element tile and a tail)
+                                   (16, 128, 3, 3), (2, 8, 30, 30), (3, 2, 5, 7),
+                                   (5, 4, 4, 4)])
+# stochastic rounding of a batched transpose (channels-last: C columns, H * W rows; the
+# transposed matrix: N rows, C * H * W columns): a power of two of columns below 256, 2-D tiles
+# of whole memory rows (16 and 8 channels: two row blocks of 512 rows; (5, 4, 4, 4) transposed:
+# 64 columns, 5 rows); other counts below 16, tiles of 16 columns x 512 rows gathered into
+# logical order (900 rows: two row blocks); else runs of the C values (300: one 256-element
+# tile and a tail)
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
 def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rounding, shape):

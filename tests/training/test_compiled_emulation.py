@@ -526,18 +526,49 @@ def test_stochastic_roundings_run_the_kernel_in_the_compiled_graphs(monkeypatch)
 
 
 @pytest.mark.skipif(not kernel.available(), reason="the compiled C kernel is not built")
-def test_inductor_hands_the_stochastic_rounding_its_input_in_the_traced_layout():
-    """After a compiled step under q6.10-sr, Inductor's lowering of lowprec::quantize keeps its
-    input's traced stride order (the op's tag): compiled emulation once registered it as
-    taking contiguous inputs, and each channels-last gradient of ResNet-20 was transposed to
-    row-major for its rounding and back (the run kept the eager bits, at 1.7x eager fp32's
-    step against eager emulation's 1.5x)."""
-    from torch._inductor.lowering import constrain_to_fx_strides, maybe_layout_constraints
+def test_a_channels_last_step_rounds_stochastically_in_channels_last():
+    """In the code Inductor generates for a channels-last CNN's step under q6.10-sr, every
+    4-d stochastic rounding (the opaque lowprec::quantize, whose result's strides the code
+    asserts) takes and gives channels-last tensors. Compiled emulation once lowered the op with
+    contiguous inputs, and each channels-last gradient was transposed for its rounding and
+    back (ResNet-20: 1.7x eager fp32's step against eager emulation's 1.5x), with the eager
+    bits all the same. (Inductor's cache is off here: a cache hit generates no code.)"""
+    import re
 
-    from lowprec.numerics.ops import quantize_op
+    from torch._inductor.utils import run_and_get_code
 
-    _train("mlp", "q6.10-sr", steps=1, compile=True)
-    assert maybe_layout_constraints(quantize_op()) is constrain_to_fx_strides
+    from lowprec.experiments.models import channels_last
+
+    build, shape = MODELS["bncnn"]
+    torch.manual_seed(0)
+    model = build()
+    channels_last(model)
+    x, y = _batch(shape)
+    x = x.contiguous(memory_format=torch.channels_last)
+    prec = Precision(_emu("q6.10-sr"), compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BackendChoiceWarning)
+        model, opt = prec.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step():
+        opt.zero_grad()
+        with prec.autocast():
+            loss = F.cross_entropy(model(x), y)
+        prec.backward(loss)
+        prec.step(opt)
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(step)
+    assert getattr(model.forward, "reason", None) is None
+    asserted = re.findall(r"assert_size_stride\(\w+, \(\d+, (\d+), (\d+), (\d+)\), "
+                          r"\(\d+, (\d+), \d+, \d+\), 'torch.ops.lowprec.quantize.default'\)",
+                          "\n".join(codes))
+    # the convolutions' activations and gradients (4 channels, 8 x 8; not the one-channel
+    # input, both layouts at once, nor the pooled 2 x 2 gradient, which the flatten's backward
+    # hands on row-major in eager emulation too)
+    convs = [a for a in asserted if a[:3] == ("4", "8", "8")]
+    assert len(codes) == 2 and len(convs) >= 6, (len(codes), asserted)
+    assert all(stride_c == "1" for *_, stride_c in convs), convs
 
 
 def test_addcmul_and_adaptive_pooling_run_atens_kernels_in_the_compiled_graphs(monkeypatch):

@@ -38,16 +38,21 @@ __all__ = ["quantize_op", "quantize_fused_op"]
                          tags=(torch.Tag.needs_fixed_stride_order,))
 def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
               seed: torch.Tensor | None = None) -> torch.Tensor:
-    # only limited stochastic rounding takes its bits as an argument: the other modes imply
-    # theirs (32 for "stochastic"), and quantize's fast path takes random_bits=None only
-    # (passing 32 cost ~65 us a call at 131,072 elements on the general path)
-    bits = (random_bits or None) if rounding == "stochastic_limited" else None
+    # stochastic rounding's 32 bits are its default, given as None: quantize's prepared fast
+    # path takes random_bits=None only (passing 32 cost ~40 us a call at 131,072 elements on
+    # the general path); other bits pass on as given (8: sr8; with a deterministic mode, the
+    # error quantize raises)
+    bits = random_bits or None
+    if bits == 32 and rounding == "stochastic":
+        bits = None
     y = quantize(x, fmt, rounding, random_bits=bits, seed=seed)
     if y is x or y._base is not None or y.stride() != x.stride():
-        # an op may not return a view, and returns what its fake declares: x's layout where x
-        # is dense (quantize keeps a dense layout: a channels-last activation stays so), else
-        # empty_like's (a sliced input comes back dense)
-        y = torch.empty_like(x).copy_(y)
+        # an op may not return a view, and returns what its fake declares, empty_like(x)'s
+        # layout: x's where x is dense (quantize keeps a dense layout: a channels-last
+        # activation stays so), else a dense one (a sliced input's)
+        want = torch.empty_like(x)
+        if y is x or y._base is not None or y.stride() != want.stride():
+            y = want.copy_(y)
     return y
 
 

@@ -406,7 +406,8 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     const loop_fn lf = loop_for(p);
     const tile_fn t2 = lf == loop_sr ? loop_sr_tile2 : lf == loop_sr_fixed ? loop_sr_fixed_tile2
                                                                             : NULL;
-    if (cols < LP_BT_RUNS && !(t2 != NULL && (cols & (cols - 1)) == 0)) {
+    const int pow2 = t2 != NULL && cols > 0 && (cols & (cols - 1)) == 0;
+    if (cols < LP_BT_RUNS && !pow2) {
         const loop_fn f = lf;
         const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
         const int nt = lp_threads_over(batch * rows * cols, units, nthreads);
@@ -420,19 +421,24 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     const tile_fn t = tile_of(lf);
     lp_inv inv = make_inv(p, 0);
     const uint32_t k0 = p->k0, k1 = p->k1; /* high word 0: the key's mix32(0) is 0 */
-    if (t2 != NULL && (cols & (cols - 1)) == 0 && cols < LP_TILE) {
+    if (pow2 && cols < LP_TILE) {
         /* a power of two of columns below a tile: 2-D tiles of whole memory rows (above) */
         inv.cs = 0;
         while ((1 << inv.cs) < cols) ++inv.cs;
-        const int64_t per = LP_TILE / cols, rblocks = (rows + LP_BT_R - 1) / LP_BT_R;
-        const int64_t units2 = batch * rblocks;
+        const int64_t per = LP_TILE / cols;
+        int64_t rb = LP_BT_R; /* rows a parallel unit; fewer where the batch is small */
+        if (nthreads > 1 && batch * ((rows + rb - 1) / rb) < nthreads) {
+            rb = (rows + nthreads - 1) / nthreads;
+            rb = (rb + per - 1) / per * per;
+        }
+        const int64_t rblocks = (rows + rb - 1) / rb, units2 = batch * rblocks;
         const int nt2 = lp_threads_over(batch * rows * cols, units2, nthreads);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt2) schedule(static)
 #endif
         for (int64_t u = 0; u < units2; ++u) {
-            const int64_t n = u / rblocks, r0 = (u % rblocks) * LP_BT_R;
-            const int64_t r1 = r0 + LP_BT_R < rows ? r0 + LP_BT_R : rows;
+            const int64_t n = u / rblocks, r0 = (u % rblocks) * rb;
+            const int64_t r1 = r0 + rb < rows ? r0 + rb : rows;
             for (int64_t r = r0; r < r1; r += per) {
                 const int64_t rn = r1 - r < per ? r1 - r : per;
                 const int64_t at = (n * rows + r) * cols;
