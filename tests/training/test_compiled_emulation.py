@@ -531,8 +531,8 @@ def test_a_channels_last_step_rounds_stochastically_in_channels_last():
     4-d stochastic rounding (the opaque lowprec::quantize, whose result's strides the code
     asserts) takes and gives channels-last tensors. Compiled emulation once lowered the op with
     contiguous inputs, and each channels-last gradient was transposed for its rounding and
-    back (ResNet-20: 1.7x eager fp32's step against eager emulation's 1.5x), with the eager
-    bits all the same. (Inductor's cache is off here: a cache hit generates no code.)"""
+    back (ResNet-20 on an AMD EPYC with AVX512-BF16: 1.7x eager fp32's step against eager
+    emulation's 1.5x), with the eager bits all the same. (Inductor's cache is off here: a cache hit generates no code.)"""
     import re
 
     from torch._inductor.utils import run_and_get_code

@@ -31,27 +31,23 @@ __all__ = ["quantize_op", "quantize_fused_op"]
 # needs_fixed_stride_order: Inductor hands the op its input in the order of the traced strides
 # (a channels-last activation or gradient stays channels-last: below, the op returns that
 # layout). Without the tag it constrains a custom op only where the node records eager input
-# values; with none, it lays a pointwise producer out row-major, and ResNet-20's channels-last
-# gradients were transposed for each rounding and back (benchmarks/RESULTS.md, "Issue 37, fifth
-# session"). The layout changes no bit: stochastic rounding counts logical indices.
+# values, and lays a pointwise producer out row-major where none are recorded. (Compiled
+# emulation once lowered the op with contiguous inputs: ResNet-20's channels-last gradients
+# were transposed for each rounding and back; benchmarks/RESULTS.md, "Issue 37, fifth
+# session".) The layout changes no bit: stochastic rounding counts logical indices.
 @torch.library.custom_op("lowprec::quantize", mutates_args=(), device_types=None,
                          tags=(torch.Tag.needs_fixed_stride_order,))
 def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
               seed: torch.Tensor | None = None) -> torch.Tensor:
-    # stochastic rounding's 32 bits are its default, given as None: quantize's prepared fast
-    # path takes random_bits=None only (passing 32 cost ~40 us a call at 131,072 elements on
-    # the general path); other bits pass on as given (8: sr8; with a deterministic mode, the
-    # error quantize raises)
-    bits = random_bits or None
-    if bits == 32 and rounding == "stochastic":
-        bits = None
-    y = quantize(x, fmt, rounding, random_bits=bits, seed=seed)
-    if y is x or y._base is not None or y.stride() != x.stride():
+    # (graphs pass random_bits 0 but for limited stochastic rounding: quantize._spelled)
+    y = quantize(x, fmt, rounding, random_bits=random_bits or None, seed=seed)
+    view = y is x or y._base is not None
+    if view or y.stride() != x.stride():
         # an op may not return a view, and returns what its fake declares, empty_like(x)'s
         # layout: x's where x is dense (quantize keeps a dense layout: a channels-last
         # activation stays so), else a dense one (a sliced input's)
         want = torch.empty_like(x)
-        if y is x or y._base is not None or y.stride() != want.stride():
+        if view or y.stride() != want.stride():
             y = want.copy_(y)
     return y
 

@@ -580,7 +580,9 @@ _SPELLED: dict = {}
 @torch.compiler.assume_constant_result  # evaluated while tracing; a constant of the graph
 def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool, int, str] | None:
     """(format, rounding mode, random bits, stochastic?, fused limit, source digest) as the
-    ops' constant arguments: the format's canonical string, which parses back to it, the most
+    ops' constant arguments: the format's canonical string, which parses back to it, the random
+    bits of limited stochastic rounding (0 for the other modes, which imply theirs: an eager
+    quantize given stochastic rounding's 32 left its prepared fast path), the most
     elements the fused decomposition takes (0: it does not cover the format) and the digest of
     its code (lowprec.numerics.fused.source_token); None where there is no
     string (dynamic fixed point, a bad argument): the eager code is traced then, and says what
@@ -597,6 +599,7 @@ def _spelled(fmt, rounding, random_bits) -> tuple[str, str, int, bool, int, str]
         spell = str(f)
         ok = (isinstance(f, (FloatFormat, FixedFormat, BlockFormat, BinaryFormat))
               and parse_format(spell) == f)
+        bits = bits if mode is Rounding.STOCHASTIC_LIMITED else 0
         hit = ((spell, mode.value, int(bits or 0), mode.is_stochastic, _fused.max_numel(f),
                 _fused.source_token()) if ok else None)
     except (TypeError, ValueError):

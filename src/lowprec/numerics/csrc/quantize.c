@@ -371,8 +371,8 @@ void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) 
  * logical size below 2**32 (one high word of the counter). */
 /* Stochastic rounding with a power of two of columns below LP_TILE (the channels of most CNNs)
  * takes 2-D tiles: one tile call rounds LP_TILE / cols whole memory rows in memory order, the
- * counter of a value stepping by rows along its memory row and by 1 to the next (LP_CTR2). At 16
- * channels that is 1.03-1.05x the contiguous rounding, where a call per memory row cost 1.38x
+ * counter of a value stepping by rows along its memory row and by 1 to the next (LP_CTR2). On an
+ * AMD EPYC with AVX512-BF16, at 16 channels that is 1.03-1.05x the contiguous rounding, where a call per memory row cost 1.38x
  * and the gathered tiles below 1.92x; at 8, 4 and 2 channels 1.02-1.15x against the gathered
  * tiles' 1.52-2.08x (benchmarks/RESULTS.md, "Issue 37, fifth session").
  * Other column counts below LP_BT_RUNS make runs too short for a tile call: tiles of LP_BT_C
@@ -423,8 +423,7 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     const uint32_t k0 = p->k0, k1 = p->k1; /* high word 0: the key's mix32(0) is 0 */
     if (pow2 && cols < LP_TILE) {
         /* a power of two of columns below a tile: 2-D tiles of whole memory rows (above) */
-        inv.cs = 0;
-        while ((1 << inv.cs) < cols) ++inv.cs;
+        inv.cs = (uint32_t)__builtin_ctzll((unsigned long long)cols);
         const int64_t per = LP_TILE / cols;
         int64_t rb = LP_BT_R; /* rows a parallel unit; fewer where the batch is small */
         if (nthreads > 1 && batch * ((rows + rb - 1) / rb) < nthreads) {
