@@ -117,6 +117,32 @@ def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
         assert_same_bits(got, want, f"{fmt} {mode}")
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "e4m3fn", "q6.10"])
+@pytest.mark.parametrize("mode", ["nearest", "stochastic"])
+def test_one_value_past_the_fast_rule_anywhere_in_a_block(on_path, fmt, mode):
+    """The fast path tests its values' flags once a block of 64 and sends only the chunks of 16
+    holding a flagged value (here one beyond the format's range, or a subnormal) to the general
+    rule: one such value at each place of a block, a partial last block, in place and not."""
+    from lowprec.numerics.formats import parse_format
+    from lowprec.numerics.quantize import quantize_
+
+    top = parse_format(fmt).max
+    g = torch.Generator().manual_seed(2)
+    for n in (64, 100, 130):  # one block; a block and a partial one (36, 2 values)
+        base = (torch.rand(n, generator=g) * 2 - 1) * top / 2
+        for at in range(0, n, 7):
+            for odd in (top * 4, 1e-30):
+                x = base.clone()
+                x[at] = odd
+                want = quantize(x, fmt, mode, impl="torch",
+                                generator=torch.Generator().manual_seed(5))
+                got = quantize(x, fmt, mode, impl="kernel",
+                               generator=torch.Generator().manual_seed(5))
+                assert_same_bits(got, want, f"{fmt} {mode} n={n} at {at}")
+                quantize_(x, fmt, mode, generator=torch.Generator().manual_seed(5))
+                assert_same_bits(x, want, f"{fmt} {mode} n={n} at {at}, in place")
+
+
 @pytest.mark.parametrize("shape", [(64, 96), (50, 14), (30, 45)])  # whole blocks; rows shorter
 # than a block (a channels-last activation's W = 14) and than a chunk of 16; a last partial block
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "mxint8"])

@@ -223,7 +223,10 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
 #endif
 
 #define LP_MAX_THREADS 64
-#define LP_MIN_PER_THREAD (1 << 15)
+/* 8,192: a stochastic rounding of 32,768 values (an LSTM step's hidden state at batch 256) costs
+ * ~25 us on one thread, more than an OpenMP fork; at 2**15 it ran on one (benchmarks/RESULTS.md,
+ * "Issue 37, sixth session") */
+#define LP_MIN_PER_THREAD (1 << 13)
 
 /* Threads for n elements of work: one per LP_MIN_PER_THREAD, at most nthreads, at least one. */
 static inline int lp_threads_for(int64_t n, int nthreads) {
