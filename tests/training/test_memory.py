@@ -88,3 +88,33 @@ def test_ledger_counts_overridden_modules_in_their_own_format():
     want = sum(p.numel() * p.element_size() for p in ref.parameters())
     assert want == 132 * 4 + 39 * 2
     assert ledger.params == want and ledger.grads == want
+
+
+def test_an_mx_quantized_tensor_counts_at_the_formats_width_along_any_axis():
+    """Emulated MX ops quantize a tensor in blocks along the axis they reduce (a convolution's
+    input along its channels, axis 1), so the copy autograd saves lies on the format's grid
+    along that axis, not the last: it counts at the format's width (format_bytes: 8-bit
+    elements and a scale per block); a tensor off the grid counts 4 bytes a value."""
+    from dataclasses import replace
+
+    from lowprec.numerics.formats import parse_format
+    from lowprec.numerics.storage import format_bytes
+    from lowprec.training.memory import saved_activation_bytes
+
+    mx = parse_format("mxfp8_e4m3")
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(4, 32, 3, 5, generator=g).requires_grad_()
+    for axis in (1, -1):
+        x = quantize_along(raw.detach(), replace(mx, axis=axis))
+        assert not torch.equal(x, raw)
+        got = saved_activation_bytes(lambda: torch.sin(x).sum(), exclude=[], compute=mx)
+        assert got == format_bytes(mx, x.numel()), axis
+    # off the grid along every axis: fp32's 4 bytes
+    assert saved_activation_bytes(lambda: torch.sin(raw).sum(), exclude=[], compute=mx) == \
+        4 * raw.numel()
+
+
+def quantize_along(t, fmt):
+    from lowprec import quantize
+
+    return quantize(t, fmt).requires_grad_()

@@ -8,19 +8,20 @@ during one forward pass and loss, caught with ``torch.autograd.graph.saved_tenso
 counted once per storage (a tensor saved by two layers is stored once), parameters excluded.
 
 Under emulation values are carried in fp32, but a tensor whose values all lie on the compute
-format's grid would be stored in that format: it is counted at that width. That is what the
-regime costs on hardware that has the format.
+format's grid would be stored in that format: it is counted at that width (a block format's grid
+along any of the tensor's axes: an emulated MX convolution saves its input quantized along the
+channels). That is what the regime costs on hardware that has the format.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..numerics.formats import FP32, Format
+from ..numerics.formats import FP32, BlockFormat, Format
 from ..numerics.storage import format_bytes
 from ..numerics.quantize import quantize
 from .optim import FormatOptimizer, LowPrecisionOptimizer
@@ -51,7 +52,10 @@ class MemoryLedger:
 
 def _on_grid(t: torch.Tensor, fmt: Format) -> bool:
     """Whether every value of ``t`` is representable in ``fmt`` (for dynamic fixed point: at
-    the range its largest value needs, or one or two above)."""
+    the range its largest value needs, or one or two above; for a block format: in blocks along
+    one of its axes, as an op quantized it: a convolution's input along its channels)."""
+    if isinstance(fmt, BlockFormat) and fmt.axis == -1 and t.dim() > 1:
+        return any(_on_grid(t, replace(fmt, axis=a)) for a in range(t.dim()) if t.shape[a] > 1)
     if fmt.dynamic:
         amax = float(t.abs().max()) if t.numel() else 0.0
         if not amax or amax != amax or amax == float("inf"):
