@@ -240,6 +240,34 @@ def test_the_rounded_sum_of_two_gives_the_torch_ops_bits(on_path, fmt):
     assert kernel.round_add2(a, b[:-1].contiguous(), prm) is None  # shapes differ: torch ops
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
+def test_one_arrival_at_a_16_bit_sum_gives_the_torch_ops_bits(on_path, fmt):
+    # s = rnd(v + rnd(g)) and s - v in one pass (lp_round_sum_delta), v on the grid, with the
+    # sum kept or not, contiguous and channels-last; other layouts are refused (torch ops)
+    from lowprec.numerics.params import element_params
+    from lowprec.numerics.formats import parse_format
+
+    g, v = bit_patterns(1 << 13, seed=3), bit_patterns(1 << 13, seed=4)
+    keep = ~(g.isnan() | v.isnan())  # a NaN's payload: whichever operand the compiler put first
+    g, v = g[keep][:8000].contiguous(), quantize(v[keep][:8000], fmt, impl="torch")
+    prm = kernel.prepare(element_params(parse_format(fmt)), 0, 0)
+    s = quantize(v + quantize(g, fmt, impl="torch"), fmt, impl="torch")
+    for shape in ((8000,), (10, 20, 8, 5)):
+        gs, vs = g.reshape(shape), v.reshape(shape)
+        if len(shape) == 4:
+            gs, vs = (t.to(memory_format=torch.channels_last) for t in (gs, vs))
+        for keep_sum in (True, False):
+            delta, kept = kernel.round_sum_delta(gs, vs, prm, keep_sum)
+            assert delta.stride() == gs.stride()
+            assert_same_bits(delta, (s - v).reshape(shape), fmt)
+            if keep_sum:
+                assert_same_bits(kept, s.reshape(shape), fmt)
+            assert (kept is None) == (not keep_sum)
+    g2 = g.reshape(80, 100)
+    assert kernel.round_sum_delta(g2, v.reshape(80, 100).t().contiguous().t(), prm, True) \
+        is None  # strides differ
+
+
 @pytest.mark.parametrize("policy", ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated",
                                     "p=fp16,c=fp16,g=e8m22"])
 def test_the_fused_lstm_cell_gives_the_op_by_op_replays_bits(on_path, policy, monkeypatch):

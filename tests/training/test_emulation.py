@@ -368,6 +368,69 @@ def test_a_gradient_through_a_mask_keeps_its_note(policy, monkeypatch):
         (8, 2, 6, 6), (engine, "pass_through", lambda out: None))
 
 
+class _ThreeUses(nn.Module):
+    """A tensor with three consumers (as a transformer's q, k and v projections read one) and a
+    residual stream (two): the 16-bit sums autograd forms of their gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.a, self.b, self.c = (nn.Conv2d(4, 4, 1) for _ in range(3))
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        h = self.a(h) * self.b(h) + self.c(h) + h
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("policy", ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated",
+                                    "p=fp16,c=fp16,g=fp16:sr,s=all,b=emulated"])
+def test_a_16_bit_sum_of_gradients_in_one_kernel_pass_gives_the_ops_bits(policy, layout,
+                                                                          monkeypatch):
+    """GradSum.add_raw: a later arrival at a 16-bit sum of gradients rounded, added, rounded
+    and differenced in one kernel pass (lp_round_sum_delta) gives the bits of the torch ops
+    it replaces (round_grad, then GradSum.add), over 3 SGD steps; stochastic rounding keeps
+    the ops (its keys come from the sites)."""
+    from lowprec.numerics import kernel
+    from lowprec.training.emulation import autograd_fns
+
+    if not kernel.available():
+        pytest.skip("the compiled kernel is not built")
+
+    def run(fused: bool):
+        used = []
+        with monkeypatch.context() as m:
+            if fused:
+                real = autograd_fns._kernel.round_sum_delta
+                m.setattr(autograd_fns._kernel, "round_sum_delta",
+                          lambda *a, **k: used.append(1) or real(*a, **k))
+            else:
+                m.setattr(autograd_fns.GradSum, "add_raw", lambda self, g, fmt, mode: None)
+            torch.manual_seed(0)
+            net = _ThreeUses().to(memory_format=layout)
+            prec = Precision(policy, seed=1)
+            model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+            x = torch.randn(8, 2, 6, 6, generator=torch.Generator().manual_seed(2))
+            x = x.to(memory_format=layout)
+            seen = []
+            for _ in range(3):
+                opt.zero_grad()
+                with prec.autocast():
+                    loss = model(x).float().pow(2).mean()
+                prec.backward(loss)
+                seen += [p.grad.clone() for p in net.parameters()]
+                prec.step(opt)
+        return seen + [p.detach().clone() for p in net.parameters()], len(used)
+
+    ops, _ = run(False)
+    one_pass, n = run(True)
+    for i, (u, v) in enumerate(zip(ops, one_pass)):
+        assert_same_bits(u, v, f"{policy}: tensor {i}")
+    assert (n > 0) == (":sr" not in policy), n
+
+
 def test_a_gradient_changed_in_place_since_it_was_rounded_is_rounded_again():
     from lowprec.numerics.formats import FP16
     from lowprec.training.emulation.gradmarks import note_rounded as _note_rounded

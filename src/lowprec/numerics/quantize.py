@@ -37,7 +37,7 @@ from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph",
            "memory_order", "batched_transpose",
-           "emits_graph_ops"]
+           "emits_graph_ops", "prepared_params"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # formats whose nearest-even rounding torch's casts perform exactly (the plain-torch fast path)
@@ -74,6 +74,17 @@ def _prepared(table: dict, fmt, rounding):
         return table.get((fmt, rounding))
     except TypeError:
         return None
+
+
+def prepared_params(fmt, rounding):
+    """The kernel's parameters of rounding to ``fmt`` by ``rounding`` (as given), as
+    :func:`quantize`'s fast path prepared them at a first call with these arguments; None before
+    that call, without a kernel, or inside a trace (graph ops there). For kernels fusing a
+    rounding with other work (:func:`lowprec.numerics.kernel.round_sum_delta`), so that it gives
+    quantize's bits."""
+    if emits_graph_ops():
+        return None
+    return _prepared(_PREPARED, fmt, rounding)
 
 
 def _keys_given(seed, generator) -> bool:

@@ -1,6 +1,7 @@
 /*
- * recurrent.c: the fused LSTM cell (lp_lstm_*) and the 16-bit sum of two gradients
- * (lp_round_add2), every operation rounded by quantize.c's run_range.
+ * recurrent.c: the fused LSTM cell (lp_lstm_*), the 16-bit sum of two gradients
+ * (lp_round_add2) and one arrival at a 16-bit sum of gradients (lp_round_sum_delta), every
+ * operation rounded by quantize.c's run_range.
  */
 #include "lp_common.h"
 
@@ -21,6 +22,32 @@ void lp_round_add2(const float *a, const float *b, float *out, int64_t n, const 
         run_range((const uint32_t *)(b + s), (uint32_t *)v, 0, len, p);
         for (int64_t k = 0; k < len; ++k) u[k] = u[k] + v[k];
         run_range((const uint32_t *)u, (uint32_t *)(out + s), 0, len, p);
+    }
+}
+
+/* One arrival of a gradient at a 16-bit sum (autograd's input buffer adding a tensor's uses in its
+ * dtype): u = rnd(g), s = rnd(v + u) with v the running sum (on the grid), delta = s - v (what
+ * the engine hands autograd's fp32 sum, which then telescopes to s: GradSum.add in
+ * lowprec/training/emulation/autograd_fns.py), s written to `sum` unless it is NULL. One pass
+ * for the torch ops' four (round, add, round, subtract), the same float32 operations; `p` a
+ * deterministic mode. */
+void lp_round_sum_delta(const float *g, const float *v, float *delta, float *sum, int64_t n,
+                        const lp_params *p, int nthreads) {
+    const int nt = lp_threads_for(n, nthreads);
+    const int64_t tiles = (n + LP_ADD_TILE - 1) / LP_ADD_TILE;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t s = t * LP_ADD_TILE, len = n - s < LP_ADD_TILE ? n - s : LP_ADD_TILE;
+        float u[LP_ADD_TILE];
+        const float *vs = v + s;
+        run_range((const uint32_t *)(g + s), (uint32_t *)u, 0, len, p);
+        for (int64_t k = 0; k < len; ++k) u[k] = u[k] + vs[k];
+        run_range((const uint32_t *)u, (uint32_t *)u, 0, len, p);
+        if (sum != NULL)
+            for (int64_t k = 0; k < len; ++k) sum[s + k] = u[k];
+        for (int64_t k = 0; k < len; ++k) delta[s + k] = u[k] - vs[k];
     }
 }
 

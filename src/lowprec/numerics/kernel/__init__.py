@@ -6,7 +6,7 @@
     block        MX block scales and blocked rounding, overflow counts (block.c)
     accumulate   the GEMM with a rounded accumulator, reference-order dot products (accumulate.c)
     optimizer    the fused optimizer step (optimizer.c)
-    recurrent    the fused LSTM cell, the 16-bit sum of two gradients (recurrent.c)
+    recurrent    the fused LSTM cell, 16-bit sums of gradients (recurrent.c)
     fexp         ATen's vectorised exp of the 16-bit flash attention (fexp.c)
 
 ``available()`` says whether it loaded; ``LOWPREC_KERNEL=0`` in the environment disables it, and
@@ -24,7 +24,7 @@ from .library import (LPAccFmt, LPAccGemm, LPOpt, LPParams, available, open_kern
 from .optimizer import opt_dtype_code, opt_step
 from .quantize import quantize_f32, quantize_prepared, quantize_transposed, transposed_available
 from .recurrent import (lstm_available, lstm_backward, lstm_forward, lstm_forward2, lstm_gates,
-                        round_add2)
+                        round_add2, round_sum_delta)
 
 __all__ = [
     "library", "available", "open_kernel", "LPParams", "LPOpt", "LPAccFmt", "LPAccGemm", "prepare",
@@ -39,6 +39,7 @@ __all__ = [
     "opt_dtype_code", "opt_step",
     # recurrent.c
     "lstm_available", "lstm_gates", "lstm_forward", "lstm_forward2", "lstm_backward", "round_add2",
+    "round_sum_delta",
     # fexp.c
     "fexp_available", "fexp_u20",
 ]

@@ -117,6 +117,7 @@ def open_kernel(path: str):
         "lp_opt_step": [p, p, p, p, i64, ctypes.POINTER(LPOpt), lpp, lpp, ci],
         # recurrent.c
         "lp_round_add2": [p, p, p, i64, lpp, ci],
+        "lp_round_sum_delta": [p, p, p, p, i64, lpp, ci],
         "lp_lstm_gates": [p, p, i64, p, i64, i64, lpp, ci],
         "lp_lstm_fwd": [p, p, p, p, i64, p, i64, p, p, i64, i64, lpp, ci],
         "lp_lstm_fwd2": [p, p, p, i64, i64, lpp, ci],

@@ -11,7 +11,7 @@ from . import library
 from .library import LPParams
 
 __all__ = ["lstm_available", "lstm_backward", "lstm_forward", "lstm_forward2", "lstm_gates",
-           "round_add2"]
+           "round_add2", "round_sum_delta"]
 
 
 def lstm_available() -> bool:
@@ -30,6 +30,34 @@ def round_add2(a: torch.Tensor, b: torch.Tensor, prm: LPParams) -> torch.Tensor 
     library.lib().lp_round_add2(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(),
                                 ctypes.byref(prm), torch.get_num_threads())
     return out
+
+
+def round_sum_delta(g: torch.Tensor, v: torch.Tensor, prm: LPParams, keep: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One arrival at a 16-bit sum of gradients in one pass (lp_round_sum_delta): with ``s =
+    rnd(v + rnd(g))`` (``v`` the running sum, on the grid), returns ``(s - v, s if keep else
+    None)``; ``prm`` a deterministic rounding from :func:`~.library.prepare`. None where the
+    build lacks the function, or ``g`` and ``v`` are not float32 CPU tensors of one shape laid
+    out alike in dense memory (contiguous or channels-last): the caller then uses torch ops,
+    which give the same bits."""
+    lib = library.lib()
+    if lib is None or not hasattr(lib, "lp_round_sum_delta") or not (
+            g.dtype == v.dtype == torch.float32 and g.device.type == v.device.type == "cpu" and
+            g.shape == v.shape and g.stride() == v.stride() and _dense(g)):
+        return None
+    delta = torch.empty_like(g)
+    s = torch.empty_like(g) if keep else None
+    lib.lp_round_sum_delta(g.data_ptr(), v.data_ptr(), delta.data_ptr(),
+                           s.data_ptr() if keep else None, g.numel(), ctypes.byref(prm),
+                           torch.get_num_threads())
+    return delta, s
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory with no gap or overlap, in an order the flat
+    loop may take (contiguous, or channels-last for 4-D)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(
+        memory_format=torch.channels_last))
 
 
 def _rows(t: torch.Tensor, name: str, cols: int) -> int:

@@ -14,7 +14,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ...numerics.keys import derive_keys
-from ...numerics.quantize import quantize, quantize_
+from ...numerics import kernel as _kernel
+from ...numerics.quantize import prepared_params, quantize, quantize_
 from .gradmarks import note_rounded, rounded_already
 
 __all__ = ["ROUNDABLE", "fresh", "Site", "Stream", "round_grad", "quantize_keyed",
@@ -155,6 +156,26 @@ class GradSum:
         self.value = None if self.seen >= self.n else new  # every consumer in: let it go
         return out
 
+    def add_raw(self, g: torch.Tensor, fmt, mode):
+        """:func:`round_grad` then :meth:`add` of a later arrival in one kernel pass (the same
+        float32 operations and roundings: ``lp_round_sum_delta``), for a deterministic mode of a
+        static format on CPU tensors laid out alike; None where it does not apply (the caller
+        then rounds and adds with torch ops)."""
+        if self.n <= 1 or self.value is None or callable(fmt) or mode.is_stochastic or \
+                self.value.shape != g.shape or \
+                torch._C._current_graph_task_id() != self.task:
+            return None
+        prm = prepared_params(fmt, mode)
+        if prm is None:
+            return None
+        done = _kernel.round_sum_delta(g, self.value, prm, keep=self.seen + 1 < self.n)
+        if done is None:
+            return None
+        out, new = done
+        self.seen += 1
+        self.value = new  # None once every consumer is in
+        return out
+
 
 SUM = "_lowprec_sum"  # attribute of an activation: its consumers' GradSum
 
@@ -175,6 +196,10 @@ def _arrival(g, bwd, bmode, gen, acc):
     """One consumer's gradient ``g`` rounded to ``bwd`` (not again where a replayed kernel
     rounded it) and added to the tensor's other consumers' (``acc``: :class:`GradSum`, or
     None): what autograd gets from a :class:`Consumed` or :class:`Upcast` node."""
+    if acc is not None:
+        out = acc.add_raw(g, bwd, bmode)
+        if out is not None:
+            return out
     g = round_grad(g, bwd, bmode, gen)
     return g if acc is None else acc.add(g, bwd, bmode, gen)
 
