@@ -311,19 +311,9 @@ def _same_bits_fewer_roundings(monkeypatch, policy, build, shape, patch):
             q = autograd_fns.quantize_keyed
             m.setattr(autograd_fns, "quantize_keyed", lambda *a: calls.append(1) or q(*a))
             torch.manual_seed(0)
-            net = build()
-            prec = Precision(policy, seed=1)
-            model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
-            x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-            seen = []
-            for _ in range(3):
-                opt.zero_grad()
-                with prec.autocast():
-                    loss = model(x).float().pow(2).mean()
-                prec.backward(loss)
-                seen += [p.grad.clone() for p in net.parameters()]
-                prec.step(opt)
-        return seen + [p.detach().clone() for p in net.parameters()], len(calls)
+            got = _trained(policy, build(),
+                           torch.randn(*shape, generator=torch.Generator().manual_seed(2)))
+        return got, len(calls)
 
     skipped, n_skip = run(False)
     every, n_every = run(True)
@@ -333,6 +323,22 @@ def _same_bits_fewer_roundings(monkeypatch, policy, build, shape, patch):
         assert n_skip == n_every
     else:
         assert n_skip < n_every, (n_skip, n_every)
+
+
+def _trained(policy, net, x) -> list:
+    """The gradients of 3 SGD steps of ``net`` under ``policy`` on ``x`` (the loss the mean
+    square of the output), then the parameters."""
+    prec = Precision(policy, seed=1)
+    model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
+    seen = []
+    for _ in range(3):
+        opt.zero_grad()
+        with prec.autocast():
+            loss = model(x).float().pow(2).mean()
+        prec.backward(loss)
+        seen += [p.grad.clone() for p in net.parameters()]
+        prec.step(opt)
+    return seen + [p.detach().clone() for p in net.parameters()]
 
 
 class _MaskNet(nn.Module):
@@ -409,20 +415,10 @@ def test_a_16_bit_sum_of_gradients_in_one_kernel_pass_gives_the_ops_bits(policy,
             else:
                 m.setattr(autograd_fns.GradSum, "add_raw", lambda self, g, fmt, mode: None)
             torch.manual_seed(0)
-            net = _ThreeUses().to(memory_format=layout)
-            prec = Precision(policy, seed=1)
-            model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.5))
             x = torch.randn(8, 2, 6, 6, generator=torch.Generator().manual_seed(2))
-            x = x.to(memory_format=layout)
-            seen = []
-            for _ in range(3):
-                opt.zero_grad()
-                with prec.autocast():
-                    loss = model(x).float().pow(2).mean()
-                prec.backward(loss)
-                seen += [p.grad.clone() for p in net.parameters()]
-                prec.step(opt)
-        return seen + [p.detach().clone() for p in net.parameters()], len(used)
+            got = _trained(policy, _ThreeUses().to(memory_format=layout),
+                           x.to(memory_format=layout))
+        return got, len(used)
 
     ops, _ = run(False)
     one_pass, n = run(True)

@@ -5,24 +5,31 @@
  */
 #include "lp_common.h"
 
+/* The 16-bit sums below, tile by tile of LP_ADD_TILE values, the tiles over the threads: the
+ * statements given last run with S the tile's first value and LEN its length. */
+#define LP_ADD_TILE 2048
+#define LP_OVER_TILES(N, NTHREADS, S, LEN, ...)                                                   \
+    do {                                                                                          \
+        const int nt_ = lp_threads_for(N, NTHREADS);                                              \
+        const int64_t tiles_ = (N + LP_ADD_TILE - 1) / LP_ADD_TILE;                               \
+        _Pragma("omp parallel for num_threads(nt_) schedule(static) if (nt_ > 1)")                \
+        for (int64_t t_ = 0; t_ < tiles_; ++t_) {                                                 \
+            const int64_t S = t_ * LP_ADD_TILE, LEN = N - S < LP_ADD_TILE ? N - S : LP_ADD_TILE;  \
+            __VA_ARGS__                                                                           \
+        }                                                                                         \
+    } while (0)
+
 /* out = rnd(rnd(a) + rnd(b)), rounded to `p` (a deterministic mode): one step of a 16-bit sum
  * of gradients (autograd adding a 16-bit tensor's uses in its dtype), in one pass. */
-#define LP_ADD_TILE 2048
 void lp_round_add2(const float *a, const float *b, float *out, int64_t n, const lp_params *p,
                    int nthreads) {
-    const int nt = lp_threads_for(n, nthreads);
-    const int64_t tiles = (n + LP_ADD_TILE - 1) / LP_ADD_TILE;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t s = t * LP_ADD_TILE, len = n - s < LP_ADD_TILE ? n - s : LP_ADD_TILE;
+    LP_OVER_TILES(n, nthreads, s, len, {
         float u[LP_ADD_TILE], v[LP_ADD_TILE];
         run_range((const uint32_t *)(a + s), (uint32_t *)u, 0, len, p);
         run_range((const uint32_t *)(b + s), (uint32_t *)v, 0, len, p);
         for (int64_t k = 0; k < len; ++k) u[k] = u[k] + v[k];
         run_range((const uint32_t *)u, (uint32_t *)(out + s), 0, len, p);
-    }
+    });
 }
 
 /* One arrival of a gradient at a 16-bit sum (autograd's input buffer adding a tensor's uses in its
@@ -33,13 +40,7 @@ void lp_round_add2(const float *a, const float *b, float *out, int64_t n, const 
  * deterministic mode. */
 void lp_round_sum_delta(const float *g, const float *v, float *delta, float *sum, int64_t n,
                         const lp_params *p, int nthreads) {
-    const int nt = lp_threads_for(n, nthreads);
-    const int64_t tiles = (n + LP_ADD_TILE - 1) / LP_ADD_TILE;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t s = t * LP_ADD_TILE, len = n - s < LP_ADD_TILE ? n - s : LP_ADD_TILE;
+    LP_OVER_TILES(n, nthreads, s, len, {
         float u[LP_ADD_TILE];
         const float *vs = v + s;
         run_range((const uint32_t *)(g + s), (uint32_t *)u, 0, len, p);
@@ -48,7 +49,7 @@ void lp_round_sum_delta(const float *g, const float *v, float *delta, float *sum
         if (sum != NULL)
             for (int64_t k = 0; k < len; ++k) sum[s + k] = u[k];
         for (int64_t k = 0; k < len; ++k) delta[s + k] = u[k] - vs[k];
-    }
+    });
 }
 
 /* ---- The LSTM cell of ATen's CPU composite run in a 16-bit dtype (RNN.cpp's LSTMCell), each
