@@ -52,10 +52,7 @@ class MemoryLedger:
 
 def _on_grid(t: torch.Tensor, fmt: Format) -> bool:
     """Whether every value of ``t`` is representable in ``fmt`` (for dynamic fixed point: at
-    the range its largest value needs, or one or two above; for a block format: in blocks along
-    one of its axes, as an op quantized it: a convolution's input along its channels)."""
-    if isinstance(fmt, BlockFormat) and fmt.axis == -1 and t.dim() > 1:
-        return any(_on_grid(t, replace(fmt, axis=a)) for a in range(t.dim()) if t.shape[a] > 1)
+    the range its largest value needs, or one or two above)."""
     if fmt.dynamic:
         amax = float(t.abs().max()) if t.numel() else 0.0
         if not amax or amax != amax or amax == float("inf"):
@@ -66,6 +63,26 @@ def _on_grid(t: torch.Tensor, fmt: Format) -> bool:
     return torch.equal(torch.nan_to_num(quantize(t, fmt)), torch.nan_to_num(t))
 
 
+def _grid_bytes(t: torch.Tensor, fmt: Format) -> int | None:
+    """The bytes ``t`` takes stored in ``fmt`` where every value of it lies on ``fmt``'s grid,
+    else None. A block format of fixed-size blocks (MX): on its grid in blocks along one of
+    ``t``'s axes, as an op quantized it (an emulated convolution's input along its channels),
+    with a scale per block of that axis's rows (an axis shorter than a block: one per row); of
+    the axes it lies on the grid along, the one with the fewest blocks (values quantized along
+    one axis often lie on the grid along another: each element keeps its own exponent)."""
+    if not (isinstance(fmt, BlockFormat) and fmt.block_size is not None and t.dim()):
+        return format_bytes(fmt, t.numel()) if _on_grid(t, fmt) else None
+    def scales(a: int) -> int:  # blocks along axis a: a scale byte each
+        return t.numel() // t.shape[a] * math.ceil(t.shape[a] / fmt.block_size)
+
+    axes = [fmt.axis % t.dim()] if fmt.axis != -1 else \
+        [a for a in range(t.dim()) if t.shape[a] > 1] or [t.dim() - 1]
+    for a in sorted(axes, key=scales):  # the cheapest layout that holds the values
+        if _on_grid(t, replace(fmt, axis=a)):
+            return math.ceil(t.numel() * fmt.element.bits / 8) + scales(a)
+    return None
+
+
 def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format | None = None
                            ) -> int:
     """Bytes of the tensors autograd saves while ``run()`` executes.
@@ -74,8 +91,9 @@ def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format 
     float32 tensors lying on this format's grid are counted at its width.
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
-    # per storage: the byte span its saved views cover, and whether all of them lie on the
-    # compute grid (a slice of a large tensor counts only the slice)
+    # per storage: the byte span its saved views cover, whether all of them lie on the compute
+    # grid, and the bytes and size of the largest in that format (a slice of a large tensor
+    # counts only the slice)
     spans: dict[int, list] = {}
 
     def pack(t: torch.Tensor):
@@ -86,24 +104,29 @@ def saved_activation_bytes(run, *, exclude: list[torch.Tensor], compute: Format 
         size = t.element_size()
         lo = t.storage_offset() * size
         hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size
-        on_grid = False
+        grid = None
         if compute is not None and compute != FP32 and t.dtype == torch.float32:
             with torch.no_grad():
-                on_grid = _on_grid(t, compute)
+                grid = _grid_bytes(t, compute)
         if key in spans:
             s_ = spans[key]
-            s_[0], s_[1], s_[2] = min(s_[0], lo), max(s_[1], hi), s_[2] and on_grid
+            s_[0], s_[1], s_[2] = min(s_[0], lo), max(s_[1], hi), s_[2] and grid is not None
+            if grid is not None and t.numel() > s_[4]:
+                s_[3], s_[4] = grid, t.numel()
         else:
-            spans[key] = [lo, hi, on_grid]
+            spans[key] = [lo, hi, grid is not None, grid, t.numel()]
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     del out
     total = 0
-    for lo, hi, on_grid in spans.values():
+    for lo, hi, on_grid, grid, numel in spans.values():
         nbytes = hi - lo
-        total += format_bytes(compute, nbytes // 4) if on_grid else nbytes
+        if not on_grid:
+            total += nbytes
+        else:  # the largest saved view's bytes where it covers the span, else by size
+            total += grid if numel == nbytes // 4 else format_bytes(compute, nbytes // 4)
     return total
 
 

@@ -36,15 +36,17 @@ void lp_round_add2(const float *a, const float *b, float *out, int64_t n, const 
  * dtype): u = rnd(g), s = rnd(v + u) with v the running sum (on the grid), delta = s - v (what
  * the engine hands autograd's fp32 sum, which then telescopes to s: GradSum.add in
  * lowprec/training/emulation/autograd_fns.py), s written to `sum` unless it is NULL. One pass
- * for the torch ops' four (round, add, round, subtract), the same float32 operations; `p` a
- * deterministic mode. */
+ * for the torch ops' four (round, add, round, subtract), the same float32 operations in their
+ * order (v + u, s - v; where both operands are NaN, which one's payload comes out is the
+ * compiler's choice here and in torch); `p` a deterministic mode (each tile's counters start at
+ * 0), `sum` not `v`. */
 void lp_round_sum_delta(const float *g, const float *v, float *delta, float *sum, int64_t n,
                         const lp_params *p, int nthreads) {
     LP_OVER_TILES(n, nthreads, s, len, {
         float u[LP_ADD_TILE];
         const float *vs = v + s;
         run_range((const uint32_t *)(g + s), (uint32_t *)u, 0, len, p);
-        for (int64_t k = 0; k < len; ++k) u[k] = u[k] + vs[k];
+        for (int64_t k = 0; k < len; ++k) u[k] = vs[k] + u[k];
         run_range((const uint32_t *)u, (uint32_t *)u, 0, len, p);
         if (sum != NULL)
             for (int64_t k = 0; k < len; ++k) sum[s + k] = u[k];
