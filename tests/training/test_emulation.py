@@ -755,3 +755,31 @@ def test_a_second_order_gradient_raises():
     (g,) = torch.autograd.grad(out, [net[0].weight], create_graph=True)
     with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
         g.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["16-true", "q6.10-sr", "mxfp8_e4m3", "mxfp4"])
+def test_a_channels_last_cnn_keeps_its_fp32_runs_layouts(policy):
+    """The layout of every convolution's input and output under emulation is the fp32 run's
+    (a first convolution of one input channel too, whose rounded weight once came back
+    row-major: the convolution then answered in row-major order, and MX roundings along the
+    channels copied the activations to row-major and back)."""
+    from lowprec.experiments.models import channels_last
+
+    def layouts(pol):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.AvgPool2d(2),
+                            nn.Conv2d(6, 32, 3), nn.ReLU(), nn.Conv2d(32, 4, 1))
+        channels_last(net)  # (as lowprec compare lays out a CNN)
+        prec = Precision(pol, seed=0)
+        model, _ = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        seen = []
+        for m in net:
+            if isinstance(m, nn.Conv2d):
+                m.register_forward_hook(lambda mod, i, o: seen.append(
+                    (i[0].stride(), o.stride())))
+        x = torch.randn(4, 1, 16, 16).to(memory_format=torch.channels_last)
+        with prec.autocast():
+            model(x)
+        return seen
+
+    assert layouts(policy) == layouts("32-true")

@@ -308,8 +308,8 @@ def _elementwise(xf: torch.Tensor, fmt, code: int, rmask: int, seed, impl: Impl,
             if done is not None:
                 return done
         xc = xf.contiguous()
-        if out is None:
-            out = torch.empty_like(xc, memory_format=torch.contiguous_format)
+        if out is None:  # (xf's strides where it is contiguous: those of size-1 dimensions too)
+            out = torch.empty_like(xc)
         _kernel.quantize_f32(xc, out, ep, code, rmask, seed)
         return out
     native = _NATIVE_CASTS.get(fmt) if code == R_NEAREST_EVEN else None
@@ -382,7 +382,11 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
     axis = fmt.axis if fmt.axis >= 0 else xf.dim() + fmt.axis
     if not 0 <= axis < xf.dim():
         raise ValueError(f"block axis {fmt.axis} is out of range for a {xf.dim()}-d tensor")
-    moved = xf.movedim(axis, -1).contiguous()
+    # the blocks' axis last: where it lies last in memory too (a channels-last activation's
+    # channels), the kernel reads x and writes a tensor of x's layout in place, no copies
+    moved = xf.movedim(axis, -1)
+    in_place = moved.is_contiguous() and _use_kernel(xf, impl)
+    moved = moved if in_place else moved.contiguous()
     if fmt.block_size is None:  # one exponent for the whole tensor
         rows, row_len, block = 1, moved.numel(), moved.numel()
     else:
@@ -391,6 +395,13 @@ def _blocks(xf: torch.Tensor, fmt: BlockFormat, code: int, rmask: int, seed,
     flat = moved.reshape(rows, row_len)
     shifts = block_shifts(flat, fmt, block, impl)
     ep = element_params(fmt.element)
+    if in_place:
+        full = torch.empty_like(xf)  # x's strides (x is dense): its blocks' axis last as well
+        dst = full.movedim(axis, -1)
+        if dst.is_contiguous():
+            _kernel.quantize_blocks_f32(flat, dst.view(rows, row_len), row_len, block, shifts,
+                                        ep, code, rmask, seed)
+            return full
     if _use_kernel(xf, impl):
         out = torch.empty_like(flat)
         _kernel.quantize_blocks_f32(flat, out, row_len, block, shifts, ep, code, rmask, seed)
@@ -490,7 +501,10 @@ def _quantize_general(x, fmt, rounding, generator, random_bits, seed, impl) -> t
             out = _binary(xf)
         else:
             out = _round_values(xf, fmt, key, mode, rbits, random_bits, generator, seed, impl)
-        out = out.reshape(x.shape)
+        # (not reshaped to its own shape: a view's strides drop those of x's size-1 dimensions,
+        # and a convolution given a channels-last weight of one input channel so turned
+        # row-major answered in row-major order, its next layer then converting)
+        out = out if out.shape == x.shape else out.reshape(x.shape)
         if out.stride() != x.stride() and memory_order(x) is not None:
             # a dense input's layout kept, as torch's elementwise ops keep it (a channels-last
             # activation rounded stochastically or in blocks: the next convolution would
