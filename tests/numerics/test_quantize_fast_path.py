@@ -166,13 +166,14 @@ def test_stochastic_rounding_given_its_keys_takes_the_fast_path_too(fmt, roundin
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("fmt", ["fp16", "q6.10", "e4m3fn", "mxfp8_e4m3", "mxfp4"])
-def test_the_output_has_the_strides_torch_gives_the_input(fmt, rounding):
-    """quantize's output has the strides torch's own elementwise ops give its input (x * 1),
-    on the first call and the prepared ones: a channels-last weight of one input channel too,
-    whose size-1 axis has a stride row-major order would not give (a convolution handed the
-    row-major one answers in row-major order), and an MX rounding along a channels-last
-    activation's channels (its memory's last axis: the kernel reads and writes in place); with
-    the bits of the contiguous tensor's rounding."""
+def test_the_output_has_the_strides_of_the_inputs_cast_round_trip(fmt, rounding):
+    """quantize's output has the strides torch's cast round trip gives its input
+    (``x.half().float()``: what a native 16-bit tensor and its upcast have), on the first call
+    and the prepared ones: a channels-last weight of one input channel too, whose size-1 axis
+    has a stride row-major order would not give (a convolution handed the row-major one
+    answers in row-major order), other strides on size-1 axes, and an MX rounding along a
+    channels-last activation's channels (its memory's last axis: the kernel reads and writes
+    in place); with the bits of the contiguous tensor's rounding."""
     from dataclasses import replace
 
     from lowprec.numerics.formats import BlockFormat, parse_format
@@ -180,12 +181,13 @@ def test_the_output_has_the_strides_torch_gives_the_input(fmt, rounding):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(6, 1, 5, 5, generator=g).to(memory_format=torch.channels_last)
     a = torch.randn(4, 32, 3, 5, generator=g).to(memory_format=torch.channels_last)
+    odd = torch.randn(3, 40, generator=g).as_strided((3, 1, 40), (40, 7, 1))
     base = parse_format(fmt)
-    for t, axis in ((w, 1), (a, 1), (a, -1), (w, -1)):
+    for t, axis in ((w, 1), (a, 1), (a, -1), (w, -1), (odd, -1)):
         f = replace(base, axis=axis) if isinstance(base, BlockFormat) else base
         for call in range(2):
             got = quantize(t, f, rounding, **_args(rounding, (7, 8)))
-            assert got.stride() == (t * 1).stride(), (tuple(t.shape), axis, call)
+            assert got.stride() == t.half().float().stride(), (tuple(t.shape), axis, call)
             assert_same_bits(got.contiguous(),
                              quantize(t.contiguous(), f, rounding, **_args(rounding, (7, 8))),
                              f"{tuple(t.shape)} axis {axis} call {call}")
