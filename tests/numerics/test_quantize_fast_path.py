@@ -173,7 +173,9 @@ def test_the_output_has_the_strides_of_the_inputs_cast_round_trip(fmt, rounding)
     has a stride row-major order would not give (a convolution handed the row-major one
     answers in row-major order), other strides on size-1 axes, and an MX rounding along a
     channels-last activation's channels (its memory's last axis: the kernel reads and writes
-    in place); with the bits of the contiguous tensor's rounding."""
+    in place); the kernel's paths and the torch path; not a view on the kernel's paths (the
+    engine would copy it);
+    with the bits of the contiguous tensor's rounding."""
     from dataclasses import replace
 
     from lowprec.numerics.formats import BlockFormat, parse_format
@@ -185,9 +187,11 @@ def test_the_output_has_the_strides_of_the_inputs_cast_round_trip(fmt, rounding)
     base = parse_format(fmt)
     for t, axis in ((w, 1), (a, 1), (a, -1), (w, -1), (odd, -1)):
         f = replace(base, axis=axis) if isinstance(base, BlockFormat) else base
-        for call in range(2):
-            got = quantize(t, f, rounding, **_args(rounding, (7, 8)))
+        for call in range(3):  # the first, a prepared one, the torch path (a GPU's fallback)
+            got = quantize(t, f, rounding, **_args(rounding, (7, 8)),
+                           impl="torch" if call == 2 else "auto")
             assert got.stride() == t.half().float().stride(), (tuple(t.shape), axis, call)
+            assert got._base is None or call == 2  # (the torch path's blocks: views, as before)
             assert_same_bits(got.contiguous(),
                              quantize(t.contiguous(), f, rounding, **_args(rounding, (7, 8))),
                              f"{tuple(t.shape)} axis {axis} call {call}")

@@ -510,6 +510,13 @@ def _quantize_general(x, fmt, rounding, generator, random_bits, seed, impl) -> t
             # activation rounded stochastically or in blocks: the next convolution would
             # otherwise take mixed layouts)
             return torch.empty_like(x).copy_(out)
+        if out.stride() != x.stride() and x.is_contiguous() and out.is_contiguous() and \
+                out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            # the same memory order, other strides on size-1 axes (the torch path's row-major
+            # result of a channels-last tensor of one channel): x's strides, as its cast keeps
+            # them, over the same memory (no copy; not a view)
+            out = torch.empty(0, dtype=out.dtype, device=out.device).set_(
+                out.untyped_storage(), out.storage_offset(), x.shape, x.stride())
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
