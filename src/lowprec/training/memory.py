@@ -72,6 +72,7 @@ def _grid_bytes(t: torch.Tensor, fmt: Format) -> int | None:
     one axis often lie on the grid along another: each element keeps its own exponent)."""
     if not (isinstance(fmt, BlockFormat) and fmt.block_size is not None and t.dim()):
         return format_bytes(fmt, t.numel()) if _on_grid(t, fmt) else None
+
     def scales(a: int) -> int:  # blocks along axis a: a scale byte each
         return t.numel() // t.shape[a] * math.ceil(t.shape[a] / fmt.block_size)
 

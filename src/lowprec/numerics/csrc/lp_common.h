@@ -224,8 +224,8 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
 
 #define LP_MAX_THREADS 64
 /* 8,192: a stochastic rounding of 32,768 values (an LSTM step's hidden state at batch 256) costs
- * ~25 us on one thread, more than an OpenMP fork; at 2**15 it ran on one (benchmarks/RESULTS.md,
- * "Issue 37, sixth session") */
+ * 26-36 us on one thread of an AMD EPYC with AVX512-BF16, more than an OpenMP fork; at 2**15 it
+ * ran on one (benchmarks/RESULTS.md, "Issue 37, sixth session") */
 #define LP_MIN_PER_THREAD (1 << 13)
 
 /* Threads for n elements of work: one per LP_MIN_PER_THREAD, at most nthreads, at least one. */

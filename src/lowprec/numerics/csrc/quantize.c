@@ -108,9 +108,8 @@ LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_
 
 /* The fast path's rule for one value (u its pattern, r its random word): the rounded pattern,
  * *bad set where the value needs quantize_one instead (beyond the fast rule's range). */
-LP_INLINE uint32_t fast_one(uint32_t u, uint32_t r, const lp_inv *pp, const int mode,
+LP_INLINE uint32_t fast_one(uint32_t u, uint32_t r, const lp_inv *p, const int mode,
                             uint32_t *bad) {
-    const lp_inv *p = pp;
     const uint32_t sign = u & 0x80000000u, a = u & 0x7fffffffu;
     const int32_t field = (int32_t)(a >> 23);
     uint32_t rf, b;
