@@ -91,7 +91,9 @@ def bit_patterns(n: int = 1 << 14, seed: int = 0) -> torch.Tensor:
 
 # q12.12: a 24-bit word, the widest whose limits lie below 2**(qsub + 23) (nearest even by the
 # addition trick); q13.12, 25 bits, takes the general rule
-FORMATS = ["fp16", "bf16", "e4m3fn", "e5m2", "e2m1fn", "q6.10", "q12.12", "q13.12"]
+# (e4m3fn-sat, e5m2-sat, e2m1fn and the fixed formats saturate: the fast rule takes the limit)
+FORMATS = ["fp16", "bf16", "e4m3fn", "e4m3fn-sat", "e5m2", "e5m2-sat", "e2m1fn", "q6.10",
+           "q12.12", "q13.12"]
 MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic", "sr4"]
 
 
@@ -157,6 +159,34 @@ def test_mx_blocks_give_the_torch_paths_bits(on_path, fmt, shape):
         got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(3))
         want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(3))
         assert_same_bits(got, want, f"{fmt} {mode}")
+
+
+@pytest.mark.parametrize("fmt, shape", [
+    ("mxfp8_e4m3", (600, 1)), ("mxfp8_e4m3", (200, 6)), ("mxfp8_e5m2", (90, 15)),
+    ("mxfp6_e3m2", (120, 3)), ("mxfp4", (150, 6)), ("mxint8", (100, 6)),
+    ("block<e4m3fn-sat,8>", (24, 50)), ("block<e2m1fn,4>", (30, 37))])
+def test_short_blocks_by_each_values_shift_give_the_torch_paths_bits(on_path, fmt, shape):
+    """Blocks shorter than 16 values (rows shorter than a block: an MX rounding along a
+    channels-last activation of a few channels; or short blocks along a row, a partial last
+    one) are rounded by the unshifted format's fast rule on each value's exponent moved by its
+    block's scale: values whose fields would leave float32's normal range (block scales at both
+    ends of the exponent range, float32 subnormals beside normal values, results that saturate)
+    and NaN / Inf blocks take the general rule. Every mode against the torch path's bits."""
+    g = torch.Generator().manual_seed(4)
+    rows, cols = shape
+    # each row its own scale, 2**-149 .. 2**127: the block scales' whole range
+    scale = torch.exp2(torch.randint(-149, 128, (rows, 1), generator=g).float())
+    x = torch.randn(rows, cols, generator=g) * scale
+    x[::7] = torch.randn(len(x[::7]), cols, generator=g)  # and ordinary rows
+    x[1] = torch.tensor([447.0, 465.0, 480.0, 511.0, -500.0, 1.0] * 10)[:cols]  # saturating
+    x[2, 0] = 1e-40  # a float32 subnormal beside normal values
+    x[4, -1], x[5, 0], x[8, 0] = float("nan"), -float("inf"), -0.0
+    x[9] = 0.0
+    x[10] = bit_patterns(cols, seed=3)[:cols]
+    for mode in ("nearest", "stochastic", "sr4", "toward_zero", "up"):
+        got = quantize(x, fmt, mode, impl="kernel", generator=torch.Generator().manual_seed(3))
+        want = quantize(x, fmt, mode, impl="torch", generator=torch.Generator().manual_seed(3))
+        assert_same_bits(got, want, f"{fmt} {mode} {shape}")
 
 
 def _steps(cls, kw, dtype, fuse: bool):

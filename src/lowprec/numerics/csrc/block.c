@@ -6,41 +6,87 @@
 #include "lp_common.h"
 
 /* Blocked variant: rows of `row_len` elements, each cut into blocks of `block` elements; block b
- * of row j uses shift shifts[j * nblocks + b] (the block's scale exponent). The mode's tile loop
- * runs on each block with the loop invariants of its shift, made once per change of shift. */
+ * of row j uses shift shifts[j * nblocks + b] (the block's scale exponent). Consecutive blocks
+ * (along a row and across rows, which lie one after the other) of one shift form one run, rounded
+ * by one call of the mode's tile loop with the loop invariants of that shift, kept in a small
+ * table by shift (make_inv once per shift, not per block). Runs, not blocks, because a block may
+ * be short: an MX rounding along a channels-last activation of 6 channels is one block of 6
+ * values a row, where the per-block call and make_inv cost several times the rounding. The random
+ * counter of each value is its flat index, whatever run holds it, so the bits are the same. */
+#define LP_INV_CACHE 64
+#ifndef LP_SHIFTED_BELOW
+#define LP_SHIFTED_BELOW 16
+#endif
+
+static const lp_inv *inv_of(lp_inv *cache, int32_t *tag, int32_t sh, const lp_params *p) {
+    const int slot = (int)((uint32_t)sh % LP_INV_CACHE);
+    if (tag[slot] != sh) {
+        cache[slot] = make_inv(p, sh);
+        tag[slot] = sh;
+    }
+    return &cache[slot];
+}
+
+/* The run [start, start + len) with the invariants *inv; the random counter as the plain loop's:
+ * low word the index, high word in the key, split where the index crosses a multiple of 2**32. */
+static void run_one(tile_fn t, const uint32_t *in, uint32_t *out, int64_t start, int64_t len,
+                    const lp_inv *inv, const lp_params *p) {
+    int64_t done = 0;
+    while (done < len) {
+        const uint64_t at = (uint64_t)(start + done);
+        int64_t stop = (int64_t)((at | 0xffffffffULL) + 1ULL) - start;
+        if (stop > len) stop = len;
+        t(in + start + done, out + start + done, stop - done, (uint32_t)at, 1u, p->k0,
+          p->k1 ^ mix32((uint32_t)(at >> 32)), inv);
+        done = stop;
+    }
+}
+
 static void run_blocks(const uint32_t *in, uint32_t *out, int64_t row_begin, int64_t row_end,
                        int64_t row_len, int64_t block, const int32_t *shifts, const lp_params *p) {
+    const shifted_fn f = (block < row_len ? block : row_len) < LP_SHIFTED_BELOW ? shifted_of(p)
+                                                                               : NULL;
+    if (f != NULL) { /* short blocks with a fast rule: every value by its block's shift */
+        int64_t a = row_begin * row_len;
+        const int64_t e = row_end * row_len;
+        while (a < e) {
+            int64_t stop = (int64_t)(((uint64_t)a | 0xffffffffULL) + 1ULL);
+            if (stop > e) stop = e;
+            f(in, out, a, stop - a, row_len, block, shifts, p->k0,
+              p->k1 ^ mix32((uint32_t)((uint64_t)a >> 32)), p);
+            a = stop;
+        }
+        return;
+    }
     const tile_fn t = tile_of(pick_loop(p->rounding));
     const int64_t nblocks = (row_len + block - 1) / block;
-    lp_inv inv;
-    int32_t have = LP_NAN_SHIFT;
+    lp_inv cache[LP_INV_CACHE];
+    int32_t tag[LP_INV_CACHE];
+    for (int i = 0; i < LP_INV_CACHE; ++i) tag[i] = LP_NAN_SHIFT; /* no shift's: all empty */
+    int64_t run = row_begin * row_len, run_len = 0; /* the run of equal shifts not yet rounded */
+    int32_t run_sh = LP_NAN_SHIFT;
     for (int64_t j = row_begin; j < row_end; ++j) {
         for (int64_t b = 0; b < nblocks; ++b) {
             const int64_t start = j * row_len + b * block;
             int64_t len = row_len - b * block;
             if (len > block) len = block;
             const int32_t sh = shifts[j * nblocks + b];
+            if (sh == run_sh && sh != LP_NAN_SHIFT) { /* the run goes on (blocks are adjacent) */
+                run_len += len;
+                continue;
+            }
+            if (run_len) run_one(t, in, out, run, run_len, inv_of(cache, tag, run_sh, p), p);
+            run = start;
+            run_len = 0;
+            run_sh = sh;
             if (sh == LP_NAN_SHIFT) { /* the block held a NaN or an Inf: its scale is NaN */
                 for (int64_t i = 0; i < len; ++i) out[start + i] = 0x7fc00000u;
                 continue;
             }
-            if (sh != have) {
-                inv = make_inv(p, sh);
-                have = sh;
-            }
-            /* the random counter as the plain loop's: low word the index, high word in the key,
-             * split where the index crosses a multiple of 2**32 */
-            int64_t done = 0;
-            while (done < len) {
-                const uint64_t at = (uint64_t)(start + done);
-                int64_t stop = (int64_t)((at | 0xffffffffULL) + 1ULL) - start;
-                if (stop > len) stop = len;
-                t(in + start + done, out + start + done, stop - done, (uint32_t)at, 1u, p->k0,
-                  p->k1 ^ mix32((uint32_t)(at >> 32)), &inv);
-                done = stop;
-            }
+            run_len = len;
         }
     }
+    if (run_len) run_one(t, in, out, run, run_len, inv_of(cache, tag, run_sh, p), p);
 }
 
 /* lp_quantize_blocks_f32's share of the rows */

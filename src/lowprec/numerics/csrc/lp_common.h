@@ -254,6 +254,12 @@ typedef void (*tile_fn)(const uint32_t *, uint32_t *, int64_t, uint32_t, uint32_
  * reach them through these pointers. */
 LP_INTERNAL loop_fn pick_loop(int mode);
 LP_INTERNAL tile_fn tile_of(loop_fn f);
+/* Blocks with a scale exponent each (quantize.c's LP_DEFINE_SHIFTED): elements [e0, e0 + n) of
+ * rows of row_len values in blocks of `block`, shifts[row * blocks a row + block] each; NULL
+ * from shifted_of where the mode or the format has no fast rule (block.c's runs then). */
+typedef void (*shifted_fn)(const uint32_t *, uint32_t *, int64_t, int64_t, int64_t, int64_t,
+                           const int32_t *, uint32_t, uint32_t, const lp_params *);
+LP_INTERNAL shifted_fn shifted_of(const lp_params *p);
 /* Elements [begin, end) of the logical tensor rounded by the loop (or shortcut) for p. */
 LP_INTERNAL void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
                            const lp_params *p);
