@@ -6,13 +6,17 @@
 #include "lp_common.h"
 
 /* Blocked variant: rows of `row_len` elements, each cut into blocks of `block` elements; block b
- * of row j uses shift shifts[j * nblocks + b] (the block's scale exponent). Consecutive blocks
- * (along a row and across rows, which lie one after the other) of one shift form one run, rounded
- * by one call of the mode's tile loop with the loop invariants of that shift, kept in a small
- * table by shift (make_inv once per shift, not per block). Runs, not blocks, because a block may
- * be short: an MX rounding along a channels-last activation of 6 channels is one block of 6
- * values a row, where the per-block call and make_inv cost several times the rounding. The random
- * counter of each value is its flat index, whatever run holds it, so the bits are the same. */
+ * of row j uses shift shifts[j * nblocks + b] (the block's scale exponent). Blocks shorter than
+ * LP_SHIFTED_BELOW values (an MX rounding along a channels-last activation of 6 channels: one
+ * block of 6 a row), in a mode with a fast rule, go value by value with their block's shift
+ * (quantize.c's shifted_of: no call per block). Otherwise consecutive blocks (along a row and
+ * across rows, which lie one after the other) of one shift form one run, rounded by one call of
+ * the mode's tile loop with the loop invariants of that shift, kept in a small table by shift
+ * (make_inv once per shift, not per block). On 2 threads of an AMD EPYC with AVX512-BF16, in
+ * ns a value (mxfp8_e4m3, nearest, random normal rows of 300,000 values): rows of 6, a call
+ * per block (before) 3.9, runs 2.1, by value 0.76; rows of 16: runs 0.53, by value 0.49; rows
+ * of 32: runs 0.30, by value 0.45. The random counter of each value is its flat index, whichever way
+ * it is rounded, so the bits are the same. */
 #define LP_INV_CACHE 64
 #ifndef LP_SHIFTED_BELOW
 #define LP_SHIFTED_BELOW 16
