@@ -334,6 +334,25 @@ def _masked_scores(s, attn_mask, is_causal):
     return s
 
 
+def _scores_in_place(q, k, sc, attn_mask, is_causal):
+    """:func:`_flash_scores`' values with the scaling and masking in place, in the product's
+    own buffer (the same operations on the same values, so the same bits, two passes' buffers
+    fewer): for :class:`_FlashAttention`, whose passes autograd does not record."""
+    s = (q @ k.transpose(-2, -1)).mul_(sc)
+    if is_causal:
+        L, S = s.shape[-2], s.shape[-1]
+        s.masked_fill_(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
+                       float("-inf"))
+    if attn_mask is not None:
+        if torch.broadcast_shapes(s.shape, attn_mask.shape) != s.shape:  # a wider mask
+            return _masked_scores(s, attn_mask, False)
+        if attn_mask.dtype == torch.bool:
+            s.masked_fill_(~attn_mask, float("-inf"))
+        else:
+            s.add_(attn_mask)
+    return s
+
+
 def _q_split(length: int) -> int:
     # the kernels' query block (q_split_size) for a sequence of ``length`` queries
     return 256 if length >= 768 else 64 if length >= 192 else 32
@@ -363,13 +382,13 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad):
         rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
         K, V = _grouped(k, rep), _grouped(v, rep)
-        s = _flash_scores(q, K, sc, attn_mask, is_causal)
+        s = _scores_in_place(q, K, sc, attn_mask, is_causal)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
-        e = _fexp_values(s - m)
+        e = _fexp_values(s.sub_(m))
         total = e.sum(-1, keepdim=True)
         total = torch.where(total == 0, torch.ones_like(total), total)
-        out = act((act(e) @ V) * (1 / total))
+        out = act((act(e) @ V).mul_(1 / total))
         ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total))
         ctx.spec = (is_causal, sc, act, grad, rep)
         return out
@@ -380,10 +399,10 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, attn_mask, out, lse = ctx.saved_tensors
         is_causal, sc, act, grad, rep = ctx.spec
         K, V = _grouped(k, rep), _grouped(v, rep)
-        p = torch.exp(_flash_scores(q, K, sc, attn_mask, is_causal) - lse)
+        p = _scores_in_place(q, K, sc, attn_mask, is_causal).sub_(lse).exp_()
         dsum = (do * out).sum(-1, keepdim=True)
-        ds = grad(p * (do @ V.transpose(-2, -1) - dsum))
-        dq = grad((ds @ K) * sc) if ctx.needs_input_grad[0] else None
+        ds = grad((do @ V.transpose(-2, -1)).sub_(dsum).mul_(p))  # p * (dP - dsum)
+        dq = grad((ds @ K).mul_(sc)) if ctx.needs_input_grad[0] else None
         dk = dv = None
         L, split = q.shape[-2], _q_split(q.shape[-2])
         blocks = [slice(i, min(i + split, L)) for i in range(0, L, split)]
@@ -399,7 +418,7 @@ class _FlashAttention(torch.autograd.Function):
 
         if ctx.needs_input_grad[1]:
             dst = ds.transpose(-2, -1)
-            dk = accumulate([(dst[..., b] @ q[..., b, :]) * sc for b in blocks])
+            dk = accumulate([(dst[..., b] @ q[..., b, :]).mul_(sc) for b in blocks])
         if ctx.needs_input_grad[2]:
             pt = act(p).transpose(-2, -1)
             dv = accumulate([pt[..., b] @ do[..., b, :] for b in blocks])
