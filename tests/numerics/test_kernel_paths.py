@@ -270,6 +270,29 @@ def test_the_rounded_sum_of_two_gives_the_torch_ops_bits(on_path, fmt):
     assert kernel.round_add2(a, b[:-1].contiguous(), prm) is None  # shapes differ: torch ops
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2"])
+def test_an_embeddings_ordered_16_bit_sums_give_the_torch_ops_bits(on_path, fmt, monkeypatch):
+    # the 16-bit weight gradient of an embedding, each use added in index order and rounded
+    # (lp_index_add_rounded), against the op's torch loop (rank by rank); rows used many times
+    # and never, a padding row, int32 indices, -0, sums that overflow to Inf, a NaN
+    from lowprec.training.emulation import kernels as emulation_kernels
+
+    op = emulation_kernels._embedding_backward
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 40, (700,), generator=g)
+    ids[:300] = torch.randint(0, 3, (300,), generator=g)  # three rows used ~100 times each
+    grads = torch.randn(700, 70, generator=g) * torch.exp2(
+        torch.randint(-30, 12, (700, 1), generator=g).float())
+    grads = quantize(grads, fmt, impl="torch")
+    grads[5, 0], grads[6, 1], grads[7, 2] = -0.0, float("nan"), float("inf")
+    for indices, pad in ((ids, -1), (ids.to(torch.int32).reshape(35, 20), 7)):
+        got = op(grads.reshape(*indices.shape, 70), indices, 41, pad, fmt, "nearest")
+        with monkeypatch.context() as m:
+            m.setattr(kernel, "index_add_rounded", lambda *a: False)  # the torch loop
+            want = op(grads.reshape(*indices.shape, 70), indices, 41, pad, fmt, "nearest")
+        assert_same_bits(got, want, f"{fmt} pad {pad}")
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
 def test_one_arrival_at_a_16_bit_sum_gives_the_torch_ops_bits(on_path, fmt):
     # s = rnd(v + rnd(g)) and s - v in one pass (lp_round_sum_delta), v on the grid, with the

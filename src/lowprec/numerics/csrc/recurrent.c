@@ -1,7 +1,8 @@
 /*
  * recurrent.c: the fused LSTM cell (lp_lstm_*), the 16-bit sum of two gradients
- * (lp_round_add2) and one arrival at a 16-bit sum of gradients (lp_round_sum_delta), every
- * operation rounded by quantize.c's run_range.
+ * (lp_round_add2), one arrival at a 16-bit sum of gradients (lp_round_sum_delta) and an
+ * embedding's 16-bit gradient sums (lp_index_add_rounded), every operation rounded by
+ * quantize.c's run_range.
  */
 #include "lp_common.h"
 
@@ -52,6 +53,31 @@ void lp_round_sum_delta(const float *g, const float *v, float *delta, float *sum
             for (int64_t k = 0; k < len; ++k) sum[s + k] = u[k];
         for (int64_t k = 0; k < len; ++k) delta[s + k] = u[k] - vs[k];
     });
+}
+
+/* acc[ids[i]] = rnd(acc[ids[i]] + g[i]) for i = 0 .. n-1 in turn (rows of D values; `p` a
+ * deterministic mode): the 16-bit index_add_ of embedding_dense_backward_cpu, each addition
+ * rounded, a row's additions in the order of the indices. The columns go over the threads in
+ * tiles (each column's additions stay in order); one pass for the torch ops' rank-by-rank loop
+ * (lowprec/training/emulation/kernels.py, _embedding_backward). */
+#define LP_EMB_COLS 64
+void lp_index_add_rounded(float *acc, const int64_t *ids, const float *g, int64_t n, int64_t D,
+                          const lp_params *p, int nthreads) {
+    const int64_t tiles = (D + LP_EMB_COLS - 1) / LP_EMB_COLS;
+    const int nt = lp_threads_over(n * D, tiles, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t c0 = t * LP_EMB_COLS, len = D - c0 < LP_EMB_COLS ? D - c0 : LP_EMB_COLS;
+        float u[LP_EMB_COLS];
+        for (int64_t i = 0; i < n; ++i) {
+            float *a = acc + ids[i] * D + c0;
+            const float *x = g + i * D + c0;
+            for (int64_t k = 0; k < len; ++k) u[k] = a[k] + x[k];
+            run_range((const uint32_t *)u, (uint32_t *)a, 0, len, p);
+        }
+    }
 }
 
 /* ---- The LSTM cell of ATen's CPU composite run in a 16-bit dtype (RNN.cpp's LSTMCell), each

@@ -1,5 +1,6 @@
 """The LSTM cell of ATen's CPU composite in a 16-bit dtype (csrc/recurrent.c, ``lp_lstm_*``)
-and the 16-bit sum of two gradients (``lp_round_add2``)."""
+and 16-bit sums of gradients (``lp_round_add2``, ``lp_round_sum_delta``, an embedding's
+``lp_index_add_rounded``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from . import library
 from .library import LPParams
 
 __all__ = ["lstm_available", "lstm_backward", "lstm_forward", "lstm_forward2", "lstm_gates",
-           "round_add2", "round_sum_delta"]
+           "round_add2", "round_sum_delta", "index_add_rounded"]
 
 
 def lstm_available() -> bool:
@@ -51,6 +52,29 @@ def round_sum_delta(g: torch.Tensor, v: torch.Tensor, prm: LPParams, keep: bool
                            s.data_ptr() if keep else None, g.numel(), ctypes.byref(prm),
                            torch.get_num_threads())
     return delta, s
+
+
+def index_add_rounded(acc: torch.Tensor, ids: torch.Tensor, g: torch.Tensor,
+                      prm: LPParams) -> bool:
+    """``acc[ids[i]] = rnd(acc[ids[i]] + g[i])`` for each i in turn, in place
+    (lp_index_add_rounded), ``prm`` a deterministic rounding from :func:`~.library.prepare`;
+    False (nothing done) where the build lacks the function or the tensors are not contiguous
+    CPU ones (``acc`` float32 (rows, D), ``ids`` int64 (n,) within the rows, ``g`` float32
+    (n, D)): the caller then uses torch ops."""
+    lib = library.lib()
+    if lib is None or not hasattr(lib, "lp_index_add_rounded") or not (
+            acc.dtype == g.dtype == torch.float32 and ids.dtype == torch.int64 and
+            acc.device.type == g.device.type == ids.device.type == "cpu" and
+            acc.dim() == g.dim() == 2 and ids.dim() == 1 and acc.shape[1] == g.shape[1] and
+            g.shape[0] == ids.shape[0] and acc.is_contiguous() and g.is_contiguous() and
+            ids.is_contiguous()):
+        return False
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < acc.shape[0]):
+        raise IndexError(f"index_add_rounded: indices must lie in [0, {acc.shape[0]}), got "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    lib.lp_index_add_rounded(acc.data_ptr(), ids.data_ptr(), g.data_ptr(), ids.numel(),
+                             g.shape[1], ctypes.byref(prm), torch.get_num_threads())
+    return True
 
 
 def _dense(t: torch.Tensor) -> bool:
