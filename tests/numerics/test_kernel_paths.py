@@ -331,3 +331,16 @@ def test_the_fused_lstm_cell_gives_the_op_by_op_replays_bits(on_path, policy, mo
     assert n > 0
     for i, (x, y) in enumerate(zip(fused, replay)):
         assert_same_bits(x, y, f"{policy}: tensor {i}")
+
+
+@pytest.mark.parametrize("policy", ["q6.10-sr", "p=fp16,c=e5m2:sr,g=e4m3fn:sr4"])
+def test_the_op_by_op_lstm_layer_gives_the_chains_bits(on_path, policy, monkeypatch):
+    # the whole layer of op-by-op steps in the kernel (lp_lstm_op_*), stochastic rounding at
+    # each site with its keys, against the chain of per-step ops
+    from training.test_lstm_cell import _run_ops
+
+    ops, n = _run_ops(policy, "time-first-2-layers-bidirectional", True, monkeypatch)
+    chain, _ = _run_ops(policy, "time-first-2-layers-bidirectional", False, monkeypatch)
+    assert n > 0
+    for i, (x, y) in enumerate(zip(ops, chain)):
+        assert_same_bits(x, y, f"{policy}: tensor {i}")

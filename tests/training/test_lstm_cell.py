@@ -194,3 +194,52 @@ def test_a_traced_sum_of_gradients_takes_graph_ops(monkeypatch):
     with tracing_graph():
         got = r.add2(a, b)
     assert_same_bits(got, want, "add2 traced")
+
+
+SR_POLICIES = ["q6.10-sr", "p=fp16,c=fp16:sr,g=fp16:sr", "p=fp16,c=e5m2:sr,g=e4m3fn:sr4"]
+
+
+def _run_ops(policy: str, case: str, op_layer: bool, monkeypatch) -> tuple[list, int]:
+    """:func:`run` with the op-by-op layer node (``_LSTMLayerOps``) on or off: outputs,
+    gradients and parameters over two SGD steps, and how many times the node ran."""
+    calls = []
+    original = recurrent_kernels._LSTMLayerOps.apply
+    with monkeypatch.context() as m:
+        if not op_layer:
+            m.setattr(kernel, "lstm_op_available", lambda: False)
+        m.setattr(recurrent_kernels._LSTMLayerOps, "apply",
+                  lambda *a: calls.append(1) or original(*a))
+        seen, _ = run(policy, case, True, m)
+    return seen, len(calls)
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections")
+@pytest.mark.parametrize("case,nodes", [("batch-first", 1), ("time-first-2-layers-bidirectional", 4),
+                                        ("no-bias-odd-width", 1), ("projections-packed", 0)])
+@pytest.mark.parametrize("policy", SR_POLICIES)
+def test_the_op_by_op_layer_node_gives_the_chains_bits(policy, case, nodes, monkeypatch):
+    """Formats the fused cell does not take (stochastic rounding, fp8 gradients with 4 random
+    bits) run a whole layer as one node whose steps round at the chain's sites, with their keys,
+    in the C kernel (``_LSTMLayerOps``, ``lp_lstm_op_*``): the chain's bits, and the sites after
+    the layer keep theirs (the head's stochastic roundings), over two steps of training."""
+    ops, n_ops = _run_ops(policy, case, True, monkeypatch)
+    chain, n_chain = _run_ops(policy, case, False, monkeypatch)
+    assert n_chain == 0 and n_ops == 2 * nodes, (n_ops, n_chain)
+    assert len(ops) == len(chain)
+    for i, (a, b) in enumerate(zip(ops, chain)):
+        assert_same_bits(a, b, f"{policy} {case}: tensor {i}")
+
+
+@pytest.mark.parametrize("hidden,batch", [(1, 1), (5, 3), (600, 2), (2049, 1)])
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_op_by_op_layer_node_where_h_takes_no_gradient(hidden, batch, grad, monkeypatch):
+    """The last hidden state unused (only the output sequence and the cell state reach the
+    loss), no gradient at all (its sites still counted), one unit, one row, 600 units (tiles
+    of three rows in the kernel), 2,049 (a row in two pieces)."""
+    policy = "q6.10-sr"
+    with monkeypatch.context() as m:
+        a = _forward(True, grad, m, policy, hidden=hidden, batch=batch)
+        m.setattr(kernel, "lstm_op_available", lambda: False)
+        b = _forward(True, grad, m, policy, hidden=hidden, batch=batch)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert_same_bits(x, y, f"tensor {i}")

@@ -263,6 +263,10 @@ LP_INTERNAL shifted_fn shifted_of(const lp_params *p);
 /* Elements [begin, end) of the logical tensor rounded by the loop (or shortcut) for p. */
 LP_INTERNAL void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
                            const lp_params *p);
+/* n values from in to out, random counters off, off + 1, ...: a piece of a logical tensor (a
+ * row) whose first value has logical index off. */
+LP_INTERNAL void run_at(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off,
+                        const lp_params *p);
 
 /* A share of a parallel job: units [begin, end) (elements, or rows of row_len in blocks of
  * `block` with their shifts), run by `run`. */

@@ -416,6 +416,30 @@ void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
     }
 }
 
+/* n values rounded, their random counters off, off + 1, ...: run_range for a piece of a logical
+ * tensor (a row) whose first value has index off, in and out pointing at that value. */
+void run_at(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, const lp_params *p) {
+#ifdef LP_F16C_PATH
+    if (lp_is_fp16_ne(p) && lp_has_f16c()) {
+        fp16_ne_f16c(in, out, n, p);
+        return;
+    }
+#endif
+    if (lp_is_bf16_ne(p)) {
+        bf16_ne(in, out, n);
+        return;
+    }
+    loop_fn f = loop_for(p);
+    int64_t done = 0;
+    while (done < n) {
+        const uint64_t at = off + (uint64_t)done;
+        int64_t stop = (int64_t)(((at | 0xffffffffULL) + 1ULL) - off);
+        if (stop > n) stop = n;
+        f(in + done, out + done, stop - done, at, 0, p);
+        done = stop;
+    }
+}
+
 tile_fn tile_of(loop_fn f) {
 #define LP_TILE_OF(SUFFIX, MODE) if (f == loop_##SUFFIX) return loop_##SUFFIX##_tile;
     LP_DETERMINISTIC_MODES(LP_TILE_OF)

@@ -235,3 +235,223 @@ void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_r
     }
 }
 
+
+/* ---- The op-by-op LSTM step of any elementwise format and mode (stochastic rounding included),
+ * as lowprec/training/emulation/recurrent_kernels.py's _Replay.cell runs it for formats that
+ * are not a 16-bit kernel's: every op's output rounded to the compute format with the keys of
+ * its own rounding site, and the gradient reaching it rounded to the gradient format with the
+ * keys of that site's second rounding; between the roundings autograd's float32 backward of
+ * each op (mul, add, sigmoid_backward (dy * (1 - y)) * y and tanh_backward dy * (1 - y * y)
+ * from the unrounded activations torch computed). `pf` holds the forward's parameters of the
+ * step's eleven sites (in the op-by-op order: linear_hh, gates, sigmoid i, sigmoid f, tanh g,
+ * sigmoid o, f * c, i * g, the cell state, its tanh, h), `pb` the backward's. A value's random
+ * counter is its index in the op's (B x 4H or B x H) output, as quantize gives it.
+ *
+ * The work goes by tiles of whole rows (LP_SR_TILE values at most; a row wider than that in
+ * pieces of it), each tile's values of one op rounded by one call over consecutive counters:
+ * a call a row and op cost as much again as the roundings at hidden 128. */
+#define LP_SR_TILE 2048
+
+typedef struct { int64_t b0, rows, j, n, m; uint64_t off; } lp_tile;
+
+/* Tile u of a (B x W) op (rows_per rows a tile, or pieces of a row when W > LP_SR_TILE). */
+static lp_tile lp_tile_of(int64_t u, int64_t B, int64_t W) {
+    lp_tile t;
+    const int64_t pieces = W > LP_SR_TILE ? (W + LP_SR_TILE - 1) / LP_SR_TILE : 1;
+    const int64_t rp = W > LP_SR_TILE ? 1 : LP_SR_TILE / W;
+    t.b0 = (u / pieces) * rp;
+    t.rows = B - t.b0 < rp ? B - t.b0 : rp;
+    t.j = (u % pieces) * LP_SR_TILE;
+    t.n = W - t.j < LP_SR_TILE ? W - t.j : LP_SR_TILE;
+    t.m = t.rows * t.n;
+    t.off = (uint64_t)(t.b0 * W + t.j);
+    return t;
+}
+
+static int64_t lp_tiles(int64_t B, int64_t W) {
+    const int64_t pieces = W > LP_SR_TILE ? (W + LP_SR_TILE - 1) / LP_SR_TILE : 1;
+    const int64_t rp = W > LP_SR_TILE ? 1 : LP_SR_TILE / W;
+    return ((B + rp - 1) / rp) * pieces;
+}
+
+/* dst[r * n + k] = src[(b0 + r) * rs + j + k] for the tile's rows r and columns k */
+static void lp_gather(float *dst, const float *src, int64_t rs, const lp_tile *t) {
+    for (int64_t r = 0; r < t->rows; ++r)
+        memcpy(dst + r * t->n, src + (t->b0 + r) * rs + t->j, (size_t)t->n * sizeof(float));
+}
+
+static void lp_scatter(float *dst, int64_t rs, const float *src, const lp_tile *t) {
+    for (int64_t r = 0; r < t->rows; ++r)
+        memcpy(dst + (t->b0 + r) * rs + t->j, src + r * t->n, (size_t)t->n * sizeof(float));
+}
+
+static void lp_tile_round(float *x, const lp_tile *t, const lp_params *p) {
+    run_at((const uint32_t *)x, (uint32_t *)x, t->m, t->off, p);
+}
+
+/* G = r1(r0(lin) + xw) (rows of N, lin and G contiguous; xw row stride xw_rs). */
+void lp_lstm_op_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, int64_t B,
+                      int64_t N, const lp_params *pf, int nthreads) {
+    const int64_t tiles = lp_tiles(B, N);
+    const int nt = lp_cell_threads(tiles, B * N, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t u = 0; u < tiles; ++u) {
+        const lp_tile t = lp_tile_of(u, B, N);
+        float x[LP_SR_TILE];
+        lp_gather(x, lin, N, &t);
+        lp_tile_round(x, &t, &pf[0]);
+        for (int64_t r = 0; r < t.rows; ++r) {
+            const float *xr = xw + (t.b0 + r) * xw_rs + t.j;
+            float *v = x + r * t.n;
+            for (int64_t k = 0; k < t.n; ++k) v[k] = v[k] + xr[k];
+        }
+        lp_tile_round(x, &t, &pf[1]);
+        lp_scatter(G, N, x, &t);
+    }
+}
+
+/* From torch's sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) (B x H, contiguous) and the cell
+ * state c (row stride c_rs): acts (B x 4H: i, f, g, o) each rounded at its site, and
+ * cn = r8(r6(f * c) + r7(i * g)) (contiguous). */
+void lp_lstm_op_cell(const float *si, const float *sf, const float *tg, const float *so,
+                     const float *c, int64_t c_rs, float *acts, float *cn, int64_t B, int64_t H,
+                     const lp_params *pf, int nthreads) {
+    const int64_t tiles = lp_tiles(B, H);
+    const int nt = lp_cell_threads(tiles, 4 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t u = 0; u < tiles; ++u) {
+        const lp_tile t = lp_tile_of(u, B, H);
+        float a[4][LP_SR_TILE], x[LP_SR_TILE], y[LP_SR_TILE];
+        const float *raw[4] = {si, sf, tg, so};
+        for (int q = 0; q < 4; ++q) {
+            lp_gather(a[q], raw[q], H, &t);
+            lp_tile_round(a[q], &t, &pf[2 + q]);
+            lp_scatter(acts + q * H, 4 * H, a[q], &t);
+        }
+        lp_gather(x, c, c_rs, &t);
+        for (int64_t k = 0; k < t.m; ++k) x[k] = a[1][k] * x[k]; /* f * c */
+        lp_tile_round(x, &t, &pf[6]);
+        for (int64_t k = 0; k < t.m; ++k) y[k] = a[0][k] * a[2][k]; /* i * g */
+        lp_tile_round(y, &t, &pf[7]);
+        for (int64_t k = 0; k < t.m; ++k) x[k] = x[k] + y[k];
+        lp_tile_round(x, &t, &pf[8]);
+        lp_scatter(cn, H, x, &t);
+    }
+}
+
+/* T = r9(tanh(cn)) (torch's tanh given in tcu, contiguous), h = r10(o * T). */
+void lp_lstm_op_out(const float *tcu, const float *acts, float *T, float *h, int64_t B,
+                    int64_t H, const lp_params *pf, int nthreads) {
+    const int64_t tiles = lp_tiles(B, H);
+    const int nt = lp_cell_threads(tiles, 2 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t u = 0; u < tiles; ++u) {
+        const lp_tile t = lp_tile_of(u, B, H);
+        float x[LP_SR_TILE], o[LP_SR_TILE];
+        lp_gather(x, tcu, H, &t);
+        lp_tile_round(x, &t, &pf[9]);
+        lp_scatter(T, H, x, &t);
+        lp_gather(o, acts + 3 * H, 4 * H, &t);
+        for (int64_t k = 0; k < t.m; ++k) x[k] = o[k] * x[k];
+        lp_tile_round(x, &t, &pf[10]);
+        lp_scatter(h, H, x, &t);
+    }
+}
+
+/* The step's backward as autograd runs the op-by-op chain: dh_a, dh_b the gradients reaching h
+ * from its two uses (the output, the next step's linear_hh or the final state; NULL: unused),
+ * dc_a, dc_b those reaching the new cell state from its uses besides this step's tanh (the
+ * next step's f * c or the final state; NULL: none), each B x H contiguous; acts the rounded
+ * activations, si .. so the unrounded ones (B x H each, as torch gave them), tcu the unrounded
+ * tanh of the cell state, T its rounding, c the previous cell state (row stride c_rs). Writes
+ * dG (B x 4H: the gates' gradient, rounded at the gates' site: that of linear_hh and of the
+ * input projection) and dcp (B x H: the raw float32 gradient of the previous cell state, from
+ * f * c). */
+void lp_lstm_op_bwd(const float *dh_a, const float *dh_b, const float *dc_a, const float *dc_b,
+                    const float *acts, const float *si, const float *sf, const float *tg,
+                    const float *so, const float *tcu, const float *T,
+                    const float *c, int64_t c_rs, float *dG, float *dcp, int64_t B, int64_t H,
+                    const lp_params *pb, int nthreads) {
+    const int64_t tiles = lp_tiles(B, H);
+    const int nt = lp_cell_threads(tiles, 4 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t u = 0; u < tiles; ++u) {
+        const lp_tile t = lp_tile_of(u, B, H);
+        const int64_t m = t.m;
+        float a[4][LP_SR_TILE], d[4][LP_SR_TILE], x[LP_SR_TILE], y[LP_SR_TILE], z[LP_SR_TILE];
+        for (int q = 0; q < 4; ++q) lp_gather(a[q], acts + q * H, 4 * H, &t);
+        int have_c = 0; /* whether a gradient reached the new cell state */
+        if (dh_a || dh_b) {
+            /* h's gradient: its uses' float32 sum, rounded at h's site */
+            if (dh_a) lp_gather(x, dh_a, H, &t);
+            if (dh_b) lp_gather(dh_a ? y : x, dh_b, H, &t);
+            if (dh_a && dh_b)
+                for (int64_t k = 0; k < m; ++k) x[k] = x[k] + y[k];
+            lp_tile_round(x, &t, &pb[10]);
+            lp_gather(y, T, H, &t);
+            for (int64_t k = 0; k < m; ++k) {
+                d[3][k] = x[k] * y[k];    /* mul's backward: d o = dh * T */
+                z[k] = x[k] * a[3][k];    /* d T = dh * o */
+            }
+            lp_tile_round(z, &t, &pb[9]);
+            lp_gather(y, tcu, H, &t);
+            for (int64_t k = 0; k < m; ++k) x[k] = z[k] * (1.0f - y[k] * y[k]);
+            have_c = 1;
+        } else { /* no gradient reached h: none reaches o (zeros in chunk's backward) */
+            for (int64_t k = 0; k < m; ++k) d[3][k] = 0.0f;
+        }
+        /* the cell state's other uses, added in float32, then its site's rounding */
+        for (int w = 0; w < 2; ++w) {
+            const float *dcu = w ? dc_b : dc_a;
+            if (!dcu) continue;
+            lp_gather(y, dcu, H, &t);
+            for (int64_t k = 0; k < m; ++k) x[k] = have_c ? x[k] + y[k] : y[k];
+            have_c = 1;
+        }
+        if (!have_c)
+            for (int64_t k = 0; k < m; ++k) x[k] = 0.0f;
+        lp_tile_round(x, &t, &pb[8]);
+        /* the add passes it to f * c and i * g, on their grid already (their sites' roundings
+         * leave it as it is) */
+        lp_gather(y, c, c_rs, &t);
+        for (int64_t k = 0; k < m; ++k) {
+            d[1][k] = x[k] * y[k];      /* d f = dcn * c */
+            z[k] = x[k] * a[1][k];      /* d c = dcn * f */
+            d[0][k] = x[k] * a[2][k];   /* d i = dcn * g */
+            d[2][k] = x[k] * a[0][k];   /* d g = dcn * i */
+        }
+        lp_scatter(dcp, H, z, &t);
+        const float *raw[4] = {si, sf, tg, so};
+        for (int q = 0; q < 4; ++q) {
+            lp_tile_round(d[q], &t, &pb[2 + q]);
+            lp_gather(y, raw[q], H, &t);
+            if (q == 2)
+                for (int64_t k = 0; k < m; ++k) d[q][k] = d[q][k] * (1.0f - y[k] * y[k]);
+            else
+                for (int64_t k = 0; k < m; ++k) d[q][k] = (d[q][k] * (1.0f - y[k])) * y[k];
+            lp_scatter(dG + q * H, 4 * H, d[q], &t);
+        }
+    }
+    /* the gates' gradient (chunk's backward: i, f, g, o side by side), rounded at the gates'
+     * site; linear_hh's rounding leaves it as it is */
+    const int64_t tiles4 = lp_tiles(B, 4 * H);
+    const int nt4 = lp_cell_threads(tiles4, 4 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt4) schedule(static) if (nt4 > 1)
+#endif
+    for (int64_t u = 0; u < tiles4; ++u) {
+        const lp_tile t = lp_tile_of(u, B, 4 * H);
+        float x[LP_SR_TILE];
+        lp_gather(x, dG, 4 * H, &t);
+        lp_tile_round(x, &t, &pb[1]);
+        lp_scatter(dG, 4 * H, x, &t);
+    }
+}

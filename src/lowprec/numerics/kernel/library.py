@@ -123,6 +123,11 @@ def open_kernel(path: str):
         "lp_lstm_fwd": [p, p, p, p, i64, p, i64, p, p, i64, i64, lpp, ci],
         "lp_lstm_fwd2": [p, p, p, i64, i64, lpp, ci],
         "lp_lstm_bwd": [p, i64, p, i64, p, p, p, i64, p, p, i64, i64, lpp, ci, ci],
+        # (the op-by-op step: an array of lp_params a site, passed as an address)
+        "lp_lstm_op_gates": [p, p, i64, p, i64, i64, p, ci],
+        "lp_lstm_op_cell": [p, p, p, p, p, i64, p, p, i64, i64, p, ci],
+        "lp_lstm_op_out": [p, p, p, p, i64, i64, p, ci],
+        "lp_lstm_op_bwd": [p, p, p, p, p, p, p, p, p, p, p, p, i64, p, p, i64, i64, p, ci],
         # fexp.c
         "lp_fexp_u20": [p, p, i64, ci],
     }

@@ -12,7 +12,8 @@ from . import library
 from .library import LPParams
 
 __all__ = ["lstm_available", "lstm_backward", "lstm_forward", "lstm_forward2", "lstm_gates",
-           "round_add2", "round_sum_delta", "index_add_rounded"]
+           "round_add2", "round_sum_delta", "index_add_rounded", "lstm_op_available",
+           "site_params", "lstm_op_gates", "lstm_op_cell", "lstm_op_out", "lstm_op_backward"]
 
 
 def lstm_available() -> bool:
@@ -138,3 +139,65 @@ def lstm_backward(dh, dcn, acts, tc, c, dG, dcp, prm: LPParams, half: bool) -> N
                               tc.data_ptr(), c.data_ptr(), _rows(c, "c", h), dG.data_ptr(),
                               dcp.data_ptr(), b, h, ctypes.byref(prm), int(half),
                               torch.get_num_threads())
+
+
+# -- the op-by-op LSTM step of any elementwise format and mode (lp_lstm_op_*) ------------------
+def lstm_op_available() -> bool:
+    """True when the loaded kernel has the op-by-op LSTM step (lp_lstm_op_*)."""
+    lib = library.lib()
+    return lib is not None and hasattr(lib, "lp_lstm_op_bwd")
+
+
+def site_params(prm: LPParams, keys: torch.Tensor) -> torch.Tensor:
+    """lp_params rows (int32, (*keys.shape[:-1], 11)): ``prm``'s fields, each row with the
+    stochastic keys of ``keys`` (int64 pairs in [0, 2**32), last axis (k0, k1)); a row's address
+    is what the lp_lstm_op_* functions take for an lp_params."""
+    base = torch.frombuffer(bytearray(bytes(prm)), dtype=torch.int32)
+    rows = base.repeat(*keys.shape[:-1], 1)
+    k = keys.to(torch.int64)
+    rows[..., 9:11] = torch.where(k >= 2**31, k - 2**32, k).to(torch.int32)
+    return rows
+
+
+def _c(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def lstm_op_gates(lin: torch.Tensor, xw: torch.Tensor, out: torch.Tensor,
+                  pf: torch.Tensor) -> None:
+    """``out`` = r1(r0(lin) + xw) at the step's sites ``pf`` (:func:`site_params`, 11 rows)."""
+    b, n = out.shape
+    lin = _c(lin)  # (held through the call)
+    library.lib().lp_lstm_op_gates(lin.data_ptr(), xw.data_ptr(), _rows(xw, "xw", n),
+                                   out.data_ptr(), b, n, pf.data_ptr(), torch.get_num_threads())
+
+
+def lstm_op_cell(si, sf, tg, so, c, acts, cn, pf: torch.Tensor) -> None:
+    """acts = the four activations rounded at their sites, cn = r8(r6(f * c) + r7(i * g))."""
+    b, h = cn.shape
+    si, sf, tg, so = (_c(t) for t in (si, sf, tg, so))
+    library.lib().lp_lstm_op_cell(si.data_ptr(), sf.data_ptr(), tg.data_ptr(), so.data_ptr(),
+                                  c.data_ptr(), _rows(c, "c", h), acts.data_ptr(), cn.data_ptr(),
+                                  b, h, pf.data_ptr(), torch.get_num_threads())
+
+
+def lstm_op_out(tcu, acts, t_out, h_out, pf: torch.Tensor) -> None:
+    """T = r9(tcu) (torch's tanh of the cell state), h = r10(o * T)."""
+    b, h = h_out.shape
+    tcu = _c(tcu)  # (held: its memory must outlive the call)
+    library.lib().lp_lstm_op_out(tcu.data_ptr(), acts.data_ptr(), t_out.data_ptr(),
+                                 h_out.data_ptr(), b, h, pf.data_ptr(), torch.get_num_threads())
+
+
+def lstm_op_backward(dh_a, dh_b, dc_a, dc_b, acts, si, sf, tg, so, tcu, t_r, c, d_gates, dc_prev,
+                     pb: torch.Tensor) -> None:
+    """The step's backward (lp_lstm_op_bwd): the gates' gradient rounded at their site into
+    ``d_gates``, the previous cell state's raw gradient into ``dc_prev``; None for a use
+    that sent no gradient."""
+    b, h = dc_prev.shape
+    held = [_c(t) for t in (dh_a, dh_b, dc_a, dc_b, si, sf, tg, so, tcu, t_r)]  # (outlive the
+    # call: a contiguous copy's memory must not be freed before it)
+    ptrs = [None if t is None else t.data_ptr() for t in held]
+    library.lib().lp_lstm_op_bwd(*ptrs[:4], acts.data_ptr(), *ptrs[4:], c.data_ptr(),
+                                 _rows(c, "c", h), d_gates.data_ptr(), dc_prev.data_ptr(), b, h,
+                                 pb.data_ptr(), torch.get_num_threads())

@@ -64,8 +64,10 @@ from torch.autograd.function import once_differentiable
 
 from ...numerics import kernel as _kernel
 from ...numerics.formats import FP16, FP32, FixedFormat, FloatFormat
-from ...numerics.params import element_params
+from ...numerics.keys import derive_keys
+from ...numerics.params import ROUNDING_CODES, element_params, random_mask
 from ...numerics.quantize import emits_graph_ops, quantize
+from ...numerics.rounding import parse_rounding
 from .gradmarks import note_rounded
 from .kernels import plain_formats
 
@@ -363,6 +365,110 @@ class _LSTMLayer(torch.autograd.Function):
         return dxw, g_h, g_c, dw, db, None, None, None, None, None, None
 
 
+class _LSTMLayerOps(torch.autograd.Function):
+    """A whole unidirectional, unpacked LSTM layer without projections of the op-by-op cell
+    (:meth:`_Replay.cell`) for formats that are not a 16-bit kernel's (stochastic rounding, fixed
+    point, formats of no torch dtype), as one autograd node: each step's eleven roundings (the
+    engine's sites, each with its own stochastic keys: ``pf``/``pb`` hold the forward's and the
+    backward's per step, :meth:`_OpSites.params`) and the float32 ops between them by the C
+    kernel (lp_lstm_op_* in csrc/recurrent.c), sigmoid and tanh by torch on the same tensors;
+    backward as autograd runs the chain of per-step nodes (each op's float32 backward, each
+    site's gradient rounding, a tensor's uses summed in float32, the weights' per-step
+    gradients summed in float32, the last step's first). One node instead of some forty a
+    step, the same bits (tests/training/test_lstm_cell.py)."""
+
+    @staticmethod
+    def forward(ctx, xw, h0, c0, w, b, reverse, pf, pb, gfmt):
+        ctx.set_materialize_grads(False)
+        steps, rows, hidden = xw.shape[0], c0.shape[0], c0.shape[1]
+        order = range(steps - 1, -1, -1) if reverse else range(steps)
+        h, c = h0, c0
+        outs, saved = [None] * steps, []
+        for k, t in enumerate(order):
+            h_prev = h
+            lin = F.linear(h_prev, w, b)
+            gates = torch.empty((rows, 4 * hidden))
+            _kernel.lstm_op_gates(lin, xw[t], gates, pf[k])
+            i, f, g, o = gates.chunk(4, 1)
+            si, sf, tg, so = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+            acts, cn = torch.empty_like(gates), torch.empty((rows, hidden))
+            _kernel.lstm_op_cell(si, sf, tg, so, c, acts, cn, pf[k])
+            tcu = torch.tanh(cn)
+            tr, h = torch.empty_like(cn), torch.empty_like(cn)
+            _kernel.lstm_op_out(tcu, acts, tr, h, pf[k])
+            outs[t] = h
+            saved += [h_prev, c, acts, si, sf, tg, so, tcu, tr]
+            c = cn
+        ctx.save_for_backward(w, b, *saved)
+        ctx.spec = (reverse, steps, pb, gfmt)
+        return torch.stack(outs), h, c
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_out, g_h, g_c):
+        w, b, *saved = ctx.saved_tensors
+        reverse, steps, pb, gfmt = ctx.spec
+        need = ctx.needs_input_grad
+        order = list(range(steps - 1, -1, -1) if reverse else range(steps))
+        outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
+        wt = w.t()
+        d_lin = [None] * steps  # by the step's place in the forward's order
+        dh, dc = g_h, g_c  # what reaches the last step's h and cell state besides its output
+        for k in range(steps - 1, -1, -1):
+            h_prev, c, acts, si, sf, tg, so, tcu, tr = saved[9 * k:9 * k + 9]
+            d, dcp = torch.empty_like(acts), torch.empty_like(tcu)
+            _kernel.lstm_op_backward(outs[order[k]], dh, dc, None, acts, si, sf, tg, so, tcu, tr,
+                                     c, d, dcp, pb[k])
+            d_lin[k], dc, dh = d, dcp, None
+            if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
+                dh = wt.mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
+        dxw = None
+        if need[0]:
+            dxw = torch.stack(d_lin[::-1] if reverse else d_lin)
+            note_rounded(dxw, gfmt)  # (rounded at the gates' site: the projection's rounding
+            # node leaves it as it is)
+        dw = db = None
+        for k in range(steps - 1, -1, -1):  # each step's weight gradient, the last first
+            d, h_prev = d_lin[k], saved[9 * k]
+            if need[3]:
+                gw = d.t().mm(h_prev) if _column_major(wt) else h_prev.t().mm(d).t()
+                dw = gw if dw is None else dw + gw
+            if need[4]:
+                gb = d.sum(0)
+                db = gb if db is None else db + gb
+        return dxw, dh, dc if need[2] else None, dw, db, None, None, None, None
+
+
+class _OpSites:
+    """The kernel's parameters of the op-by-op LSTM step's roundings under a rule (compute and
+    gradient formats with element parameters: floats, fixed point; any mode), and each step's
+    eleven sites' stochastic keys: :meth:`params`."""
+
+    SITES = 11  # linear_hh, gates, sigmoid i, f, tanh g, sigmoid o, f * c, i * g, c, tanh c, h
+
+    def __init__(self, rule) -> None:
+        self.fwd = self._prm(rule.compute, rule.rounding)
+        self.bwd = self._prm(rule.grads, rule.grad_rounding)
+
+    @staticmethod
+    def _prm(fmt, rounding):
+        if not isinstance(fmt, (FloatFormat, FixedFormat)) or fmt == FP32 or fmt.dynamic:
+            raise ValueError(f"no element parameters for {fmt}")
+        mode, rbits = parse_rounding(rounding, None)
+        return _kernel.prepare(element_params(fmt), ROUNDING_CODES[mode], random_mask(rbits))
+
+    def params(self, base, n0: int, steps: int):
+        """(forward, backward) lp_params rows (steps, 11, 11) for the sites n0, n0 + 1, ...
+        (11 a step, in the op-by-op order): the engine's :class:`Site` keys, the forward's
+        first rounding (counter n) and the backward's second (2**31 + n)."""
+        sites = range(n0, n0 + self.SITES * steps)
+        keys = torch.tensor([[derive_keys(base, n), derive_keys(base, 2**31 + n)]
+                             for n in sites], dtype=torch.int64)  # (sites, 2, 2)
+        shape = (steps, self.SITES, 2)
+        return (_kernel.site_params(self.fwd, keys[:, 0].reshape(shape)),
+                _kernel.site_params(self.bwd, keys[:, 1].reshape(shape)))
+
+
 class _Replay:
     """One call replayed; ``act`` rounds an op's output (and the gradient reaching it)."""
 
@@ -383,6 +489,14 @@ class _Replay:
             pc = _cell_params(rule.compute)
             if pc is not None:
                 self.fused = (pc, grad.prm, rule.grads == FP16)
+        # other formats: the op-by-op step in the kernel (:class:`_LSTMLayerOps`), eagerly
+        self.ops = None
+        if kind == "lstm" and not self.plain and not rule.block and \
+                _kernel.lstm_op_available() and not emits_graph_ops():
+            try:
+                self.ops = _OpSites(rule)
+            except (TypeError, ValueError):  # a format with no element parameters
+                pass
 
     def act(self, t: torch.Tensor) -> torch.Tensor:
         """An op's output on the compute grid; the gradient reaching it on the gradient grid."""
@@ -514,18 +628,36 @@ class _Replay:
         _, w_hh, _, b_hh, w_hr = p
         h0, c0 = state
         tensors = [t for t in (xw, h0, w_hh, b_hh) if t is not None]
-        if self.kind != "lstm" or self.fused is None or w_hr is not None or \
+        if self.kind != "lstm" or w_hr is not None or \
                 not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors) or \
                 xw.dtype != torch.float32 or xw.device.type != "cpu" or c0 is None or \
-                c0.dtype != torch.float32 or c0.dim() != 2 or xw.shape[0] == 0 or \
-                (self.weight_rounding is None and
-                 any(t is not None and t.requires_grad for t in (w_hh, b_hh))):
+                c0.dtype != torch.float32 or c0.dim() != 2 or xw.shape[0] == 0:
+            return None
+        if self.fused is None:
+            return self._op_layer(xw, h0, c0, w_hh, b_hh, reverse)
+        if self.weight_rounding is None and \
+                any(t is not None and t.requires_grad for t in (w_hh, b_hh)):
             return None
         stream = self.engine._stream
         if stream is not None:  # each step's gates take gradients: six sites a step
             stream.n += 6 * xw.shape[0]
         out, h, c = _LSTMLayer.apply(xw, h0, c0, w_hh, b_hh, reverse, *self.fused,
                                      self.grad_rounding, self.weight_rounding)
+        return out, (h, c)
+
+    def _op_layer(self, xw, h0, c0, w, b, reverse: bool):
+        """The layer as one node of op-by-op steps in the kernel (:class:`_LSTMLayerOps`), for
+        formats the fused cell does not take, where the roundings draw their keys from the
+        forward's stream as pairs of ints (eagerly); else None (the chain of per-step ops)."""
+        stream = self.engine._stream
+        if self.ops is None or stream is None or type(stream.base) is not tuple or \
+                xw.stride(-1) != 1 or emits_graph_ops():
+            return None
+        steps = xw.shape[0]
+        pf, pb = self.ops.params(stream.base, stream.n, steps)
+        stream.n += _OpSites.SITES * steps  # the sites the chain's roundings would take
+        c0 = c0 if c0.stride(-1) == 1 or c0.shape[-1] == 1 else c0.contiguous()
+        out, h, c = _LSTMLayerOps.apply(xw, h0, c0, w, b, reverse, pf, pb, self.rule.grads)
         return out, (h, c)
 
     def packed(self, data, sizes, state, p, reverse: bool):
