@@ -7,7 +7,8 @@ tests only ever see one of them. Here the library is built once per instruction 
 (setup.py's flags otherwise) and each build this CPU can execute is checked: quantization
 (elementwise, every rounding mode, and MX blocks) against the plain-torch path, the fused
 optimizer step against the torch path, the counting and reference-order dot-product loops
-against torch, and the fused LSTM cell against the op-by-op replay it stands for. A path this CPU cannot execute (AVX-512 on an AVX2-only EPYC) is skipped with the
+against torch, the fused LSTM kernels against the op-by-op replay they stand for, and the
+embedding's ordered 16-bit sums against the torch loop. A path this CPU cannot execute (AVX-512 on an AVX2-only EPYC) is skipped with the
 reason; CI machines with AVX-512 run it.
 """
 
@@ -321,26 +322,20 @@ def test_one_arrival_at_a_16_bit_sum_gives_the_torch_ops_bits(on_path, fmt):
         is None  # strides differ
 
 
-@pytest.mark.parametrize("policy", ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated",
-                                    "p=fp16,c=fp16,g=e8m22"])
-def test_the_fused_lstm_cell_gives_the_op_by_op_replays_bits(on_path, policy, monkeypatch):
-    from training.test_lstm_cell import run
+# plain formats: the fused cell and whole-layer node (lp_lstm_*); stochastic rounding (its keys
+# at each site) and fp8 gradients: the layer of op-by-op steps (lp_lstm_op_*)
+FUSED_LSTM = {"16-true": "cell", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated": "cell",
+              "p=fp16,c=fp16,g=e8m22": "cell", "q6.10-sr": "ops",
+              "p=fp16,c=e5m2:sr,g=e4m3fn:sr4": "ops"}
 
-    fused, n = run(policy, "time-first-2-layers-bidirectional", True, monkeypatch)
-    replay, _ = run(policy, "time-first-2-layers-bidirectional", False, monkeypatch)
+
+@pytest.mark.parametrize("policy", list(FUSED_LSTM))
+def test_the_fused_lstm_kernels_give_the_op_by_op_replays_bits(on_path, policy, monkeypatch):
+    from training.test_lstm_cell import _run_ops, run
+
+    runner = run if FUSED_LSTM[policy] == "cell" else _run_ops
+    fused, n = runner(policy, "time-first-2-layers-bidirectional", True, monkeypatch)
+    replay, _ = runner(policy, "time-first-2-layers-bidirectional", False, monkeypatch)
     assert n > 0
     for i, (x, y) in enumerate(zip(fused, replay)):
-        assert_same_bits(x, y, f"{policy}: tensor {i}")
-
-
-@pytest.mark.parametrize("policy", ["q6.10-sr", "p=fp16,c=e5m2:sr,g=e4m3fn:sr4"])
-def test_the_op_by_op_lstm_layer_gives_the_chains_bits(on_path, policy, monkeypatch):
-    # the whole layer of op-by-op steps in the kernel (lp_lstm_op_*), stochastic rounding at
-    # each site with its keys, against the chain of per-step ops
-    from training.test_lstm_cell import _run_ops
-
-    ops, n = _run_ops(policy, "time-first-2-layers-bidirectional", True, monkeypatch)
-    chain, _ = _run_ops(policy, "time-first-2-layers-bidirectional", False, monkeypatch)
-    assert n > 0
-    for i, (x, y) in enumerate(zip(ops, chain)):
         assert_same_bits(x, y, f"{policy}: tensor {i}")

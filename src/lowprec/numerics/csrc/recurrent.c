@@ -274,6 +274,19 @@ static int64_t lp_tiles(int64_t B, int64_t W) {
     return ((B + rp - 1) / rp) * pieces;
 }
 
+/* The statements given last for each tile T of a (B x W) op, the tiles over the threads by the
+ * op's WORK (values touched). */
+#define LP_OVER_ROW_TILES(B, W, WORK, NTHREADS, T, ...)                                           \
+    do {                                                                                          \
+        const int64_t tiles_ = lp_tiles(B, W);                                                    \
+        const int nt_ = lp_cell_threads(tiles_, WORK, NTHREADS);                                  \
+        _Pragma("omp parallel for num_threads(nt_) schedule(static) if (nt_ > 1)")                \
+        for (int64_t u_ = 0; u_ < tiles_; ++u_) {                                                 \
+            const lp_tile T = lp_tile_of(u_, B, W);                                               \
+            __VA_ARGS__                                                                           \
+        }                                                                                         \
+    } while (0)
+
 /* dst[r * n + k] = src[(b0 + r) * rs + j + k] for the tile's rows r and columns k */
 static void lp_gather(float *dst, const float *src, int64_t rs, const lp_tile *t) {
     for (int64_t r = 0; r < t->rows; ++r)
@@ -292,13 +305,7 @@ static void lp_tile_round(float *x, const lp_tile *t, const lp_params *p) {
 /* G = r1(r0(lin) + xw) (rows of N, lin and G contiguous; xw row stride xw_rs). */
 void lp_lstm_op_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, int64_t B,
                       int64_t N, const lp_params *pf, int nthreads) {
-    const int64_t tiles = lp_tiles(B, N);
-    const int nt = lp_cell_threads(tiles, B * N, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t u = 0; u < tiles; ++u) {
-        const lp_tile t = lp_tile_of(u, B, N);
+    LP_OVER_ROW_TILES(B, N, B * N, nthreads, t, {
         float x[LP_SR_TILE];
         lp_gather(x, lin, N, &t);
         lp_tile_round(x, &t, &pf[0]);
@@ -309,7 +316,7 @@ void lp_lstm_op_gates(const float *lin, const float *xw, int64_t xw_rs, float *G
         }
         lp_tile_round(x, &t, &pf[1]);
         lp_scatter(G, N, x, &t);
-    }
+    });
 }
 
 /* From torch's sigmoid(i), sigmoid(f), tanh(g), sigmoid(o) (B x H, contiguous) and the cell
@@ -318,13 +325,7 @@ void lp_lstm_op_gates(const float *lin, const float *xw, int64_t xw_rs, float *G
 void lp_lstm_op_cell(const float *si, const float *sf, const float *tg, const float *so,
                      const float *c, int64_t c_rs, float *acts, float *cn, int64_t B, int64_t H,
                      const lp_params *pf, int nthreads) {
-    const int64_t tiles = lp_tiles(B, H);
-    const int nt = lp_cell_threads(tiles, 4 * B * H, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t u = 0; u < tiles; ++u) {
-        const lp_tile t = lp_tile_of(u, B, H);
+    LP_OVER_ROW_TILES(B, H, 4 * B * H, nthreads, t, {
         float a[4][LP_SR_TILE], x[LP_SR_TILE], y[LP_SR_TILE];
         const float *raw[4] = {si, sf, tg, so};
         for (int q = 0; q < 4; ++q) {
@@ -340,19 +341,13 @@ void lp_lstm_op_cell(const float *si, const float *sf, const float *tg, const fl
         for (int64_t k = 0; k < t.m; ++k) x[k] = x[k] + y[k];
         lp_tile_round(x, &t, &pf[8]);
         lp_scatter(cn, H, x, &t);
-    }
+    });
 }
 
 /* T = r9(tanh(cn)) (torch's tanh given in tcu, contiguous), h = r10(o * T). */
 void lp_lstm_op_out(const float *tcu, const float *acts, float *T, float *h, int64_t B,
                     int64_t H, const lp_params *pf, int nthreads) {
-    const int64_t tiles = lp_tiles(B, H);
-    const int nt = lp_cell_threads(tiles, 2 * B * H, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t u = 0; u < tiles; ++u) {
-        const lp_tile t = lp_tile_of(u, B, H);
+    LP_OVER_ROW_TILES(B, H, 2 * B * H, nthreads, t, {
         float x[LP_SR_TILE], o[LP_SR_TILE];
         lp_gather(x, tcu, H, &t);
         lp_tile_round(x, &t, &pf[9]);
@@ -361,7 +356,7 @@ void lp_lstm_op_out(const float *tcu, const float *acts, float *T, float *h, int
         for (int64_t k = 0; k < t.m; ++k) x[k] = o[k] * x[k];
         lp_tile_round(x, &t, &pf[10]);
         lp_scatter(h, H, x, &t);
-    }
+    });
 }
 
 /* The step's backward as autograd runs the op-by-op chain: dh_a, dh_b the gradients reaching h
@@ -378,13 +373,7 @@ void lp_lstm_op_bwd(const float *dh_a, const float *dh_b, const float *dc_a, con
                     const float *so, const float *tcu, const float *T,
                     const float *c, int64_t c_rs, float *dG, float *dcp, int64_t B, int64_t H,
                     const lp_params *pb, int nthreads) {
-    const int64_t tiles = lp_tiles(B, H);
-    const int nt = lp_cell_threads(tiles, 4 * B * H, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-#endif
-    for (int64_t u = 0; u < tiles; ++u) {
-        const lp_tile t = lp_tile_of(u, B, H);
+    LP_OVER_ROW_TILES(B, H, 4 * B * H, nthreads, t, {
         const int64_t m = t.m;
         float a[4][LP_SR_TILE], d[4][LP_SR_TILE], x[LP_SR_TILE], y[LP_SR_TILE], z[LP_SR_TILE];
         for (int q = 0; q < 4; ++q) lp_gather(a[q], acts + q * H, 4 * H, &t);
@@ -439,19 +428,13 @@ void lp_lstm_op_bwd(const float *dh_a, const float *dh_b, const float *dc_a, con
                 for (int64_t k = 0; k < m; ++k) d[q][k] = (d[q][k] * (1.0f - y[k])) * y[k];
             lp_scatter(dG + q * H, 4 * H, d[q], &t);
         }
-    }
+    });
     /* the gates' gradient (chunk's backward: i, f, g, o side by side), rounded at the gates'
      * site; linear_hh's rounding leaves it as it is */
-    const int64_t tiles4 = lp_tiles(B, 4 * H);
-    const int nt4 = lp_cell_threads(tiles4, 4 * B * H, nthreads);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt4) schedule(static) if (nt4 > 1)
-#endif
-    for (int64_t u = 0; u < tiles4; ++u) {
-        const lp_tile t = lp_tile_of(u, B, 4 * H);
+    LP_OVER_ROW_TILES(B, 4 * H, 4 * B * H, nthreads, t, {
         float x[LP_SR_TILE];
         lp_gather(x, dG, 4 * H, &t);
         lp_tile_round(x, &t, &pb[1]);
         lp_scatter(dG, 4 * H, x, &t);
-    }
+    });
 }
