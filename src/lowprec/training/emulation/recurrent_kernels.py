@@ -43,7 +43,13 @@ chain of per-step nodes would (the same products, sums and roundings, in the sam
 the chain's six Python autograd nodes a step go (figure F34).
 
 Dynamic fixed point, block formats and stochastic rounding run the same forward, differentiated
-op by op as the engine differentiates any op. Measured against ``model.half()`` and
+op by op as the engine differentiates any op. Where every rounding is of an elementwise format
+(stochastic rounding, fp8, fixed point; not dynamic fixed point or blocks) and draws its keys
+from the forward's stream, eagerly, a whole unidirectional unpacked LSTM layer without
+projections is one node of such steps (:class:`_LSTMLayerOps`): each step's eleven roundings at
+the sites the chain's would take, with their keys, and the float32 ops between them and of
+their backward, in the C kernel (the chain's bits; the benchmark LSTM's q6.10-sr step 0.72-0.75x
+the chain's time: figure F37). Measured against ``model.half()`` and
 ``model.bfloat16()`` on an AVX2 CPU: outputs and parameter gradients bit-exact for GRU, LSTM
 (packed, bidirectional, projections, dropout) and RNN, except where fp16 linear sums in its own
 order (wider layers after the first: one unit at times); tests/training/test_fidelity.py.
