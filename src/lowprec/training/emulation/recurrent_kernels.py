@@ -259,15 +259,17 @@ def _cell_forward(lin, xw, c, pc):
     return h, cn, (acts, tc, c)
 
 
-def _cell_backward(dh, dcn, saved, pg, half):
-    """One fused step's backward: (the gates' gradient, the cell state's)."""
+def _cell_backward(dh, dcn, saved, pg, half, d_gates=None):
+    """One fused step's backward: (the gates' gradient, written into ``d_gates`` if given, the
+    cell state's)."""
     acts, tc, c = saved
     if dh is None:  # as the op-by-op cell's rounding node gets it: zeros
         dh = torch.zeros_like(tc)
     dh = dh if dh.stride(-1) == 1 else dh.contiguous()
     if dcn is not None and dcn.stride(-1) != 1:
         dcn = dcn.contiguous()
-    d_gates, dc = torch.empty_like(acts), torch.empty_like(tc)
+    d_gates = torch.empty_like(acts) if d_gates is None else d_gates
+    dc = torch.empty_like(tc)
     _kernel.lstm_backward(dh, dcn, acts, tc, c, d_gates, dc, pg, half)
     return d_gates, dc
 
@@ -345,18 +347,19 @@ class _LSTMLayer(torch.autograd.Function):
         outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
         wt = w.t()
         d_lin = [None] * steps  # by the step's place in the forward's order
+        # the input projection's gradient: each step's gates' gradient written in place (no
+        # stack of them after)
+        dxw = saved[1].new_empty((steps,) + saved[1].shape) if need[0] else None
         for k in range(steps - 1, -1, -1):  # the steps in backward order
             t = order[k]
             h_prev, s = saved[4 * k], saved[4 * k + 1:4 * k + 4]
             dh = _sum_of_uses((outs[t], g_h), rnd_g)
-            d, g_c = _cell_backward(dh, g_c, s, pg, half)
+            d, g_c = _cell_backward(dh, g_c, s, pg, half, None if dxw is None else dxw[t])
             d_lin[k] = d
             g_h = None
             if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
                 g_h = wt.mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
-        dxw = None
-        if need[0]:
-            dxw = torch.stack(d_lin[::-1] if reverse else d_lin)
+        if dxw is not None:
             note_rounded(dxw, rnd_g.fmt)  # (the kernel rounded each: the projection's
             # rounding nodes skip it)
         dw = db = None
@@ -419,18 +422,19 @@ class _LSTMLayerOps(torch.autograd.Function):
         outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
         wt = w.t()
         d_lin = [None] * steps  # by the step's place in the forward's order
+        # the input projection's gradient: each step's gates' gradient written in place
+        dxw = saved[2].new_empty((steps,) + saved[2].shape) if need[0] else None
         dh, dc = g_h, g_c  # what reaches the last step's h and cell state besides its output
         for k in range(steps - 1, -1, -1):
             h_prev, c, acts, si, sf, tg, so, tcu, tr = saved[9 * k:9 * k + 9]
-            d, dcp = torch.empty_like(acts), torch.empty_like(tcu)
+            d = torch.empty_like(acts) if dxw is None else dxw[order[k]]
+            dcp = torch.empty_like(tcu)
             _kernel.lstm_op_backward(outs[order[k]], dh, dc, None, acts, si, sf, tg, so, tcu, tr,
                                      c, d, dcp, pb[k])
             d_lin[k], dc, dh = d, dcp, None
             if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
                 dh = wt.mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
-        dxw = None
-        if need[0]:
-            dxw = torch.stack(d_lin[::-1] if reverse else d_lin)
+        if dxw is not None:
             note_rounded(dxw, gfmt)  # (rounded at the gates' site: the projection's rounding
             # node leaves it as it is)
         dw = db = None
