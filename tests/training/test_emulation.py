@@ -783,3 +783,29 @@ def test_a_channels_last_cnn_keeps_its_fp32_runs_layouts(policy):
         return seen
 
     assert layouts(policy) == layouts("32-true")
+
+
+@pytest.mark.parametrize("shape,channels_last", [((8, 6, 5, 5), False), ((16, 32, 9, 9), True),
+                                                 ((3, 7, 1, 1), True), ((2, 16, 9), False),
+                                                 ((5, 4), False)])
+@pytest.mark.parametrize("running", [True, False])
+def test_batch_statistics_are_the_fp32_kernels(shape, channels_last, running):
+    """The engine's batch statistics (mean and 1/std, the running statistics updated) without
+    the normalised output: the bits of torch's own ``native_batch_norm`` in training."""
+    from lowprec.training.emulation.kernels import _batch_stats
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * 3 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    c = shape[1]
+    rm, rv = (torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5) if running \
+        else (None, None)
+    rm2, rv2 = (rm.clone(), rv.clone()) if running else (None, None)
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, None, None, rm, rv, True, 0.1, 1e-5)
+    got_mean, got_invstd = _batch_stats(x, rm2, rv2, 0.1, 1e-5)
+    assert_same_bits(got_mean, mean, "mean")
+    assert_same_bits(got_invstd, invstd, "1/std")
+    if running:
+        assert_same_bits(rm2, rm, "running mean")
+        assert_same_bits(rv2, rv, "running var")

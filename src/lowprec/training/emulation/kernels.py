@@ -136,6 +136,22 @@ def _same(t):
     return t
 
 
+def _batch_stats(x, running_mean, running_var, momentum, eps):
+    """(mean, 1/std) of a batch as torch's fp32 CPU kernel computes them in training, the running
+    statistics updated as it updates them: ``native_batch_norm``'s ``save_mean`` and
+    ``save_invstd``. On a CPU tensor by ``batch_norm_update_stats``, which runs the same
+    template with the variance for 1/std (var = var_sum / N in fp32), then 1 / sqrt(var + eps)
+    in float64 as the template's accumulate type computes it, stored in fp32: the same bits,
+    without the normalised output native_batch_norm also writes (2.2-2.6x faster on MobileNet's
+    channels-last activations: benchmarks/RESULTS.md, figure F38)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        _, mean, invstd = torch.ops.aten.native_batch_norm(
+            x, None, None, running_mean, running_var, True, momentum, eps)
+        return mean, invstd
+    mean, var = torch.ops.aten.batch_norm_update_stats(x, running_mean, running_var, momentum)
+    return mean, (1 / torch.sqrt(var.double() + eps)).float()
+
+
 def _kernel_roundings(rule):
     """(stat, grad) of a 16-bit CPU kernel the engine replays: ``stat`` rounds what the kernel
     keeps in the weight's dtype (statistics, weight and bias gradients: 16 bits when the
@@ -181,8 +197,7 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
     format."""
     if cuda and plain_formats(rule):
         with torch.no_grad():
-            _, mean, invstd = torch.ops.aten.native_batch_norm(
-                x, None, None, running_mean, running_var, True, momentum, eps)
+            mean, invstd = _batch_stats(x, running_mean, running_var, momentum, eps)
         stat, grad = _kernel_roundings(rule)
         return _BatchNorm.apply(x, weight, bias, mean, invstd, grad, stat, True)
     if not plain_formats(rule):  # dynamic fixed point, blocks, stochastic rounding
@@ -192,8 +207,7 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
         # computes them given the rounded statistics (:class:`_BatchNorm`), its gradients
         # left to the roundings around the op
         with torch.no_grad():
-            _, mean, invstd = torch.ops.aten.native_batch_norm(
-                x, None, None, running_mean, running_var, True, momentum, eps)
+            mean, invstd = _batch_stats(x, running_mean, running_var, momentum, eps)
         mean_q = engine.round(mean, rule, key + ".stats", grads=False)
         inv_q = engine.round(invstd, rule, key + ".stats", grads=False)
         return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, _same, _same)
@@ -204,10 +218,9 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
             # torch's fp32 CPU kernel: the same template the 16-bit one instantiates with fp32
             # arithmetic (two passes: the mean, then the squared deviations), so its mean and
             # 1/std round to the 16-bit kernel's (22,800 of 22,800 equal, fp16), and its running
-            # statistics are the kernel's update; the normalised output it also writes is
-            # discarded (one pass, faster than var_mean: benchmarks/RESULTS.md, figure F3)
-            _, mean, invstd = torch.ops.aten.native_batch_norm(
-                x, None, None, running_mean, running_var, True, momentum, eps)
+            # statistics are the kernel's update (one pass, faster than var_mean:
+            # benchmarks/RESULTS.md, figure F3; without the normalised output: :func:`_batch_stats`)
+            mean, invstd = _batch_stats(x, running_mean, running_var, momentum, eps)
             mean_q = engine.round(mean, rule, key + ".stats", grads=False)
             inv_q = engine.round(invstd, rule, key + ".stats", grads=False)
 
