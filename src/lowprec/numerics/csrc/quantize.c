@@ -235,7 +235,7 @@ LP_DEFINE_TILE(loop_sr_fixed_tile2, R_SRFX, LP_CTR2)
  * invariants, by LP_CHUNK values as the tile loops do: the same bits. Each value's shift is read
  * per value, so a block of any length costs no call of its own (run_blocks' runs of equal shifts
  * did: an MX rounding along a 6-channel channels-last activation, one block of 6 a row, cost
- * 3.9 ns a value on one thread of an AMD EPYC with AVX512-BF16). Elements [e0, e0 + n) of rows
+ * 3.9 ns a value on 2 threads of an AMD EPYC with AVX512-BF16). Elements [e0, e0 + n) of rows
  * of row_len values in blocks of `block`; random counter = the index's low word, the high word
  * in k1 (the caller splits at 2**32). */
 #define LP_DEFINE_SHIFTED(NAME, MODE)                                                            \

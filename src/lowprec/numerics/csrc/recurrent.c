@@ -240,7 +240,7 @@ void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_r
  * as lowprec/training/emulation/recurrent_kernels.py's _Replay.cell runs it for formats that
  * are not a 16-bit kernel's: every op's output rounded to the compute format with the keys of
  * its own rounding site, and the gradient reaching it rounded to the gradient format with the
- * keys of that site's second rounding; between the roundings autograd's float32 backward of
+ * keys of that site's next rounding (the caller's pb); between the roundings autograd's float32 backward of
  * each op (mul, add, sigmoid_backward (dy * (1 - y)) * y and tanh_backward dy * (1 - y * y)
  * from the unrounded activations torch computed). `pf` holds the forward's parameters of the
  * step's eleven sites (in the op-by-op order: linear_hh, gates, sigmoid i, sigmoid f, tanh g,
@@ -248,8 +248,9 @@ void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_r
  * counter is its index in the op's (B x 4H or B x H) output, as quantize gives it.
  *
  * The work goes by tiles of whole rows (LP_SR_TILE values at most; a row wider than that in
- * pieces of it), each tile's values of one op rounded by one call over consecutive counters:
- * a call a row and op cost as much again as the roundings at hidden 128. */
+ * pieces of it), each tile's values of one op rounded by one call over consecutive counters.
+ * A tile's buffers are on the thread's stack: up to 11 x LP_SR_TILE floats (90 KB, the
+ * backward), within glibc's and libgomp's default thread stacks (8 MB, 2-4 MB). */
 #define LP_SR_TILE 2048
 
 typedef struct { int64_t b0, rows, j, n, m; uint64_t off; } lp_tile;

@@ -396,11 +396,11 @@ class _LSTMLayerOps(torch.autograd.Function):
         for k, t in enumerate(order):
             h_prev = h
             lin = F.linear(h_prev, w, b)
-            gates = torch.empty((rows, 4 * hidden))
+            gates = xw.new_empty((rows, 4 * hidden))
             _kernel.lstm_op_gates(lin, xw[t], gates, pf[k])
             i, f, g, o = gates.chunk(4, 1)
             si, sf, tg, so = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
-            acts, cn = torch.empty_like(gates), torch.empty((rows, hidden))
+            acts, cn = torch.empty_like(gates), xw.new_empty((rows, hidden))
             _kernel.lstm_op_cell(si, sf, tg, so, c, acts, cn, pf[k])
             tcu = torch.tanh(cn)
             tr, h = torch.empty_like(cn), torch.empty_like(cn)
@@ -459,6 +459,9 @@ class _OpSites:
     def __init__(self, rule) -> None:
         self.fwd = self._prm(rule.compute, rule.rounding)
         self.bwd = self._prm(rule.grads, rule.grad_rounding)
+        # a site's keys are drawn in turn (:class:`Site`), the forward's only where its
+        # rounding is stochastic: the backward's are then the site's second, else its first
+        self.bwd_draw = 1 if parse_rounding(rule.rounding, None)[0].is_stochastic else 0
 
     @staticmethod
     def _prm(fmt, rounding):
@@ -470,9 +473,11 @@ class _OpSites:
     def params(self, base, n0: int, steps: int):
         """(forward, backward) lp_params rows (steps, 11, 11) for the sites n0, n0 + 1, ...
         (11 a step, in the op-by-op order): the engine's :class:`Site` keys, the forward's
-        first rounding (counter n) and the backward's second (2**31 + n)."""
+        rounding its first draw (counter n), the backward's its next (2**31 + n after a
+        stochastic forward rounding, n after a deterministic one, which draws none)."""
         sites = range(n0, n0 + self.SITES * steps)
-        keys = torch.tensor([[derive_keys(base, n), derive_keys(base, 2**31 + n)]
+        j = self.bwd_draw * 2**31
+        keys = torch.tensor([[derive_keys(base, n), derive_keys(base, j + n)]
                              for n in sites], dtype=torch.int64)  # (sites, 2, 2)
         shape = (steps, self.SITES, 2)
         return (_kernel.site_params(self.fwd, keys[:, 0].reshape(shape)),
