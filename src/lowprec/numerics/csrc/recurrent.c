@@ -240,9 +240,9 @@ void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_r
  * as lowprec/training/emulation/recurrent_kernels.py's _Replay.cell runs it for formats that
  * are not a 16-bit kernel's: every op's output rounded to the compute format with the keys of
  * its own rounding site, and the gradient reaching it rounded to the gradient format with the
- * keys of that site's next rounding (the caller's pb); between the roundings autograd's float32 backward of
- * each op (mul, add, sigmoid_backward (dy * (1 - y)) * y and tanh_backward dy * (1 - y * y)
- * from the unrounded activations torch computed). `pf` holds the forward's parameters of the
+ * keys of that site's next rounding (the caller's pb); between the roundings autograd's
+ * float32 backward of each op (mul, add, sigmoid_backward (dy * (1 - y)) * y and
+ * tanh_backward dy * (1 - y * y) from the unrounded activations torch computed). `pf` holds the forward's parameters of the
  * step's eleven sites (in the op-by-op order: linear_hh, gates, sigmoid i, sigmoid f, tanh g,
  * sigmoid o, f * c, i * g, the cell state, its tanh, h), `pb` the backward's. A value's random
  * counter is its index in the op's (B x 4H or B x H) output, as quantize gives it.
