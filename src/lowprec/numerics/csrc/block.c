@@ -15,8 +15,8 @@
  * (make_inv once per shift, not per block). On 2 threads of an AMD EPYC with AVX512-BF16, in
  * ns a value (mxfp8_e4m3, nearest, random normal rows of 300,000 values): rows of 6, a call
  * per block (before) 3.9, runs 2.1, by value 0.76; rows of 16: runs 0.53, by value 0.49; rows
- * of 32: runs 0.30, by value 0.45. The random counter of each value is its flat index, whichever way
- * it is rounded, so the bits are the same. */
+ * of 32: runs 0.30, by value 0.45. The random counter of each value is its flat index,
+ * whichever way it is rounded, so the bits are the same. */
 #define LP_INV_CACHE 64
 #ifndef LP_SHIFTED_BELOW
 #define LP_SHIFTED_BELOW 16
