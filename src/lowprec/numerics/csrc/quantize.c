@@ -393,31 +393,9 @@ static loop_fn loop_for(const lp_params *p) {
     return pick_loop(p->rounding);
 }
 
-/* Elements [begin, end) of the logical tensor; the random counter's high word changes only at
- * 2**32 boundaries, so a range is split there. */
-void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
-                      const lp_params *p) {
-#ifdef LP_F16C_PATH
-    if (lp_is_fp16_ne(p) && lp_has_f16c()) {
-        fp16_ne_f16c(in + begin, out + begin, end - begin, p);
-        return;
-    }
-#endif
-    if (lp_is_bf16_ne(p)) {
-        bf16_ne(in + begin, out + begin, end - begin);
-        return;
-    }
-    loop_fn f = loop_for(p); /* fixed point with 32 random bits: fixed_sr_one's loop */
-    while (begin < end) {
-        int64_t stop = (int64_t)(((uint64_t)begin | 0xffffffffULL) + 1ULL);
-        if (stop > end) stop = end;
-        f(in + begin, out + begin, stop - begin, (uint64_t)begin, 0, p);
-        begin = stop;
-    }
-}
-
-/* n values rounded, their random counters off, off + 1, ...: run_range for a piece of a logical
- * tensor (a row) whose first value has index off, in and out pointing at that value. */
+/* n values rounded, their random counters off, off + 1, ...: a piece of a logical tensor (a
+ * row) whose first value has index off, in and out pointing at that value; the counter's high
+ * word changes only at 2**32 boundaries, so the piece is split there. */
 void run_at(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, const lp_params *p) {
 #ifdef LP_F16C_PATH
     if (lp_is_fp16_ne(p) && lp_has_f16c()) {
@@ -429,7 +407,7 @@ void run_at(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, const lp
         bf16_ne(in, out, n);
         return;
     }
-    loop_fn f = loop_for(p);
+    loop_fn f = loop_for(p); /* fixed point with 32 random bits: fixed_sr_one's loop */
     int64_t done = 0;
     while (done < n) {
         const uint64_t at = off + (uint64_t)done;
@@ -438,6 +416,12 @@ void run_at(const uint32_t *in, uint32_t *out, int64_t n, uint64_t off, const lp
         f(in + done, out + done, stop - done, at, 0, p);
         done = stop;
     }
+}
+
+/* Elements [begin, end) of the logical tensor. */
+void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
+               const lp_params *p) {
+    run_at(in + begin, out + begin, end - begin, (uint64_t)begin, p);
 }
 
 tile_fn tile_of(loop_fn f) {

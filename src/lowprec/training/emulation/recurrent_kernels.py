@@ -306,6 +306,32 @@ def _column_major(t: torch.Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(1) == t.shape[0]
 
 
+def _same(t):
+    return t
+
+
+def _h_grad(d: torch.Tensor, w: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
+    """linear_hh's input gradient from its output's ``d``, as autograd's addmm backward computes
+    it (the same product, chosen by its layout test on the input ``h_prev``)."""
+    return w.t().mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
+
+
+def _weight_grads(d_lin, h_prevs, w, need_w: bool, need_b: bool, first, add):
+    """linear_hh's weight and bias gradients over the steps (``d_lin`` its output's gradient
+    by step, ``h_prevs`` its inputs), each step's as autograd's addmm backward computes it,
+    summed the last step first: ``first(g)`` the last step's, ``add(g, sum)`` each next."""
+    wt = w.t()
+    dw = db = None
+    for d, h_prev in zip(reversed(d_lin), reversed(h_prevs)):
+        if need_w:
+            gw = d.t().mm(h_prev) if _column_major(wt) else h_prev.t().mm(d).t()
+            dw = first(gw) if dw is None else add(gw, dw)
+        if need_b:
+            gb = d.sum(0)
+            db = first(gb) if db is None else add(gb, db)
+    return dw, db
+
+
 class _LSTMLayer(torch.autograd.Function):
     """A whole unidirectional, unpacked LSTM layer of fused steps (:class:`_LSTMCell`) as one
     autograd node: the same forward, and a backward that replays, step by step from the last,
@@ -345,7 +371,6 @@ class _LSTMLayer(torch.autograd.Function):
         order = list(range(steps - 1, -1, -1) if reverse else range(steps))
         # (one copy of a strided output gradient, not one per step in the 16-bit sums)
         outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
-        wt = w.t()
         d_lin = [None] * steps  # by the step's place in the forward's order
         # the input projection's gradient: each step's gates' gradient written in place (no
         # stack of them after)
@@ -358,19 +383,12 @@ class _LSTMLayer(torch.autograd.Function):
             d_lin[k] = d
             g_h = None
             if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
-                g_h = wt.mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
+                g_h = _h_grad(d, w, h_prev)
         if dxw is not None:
             note_rounded(dxw, rnd_g.fmt)  # (the kernel rounded each: the projection's
             # rounding nodes skip it)
-        dw = db = None
-        for k in range(steps - 1, -1, -1):  # each step's weight gradient, the last first
-            d, h_prev = d_lin[k], saved[4 * k]
-            if need[3]:
-                gw = d.t().mm(h_prev) if _column_major(wt) else h_prev.t().mm(d).t()
-                dw = rnd_w(gw) if dw is None else rnd_w.add2(gw, dw)
-            if need[4]:
-                gb = d.sum(0)
-                db = rnd_w(gb) if db is None else rnd_w.add2(gb, db)
+        # each step's weight gradient rounded, summed in the parameter format (:class:`_Uses`)
+        dw, db = _weight_grads(d_lin, saved[0::4], w, need[3], need[4], rnd_w, rnd_w.add2)
         return dxw, g_h, g_c, dw, db, None, None, None, None, None, None
 
 
@@ -420,7 +438,6 @@ class _LSTMLayerOps(torch.autograd.Function):
         need = ctx.needs_input_grad
         order = list(range(steps - 1, -1, -1) if reverse else range(steps))
         outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
-        wt = w.t()
         d_lin = [None] * steps  # by the step's place in the forward's order
         # the input projection's gradient: each step's gates' gradient written in place
         dxw = saved[2].new_empty((steps,) + saved[2].shape) if need[0] else None
@@ -433,19 +450,13 @@ class _LSTMLayerOps(torch.autograd.Function):
                                      c, d, dcp, pb[k])
             d_lin[k], dc, dh = d, dcp, None
             if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
-                dh = wt.mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
+                dh = _h_grad(d, w, h_prev)
         if dxw is not None:
             note_rounded(dxw, gfmt)  # (rounded at the gates' site: the projection's rounding
             # node leaves it as it is)
-        dw = db = None
-        for k in range(steps - 1, -1, -1):  # each step's weight gradient, the last first
-            d, h_prev = d_lin[k], saved[9 * k]
-            if need[3]:
-                gw = d.t().mm(h_prev) if _column_major(wt) else h_prev.t().mm(d).t()
-                dw = gw if dw is None else dw + gw
-            if need[4]:
-                gb = d.sum(0)
-                db = gb if db is None else db + gb
+        # each step's weight gradient summed in float32, as autograd's buffer sums a weight's
+        dw, db = _weight_grads(d_lin, saved[0::9], w, need[3], need[4], _same,
+                               lambda g, acc: acc + g)
         return dxw, dh, dc if need[2] else None, dw, db, None, None, None, None
 
 
