@@ -336,36 +336,31 @@ def _flash_scores(q, k, sc, attn_mask, is_causal):
     return _masked_scores((q @ k.transpose(-2, -1)) * sc, attn_mask, is_causal)
 
 
-def _masked_scores(s, attn_mask, is_causal):
+def _masked_scores(s, attn_mask, is_causal, in_place: bool = False):
     """Scores with the causal positions -inf and the mask applied (-inf where a bool mask is
-    False, added otherwise), as both SDPA paths do."""
+    False, added otherwise), as both SDPA paths do; ``in_place``: in ``s``'s own buffer (the
+    same operations on the same values, so the same bits; a mask wider than the scores
+    still makes a new tensor), for passes autograd does not record."""
     if is_causal:
         L, S = s.shape[-2], s.shape[-1]
-        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
+        causal = torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill_(causal, float("-inf")) if in_place else \
+            s.masked_fill(causal, float("-inf"))
     if attn_mask is not None:
-        s = (s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-             else s + attn_mask)
+        own = in_place and torch.broadcast_shapes(s.shape, attn_mask.shape) == s.shape and \
+            torch.result_type(s, attn_mask) == s.dtype
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill_(~attn_mask, float("-inf")) if own else \
+                s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s.add_(attn_mask) if own else s + attn_mask
     return s
 
 
 def _scores_in_place(q, k, sc, attn_mask, is_causal):
-    """:func:`_flash_scores`' values with the scaling and masking in place, in the product's
-    own buffer (the same operations on the same values, so the same bits, two passes' buffers
-    fewer): for :class:`_FlashAttention`, whose passes autograd does not record."""
-    s = (q @ k.transpose(-2, -1)).mul_(sc)
-    if is_causal:
-        L, S = s.shape[-2], s.shape[-1]
-        s.masked_fill_(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1),
-                       float("-inf"))
-    if attn_mask is not None:
-        if torch.broadcast_shapes(s.shape, attn_mask.shape) != s.shape:  # a wider mask
-            return _masked_scores(s, attn_mask, False)
-        if attn_mask.dtype == torch.bool:
-            s.masked_fill_(~attn_mask, float("-inf"))
-        else:
-            s.add_(attn_mask)
-    return s
+    """:func:`_flash_scores`' values, scaled and masked in the product's own buffer (two
+    passes' buffers fewer): for :class:`_FlashAttention`."""
+    return _masked_scores((q @ k.transpose(-2, -1)).mul_(sc), attn_mask, is_causal, True)
 
 
 def _q_split(length: int) -> int:
