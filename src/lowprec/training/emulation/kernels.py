@@ -143,7 +143,7 @@ def _batch_stats(x, running_mean, running_var, momentum, eps):
     template with the variance for 1/std (var = var_sum / N in fp32), then 1 / sqrt(var + eps)
     in float64 as the template's accumulate type computes it, stored in fp32: the same bits,
     without the normalised output native_batch_norm also writes (2.2-2.6x faster on MobileNet's
-    channels-last activations: benchmarks/RESULTS.md, figure F38)."""
+    channels-last activations, AMD EPYC with AVX512-BF16: benchmarks/RESULTS.md, figure F38)."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         _, mean, invstd = torch.ops.aten.native_batch_norm(
             x, None, None, running_mean, running_var, True, momentum, eps)

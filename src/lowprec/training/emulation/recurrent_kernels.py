@@ -49,7 +49,7 @@ from the forward's stream, eagerly, a whole unidirectional unpacked LSTM layer w
 projections is one node of such steps (:class:`_LSTMLayerOps`): each step's eleven roundings at
 the sites the chain's would take, with their keys, and the float32 ops between them and of
 their backward, in the C kernel (the chain's bits; the benchmark LSTM's q6.10-sr step 0.72-0.75x
-the chain's time: figure F37). Measured against ``model.half()`` and
+the chain's time on an AMD EPYC with AVX512-BF16: figure F37). Measured against ``model.half()`` and
 ``model.bfloat16()`` on an AVX2 CPU: outputs and parameter gradients bit-exact for GRU, LSTM
 (packed, bidirectional, projections, dropout) and RNN, except where fp16 linear sums in its own
 order (wider layers after the first: one unit at times); tests/training/test_fidelity.py.
