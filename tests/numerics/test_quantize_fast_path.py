@@ -195,3 +195,30 @@ def test_the_output_has_the_strides_of_the_inputs_cast_round_trip(fmt, rounding)
             assert_same_bits(got.contiguous(),
                              quantize(t.contiguous(), f, rounding, **_args(rounding, (7, 8))),
                              f"{tuple(t.shape)} axis {axis} call {call}")
+
+
+@pytest.mark.parametrize("rounding,keys", [("nearest", None), ("toward_zero", "gen"),
+                                           ("stochastic", (3, 4)), ("stochastic", "gen"),
+                                           ("sr4", (3, 4))])
+@pytest.mark.parametrize("channels", [16, 6, 96])
+def test_in_place_rounding_of_a_channels_last_tensor_takes_no_copy(monkeypatch, rounding, keys,
+                                                                    channels):
+    """``quantize_`` of a channels-last float32 tensor rounds its memory where it lies (the
+    engine rounds a convolution's fresh output so): the contiguous copy's bits, without the
+    out-of-place rounding and copy back it took before (a generator given to a deterministic
+    rounding, as the engine passes one, included)."""
+    x = torch.randn(4, channels, 5, 3, generator=torch.Generator().manual_seed(0)) * 30
+    x = x.contiguous(memory_format=torch.channels_last)
+
+    def kw():
+        if keys == "gen":
+            return {"generator": torch.Generator().manual_seed(9)}
+        return {"seed": keys} if rounding in ("stochastic", "sr4") else {}
+
+    want = quantize(x.contiguous(), "fp16", rounding, **kw())
+    quantize(x, "fp16", rounding, **kw())  # (prepared, as a first call leaves it)
+    monkeypatch.setattr(qmod, "quantize", lambda *a, **k: pytest.fail("copied through quantize"))
+    y = x.clone()
+    assert qmod.quantize_(y, "fp16", rounding, **kw()) is y
+    assert y.stride() == x.stride()
+    assert_same_bits(y.contiguous(), want, f"{rounding} {keys} {channels}")

@@ -809,3 +809,61 @@ def test_batch_statistics_are_the_fp32_kernels(shape, channels_last, running):
     if running:
         assert_same_bits(rm2, rm, "running mean")
         assert_same_bits(rv2, rv, "running var")
+
+
+@pytest.mark.parametrize("policy", ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated",
+                                    "q6.10-sr", "mxfp8_e4m3", "c=e5m2,g=e5m2:sr", "dfxp-10-12"])
+def test_outputs_rounded_in_place_give_the_out_of_place_bits(monkeypatch, policy):
+    """An op's fresh output its backward does not hold (a convolution's, batch norm's, a
+    residual add's, a linear's) is rounded in place (``RoundInplace``): outputs, gradients and
+    parameters of two SGD steps bit for bit those of rounding every output into a new tensor,
+    on a channels-last CNN with batch norm, a residual add, GELU, layer norm and a head."""
+    from lowprec.experiments.models import channels_last
+    from lowprec.training.emulation import autograd_fns, engine
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+            self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+            self.ln, self.head = nn.LayerNorm(16), nn.Linear(16, 5)
+
+        def forward(self, x):
+            h = F.relu6(self.b1(self.c1(x)))
+            h = h + self.b2(self.c2(h))  # residual add
+            h = self.ln(F.gelu(h.mean((2, 3)) * 2))
+            return self.head(h)
+
+    used = []
+    real = autograd_fns.RoundInplace.forward
+    monkeypatch.setattr(autograd_fns.RoundInplace, "forward",
+                        staticmethod(lambda ctx, x, *a: used.append(x.shape) or real(ctx, x, *a)))
+
+    def run(in_place):
+        monkeypatch.setattr(engine, "IN_PLACE", in_place)
+        torch.manual_seed(0)
+        net = Net()
+        channels_last(net)
+        prec = Precision(policy, seed=0)
+        model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        g = torch.Generator().manual_seed(1)
+        seen = []
+        for _ in range(2):
+            x = torch.randn(8, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+            opt.zero_grad()
+            with prec.autocast():
+                out = model(x)
+                loss = F.cross_entropy(out.float(), torch.arange(8) % 5)
+            prec.backward(loss)
+            seen += [out.detach().float().clone()] + [p.grad.clone() for p in net.parameters()]
+            prec.step(opt)
+        return seen + [p.detach().clone() for p in net.parameters()]
+
+    want = run(False)
+    assert used == []
+    got = run(True)
+    if policy != "mxfp8_e4m3":  # (MX rounds the operands, not the fp32 outputs)
+        assert len(used) >= 8  # 2 steps: convolutions, batch norms, the add, the head at least
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a, b, f"tensor {i}")

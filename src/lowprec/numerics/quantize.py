@@ -563,15 +563,20 @@ def quantize_(
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
     Inside ``torch.compile``: the op's result copied into ``x``."""
-    if random_bits is None and generator is None and seed is None and type(x) in _PLAIN and \
-            x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and \
-            x.numel():
+    if random_bits is None and seed is None and type(x) in _PLAIN and \
+            (generator is None or isinstance(generator, torch.Generator)) and \
+            x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
         # a deterministic rounding a first call prepared (:func:`quantize`'s fast path, in
-        # place: a parameter's gradient rounded at every step)
+        # place: a parameter's gradient rounded at every step, a kernel's fresh output; a
+        # generator, which it does not draw from, as quantize takes it); a dense tensor of
+        # another layout (channels-last) over its memory as it lies
         prm = _prepared(_PREPARED, fmt, rounding)
         if prm is not None and not emits_graph_ops():
-            _kernel.quantize_prepared(x, x, prm)
-            return x
+            if x.is_contiguous():
+                _kernel.quantize_prepared(x, x, prm)
+                return x
+            if _in_layout(x, x, prm, False) is not None:
+                return x
     key = (fmt, rounding)
     if emits_graph_ops():
         spelled = _spelled(fmt, rounding, random_bits)
@@ -589,16 +594,25 @@ def quantize_(
         if (
             isinstance(fmt, (FloatFormat, FixedFormat))
             and x.dtype == torch.float32
-            and x.is_contiguous()
             and x.numel() > 0
             and _use_kernel(x, "auto")
+            and (x.is_contiguous() or memory_order(x) is not None)
         ):
             keys = ((draw_seed(generator) if seed is None else _keys_of(seed))
                     if mode.is_stochastic else (0, 0))
+            code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
             if not mode.is_stochastic and random_bits is None and _kernel.available():
-                _prepare(key, fmt, ROUNDING_CODES[mode], random_mask(rbits))
-            _elementwise(x, fmt, ROUNDING_CODES[mode], random_mask(rbits), keys, "kernel", x)
-            return x
+                _prepare(key, fmt, code, rmask)
+            if x.is_contiguous():
+                _elementwise(x, fmt, code, rmask, keys, "kernel", x)
+                return x
+            # a dense layout (channels-last): in place of its memory where the kernel can
+            # take it as it lies (the kernel's tiles read each value before writing it)
+            prm = _kernel.with_keys(_kernel.prepare(element_params(fmt), code, rmask), *keys)
+            if _in_layout(x, x, prm, code == _STOCHASTIC_CODE) is not None:
+                return x
+            if mode.is_stochastic:  # (the keys drawn: the copy below rounds with them)
+                generator, seed = None, keys
         x.copy_(quantize(x, fmt, mode, generator=generator, random_bits=rbits or None,
                          seed=seed))
     return x

@@ -1,7 +1,8 @@
 """The engine's autograd functions: a rounding forward, and the gradient rounding in backward.
 
-:class:`Round` rounds an op's output and, in backward, the gradient reaching it;
-:class:`RoundInplace` does so for what an in-place op wrote; :class:`Consumed` rounds the
+:class:`Round` rounds an op's output and, in backward, the gradient reaching it
+(:class:`RoundInplace` in place, where the op's backward does not hold its output:
+:func:`owned`); :class:`RoundInplace` does so for what an in-place op wrote too; :class:`Consumed` rounds the
 gradient one consumer of an activation sends back and :class:`GradSum` adds it to the other
 consumers' as native 16-bit autograd adds them; :class:`Upcast` is a 16-bit value cast up to an
 fp32 island; :class:`Broadcast` an operand an elementwise op broadcasts. Stochastic rounding's
@@ -15,12 +16,12 @@ from torch.autograd.function import once_differentiable
 
 from ...numerics.keys import derive_keys
 from ...numerics import kernel as _kernel
-from ...numerics.quantize import prepared_params, quantize, quantize_
+from ...numerics.quantize import emits_graph_ops, prepared_params, quantize, quantize_
 from .gradmarks import note_rounded, rounded_already
 
 __all__ = ["ROUNDABLE", "fresh", "Site", "Stream", "round_grad", "quantize_keyed",
            "quantize_keyed_", "Round", "GradSum", "SUM", "consumer_sum", "Upcast", "Consumed",
-           "Broadcast", "RoundInplace"]
+           "Broadcast", "RoundInplace", "OWNED_NODES", "owned"]
 
 ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the engine rounds
 
@@ -126,6 +127,26 @@ class Round(torch.autograd.Function):
             # (not again: the one consumer's gradient its Consumed node rounded)
             g = round_grad(g, bwd, bmode, gen)
         return g, None, None, None, None, None
+
+
+# autograd nodes whose backward saves its inputs but not its output: the output they made, no
+# view, can be rounded in place (``RoundInplace``)
+OWNED_NODES = frozenset({
+    "ConvolutionBackward0", "AddmmBackward0", "MmBackward0", "BmmBackward0", "BaddbmmBackward0",
+    "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward1",
+    "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddcmulBackward0",
+    "NegBackward0", "SumBackward1", "MeanBackward1", "GeluBackward0", "SiluBackward0",
+    "_BatchNormBackward", "_LayerNormBackward"})
+
+
+def owned(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an op's fresh output the op's backward does not hold
+    (:class:`RoundInplace` may round it in place: no second buffer): a float32 CPU tensor of
+    its own memory (no view) made by a node of :data:`OWNED_NODES`; not while a graph is
+    traced (compiled emulation rounds out of place, as before)."""
+    fn = t.grad_fn
+    return fn is not None and t._base is None and t.dtype == torch.float32 and \
+        t.device.type == "cpu" and fn.name() in OWNED_NODES and not emits_graph_ops()
 
 
 class GradSum:

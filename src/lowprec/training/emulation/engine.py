@@ -60,7 +60,7 @@ from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
 from .autograd_fns import (ROUNDABLE, Broadcast, Consumed, GradSum, Round, RoundInplace,
-                           Stream, Upcast, consumer_sum, fresh)
+                           Stream, Upcast, consumer_sum, fresh, owned)
 from .gradmarks import pass_through
 from .rules import TARGETS, Rule, check_target, group_key, parse_override
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
@@ -149,6 +149,7 @@ _BOUNDED = {
     "clamp": (1, "min", 2, "max", None, None), "clamp_": (1, "min", 2, "max", None, None),
     "clip": (1, "min", 2, "max", None, None), "clip_": (1, "min", 2, "max", None, None),
 }
+IN_PLACE = True  # an op's fresh output rounded in place where it can be (autograd_fns.owned)
 # grid ops whose backward keeps or zeroes each gradient value (gradmarks.pass_through)
 _MASKS = frozenset({"relu", "relu_", "relu6", *_BOUNDED})
 
@@ -587,13 +588,15 @@ class Emulation:
         return c, g
 
     def round(self, t: torch.Tensor, rule: Rule, key: str, *, axis: int | None = None,
-              grads: bool = True) -> torch.Tensor:
-        """``t`` on ``rule.compute``'s grid; its gradient on ``rule.grads``'s (if ``grads``)."""
+              grads: bool = True, own: bool = False) -> torch.Tensor:
+        """``t`` on ``rule.compute``'s grid; its gradient on ``rule.grads``'s (if ``grads``);
+        ``own``: ``t`` is an op's output nobody else holds yet, rounded in place where its
+        producer's backward did not save it (:func:`autograd_fns.owned`)."""
         with torch._C.DisableTorchFunction():
             fwd, bwd = self._fmts(rule, key, t, axis, grads)
             if t.requires_grad and torch.is_grad_enabled():
-                out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
-                                  self._keys())
+                out = (RoundInplace if own and IN_PLACE and owned(t) else Round).apply(
+                    t, fwd, bwd, rule.rounding, rule.grad_rounding, self._keys())
             else:
                 out = fresh(autograd_fns.quantize_keyed(t, fwd, rule.rounding, self._keys()))
         if axis is None:
@@ -908,7 +911,7 @@ class Emulation:
                 return o
             if keep_views and o._is_view():  # a view of an off-grid tensor stays a view
                 return o
-            return self.round(o, rule, key)
+            return self.round(o, rule, key, own=True)
 
         return _each_output(each, out, inputs)
 

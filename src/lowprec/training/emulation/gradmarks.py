@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from ...numerics.formats import FixedFormat, FloatFormat
-from ...numerics.quantize import quantize
+from ...numerics.quantize import quantize, quantize_
 
-__all__ = ["GRAD_MARK", "note_rounded", "rounded_already", "rounded_grad", "pass_through"]
+__all__ = ["GRAD_MARK", "note_rounded", "rounded_already", "rounded_grad", "rounded_grad_",
+           "pass_through"]
 
 GRAD_MARK = "_lowprec_grad_grid"  # a gradient's (format, version) when rounded
 
@@ -47,6 +48,17 @@ def rounded_grad(t: torch.Tensor, fmt) -> torch.Tensor:
     out = quantize(t, fmt)
     note_rounded(out, fmt)
     return out
+
+
+def rounded_grad_(t: torch.Tensor, fmt) -> torch.Tensor:
+    """:func:`rounded_grad` in place, for a tensor the caller has just computed and nothing
+    else holds (a replayed kernel's fresh fp32 gradient): no second buffer, which a large
+    activation's gradient would otherwise take in a write-allocate pass (a batch-256
+    channels-last batch norm's dx, 256 x 96 x 14 x 14: 2.5 -> 2.05 ms for the backward and its
+    rounding, AMD EPYC with AVX512-BF16, 1 thread)."""
+    quantize_(t, fmt)
+    note_rounded(t, fmt)
+    return t
 
 
 def _pass_note(grad_inputs, grad_outputs) -> None:

@@ -17,7 +17,7 @@ from ...numerics.formats import BF16, BlockFormat
 from ...numerics.quantize import prepared_params, quantize
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
-from .gradmarks import note_rounded, rounded_grad
+from .gradmarks import note_rounded, rounded_grad, rounded_grad_
 
 __all__ = ["batch_norm", "attention", "fexp_u20", "layer_norm", "plain_layer_norm", "plain_formats",
            "uses_batch_stats", "plain_attention", "label_kernel_nodes",
@@ -159,8 +159,8 @@ def _kernel_roundings(rule):
     def stat(t):
         return quantize(t, rule.params) if rule.params == rule.compute else t
 
-    def grad(t):
-        return rounded_grad(t, rule.grads)
+    def grad(t):  # (in place: each caller's fresh result)
+        return rounded_grad_(t, rule.grads)
 
     return stat, grad
 
@@ -452,8 +452,8 @@ def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
         def act(t):
             return quantize(t, rule.compute)
 
-        def grad(t):
-            return rounded_grad(t, rule.grads)
+        def grad(t):  # (in place: each a product the backward has just computed)
+            return rounded_grad_(t, rule.grads)
 
         return _FlashAttention.apply(q, k, v, attn_mask, bool(is_causal), sc, act, grad)
     if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped keys and values
