@@ -294,6 +294,38 @@ def test_an_embeddings_ordered_16_bit_sums_give_the_torch_ops_bits(on_path, fmt,
         assert_same_bits(got, want, f"{fmt} pad {pad}")
 
 
+@pytest.mark.parametrize("rows,channels,parts", [(1001, 7, 3), (300, 96, 2), (5, 40, 1),
+                                                  (3, 17, 8)])
+def test_channel_sums_run_in_the_batch_norm_kernels_order(on_path, rows, channels, parts):
+    # per-channel float32 sums over chunks of ceil(rows / parts) rows, row by row from zero,
+    # the partials added in chunk order (lp_channel_sums), against that loop in numpy float32;
+    # the squared deviations as fused multiply-adds (float64 product, one rounding); more
+    # chunks than rows: the empty ones add zero
+    import numpy as np
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, channels, generator=g) * 3 + 40
+    mean = torch.randn(channels, generator=g) + 40
+    xn, mn = x.numpy(), mean.numpy()
+    chunk = -(-rows // parts)
+    for with_mean in (False, True):
+        part = np.zeros((parts, channels), np.float32)
+        for t in range(parts):
+            for i in range(t * chunk, min(rows, (t + 1) * chunk)):
+                if with_mean:
+                    d = (xn[i] - mn).astype(np.float32)
+                    part[t] = (d.astype(np.float64) * d + part[t]).astype(np.float32)
+                else:
+                    part[t] = part[t] + xn[i]
+        want = np.zeros(channels, np.float32)
+        for t in range(parts):
+            want = want + part[t]
+        got = kernel.channel_sums(x, parts, mean if with_mean else None)
+        assert got is not None
+        assert_same_bits(got, torch.from_numpy(want), f"mean {with_mean}")
+    assert kernel.channel_sums(x.t(), parts) is None  # not (rows, C) contiguous: refused
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
 def test_one_arrival_at_a_16_bit_sum_gives_the_torch_ops_bits(on_path, fmt):
     # s = rnd(v + rnd(g)) and s - v in one pass (lp_round_sum_delta), v on the grid, with the

@@ -561,3 +561,53 @@ void lp_dot4(const float *cols, const float *w, float *out, int64_t N, int64_t G
         dot4_row(cols + (n * G + g) * K * L, w + co * K, out + u * L, K, L);
     }
 }
+
+/* Per-channel sums of a (rows, C) float32 array in the order of ATen's channels-last batch-norm
+ * statistics for a 16-bit input (batch_norm_cpu_collect_stats_channels_last_internal in
+ * aten/src/ATen/native/cpu/batch_norm_kernel.cpp, the path N > threads): at::parallel_for over
+ * `parts` threads gives chunk t the rows [t*ceil(rows/parts), ...); each chunk is summed row by
+ * row into a float32 partial from zero, the partials then added in chunk order from zero. With
+ * `mean`, the terms are the squared deviations, fmaf(d, d, partial) with d = x - mean[c]: the
+ * kernel's `var += (x - mean) * (x - mean)` as GCC contracts it by default where the target has
+ * FMA (torch's AVX2 and AVX-512 kernels); torch's bf16 results cannot tell the two apart (no
+ * 1/std of 20,480 channels differed between them). The chunks run on up to
+ * `nthreads` threads; the order depends on `parts` only (parts >= 1; `buf` parts * C floats of
+ * scratch for the partials). */
+LP_OPT_CLONES static void channel_chunk(const float *x, int64_t r0, int64_t r1, int64_t C,
+                                        const float *mean, float *acc) {
+    for (int64_t c = 0; c < C; ++c) acc[c] = 0.0f;
+    if (mean == NULL) {
+        for (int64_t i = r0; i < r1; ++i) {
+            const float *row = x + i * C;
+            for (int64_t c = 0; c < C; ++c) acc[c] = acc[c] + row[c];
+        }
+    } else {
+        for (int64_t i = r0; i < r1; ++i) {
+            const float *row = x + i * C;
+            for (int64_t c = 0; c < C; ++c) {
+                const float d = row[c] - mean[c];
+                acc[c] = fmaf(d, d, acc[c]);
+            }
+        }
+    }
+}
+
+void lp_channel_sums(const float *x, int64_t rows, int64_t C, const float *mean, int64_t parts,
+                     float *buf, float *out, int nthreads) {
+    /* buf: parts * C floats of scratch, the chunks' partials */
+    const int64_t chunk = (rows + parts - 1) / parts;
+    const int nt = lp_threads_over(rows * C, parts, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t t = 0; t < parts; ++t) {
+        const int64_t r0 = t * chunk < rows ? t * chunk : rows;
+        const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
+        channel_chunk(x, r0, r1, C, mean, buf + t * C);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+        float s = 0.0f;
+        for (int64_t t = 0; t < parts; ++t) s = s + buf[t * C + c];
+        out[c] = s;
+    }
+}

@@ -1,5 +1,6 @@
 """Sums of products in a given order and rounding (csrc/accumulate.c): the GEMM with a rounded
-accumulator (``lp_gemm_acc``) and the reference-order dot products (``lp_dot4``)."""
+accumulator (``lp_gemm_acc``), the reference-order dot products (``lp_dot4``) and per-channel
+sums in the order of ATen's channels-last batch-norm statistics (``lp_channel_sums``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from . import library
 from .library import LPAccFmt, LPAccGemm
 
-__all__ = ["dot4", "gemm_acc", "gemm_acc_available"]
+__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available"]
 
 
 def gemm_acc_available() -> bool:
@@ -55,3 +56,26 @@ def dot4(cols: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int) ->
     k = gk // groups
     library.lib().lp_dot4(cols.data_ptr(), w.data_ptr(), out.data_ptr(), n, groups, k, length,
                           w.shape[0] // groups, torch.get_num_threads())
+
+
+def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+    """Per-channel float32 sums of ``x`` (rows, C), contiguous float32 on the CPU, in the order
+    of ATen's channels-last batch-norm statistics for a 16-bit input: ``parts`` chunks of
+    ceil(rows / parts) rows (its threads), each summed row by row from zero, the partials then
+    added in chunk order; with ``mean`` (C,), the squared deviations ``(x - mean)**2`` as
+    fused multiply-adds. None where the loaded kernel lacks ``lp_channel_sums`` or the tensors
+    do not fit (the caller then uses torch ops)."""
+    lib = library.lib()
+    if lib is None or not hasattr(lib, "lp_channel_sums") or parts < 1 or x.dim() != 2 or \
+            x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or \
+            (mean is not None and not (mean.dtype == torch.float32 and mean.is_contiguous() and
+                                       mean.device.type == "cpu" and
+                                       mean.shape == (x.shape[1],))):
+        return None
+    rows, c = x.shape
+    out = torch.empty(c, dtype=torch.float32)
+    buf = torch.empty(parts * c, dtype=torch.float32)
+    lib.lp_channel_sums(x.data_ptr(), rows, c, None if mean is None else mean.data_ptr(), parts,
+                        buf.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out

@@ -113,6 +113,7 @@ def open_kernel(path: str):
         "lp_gemm_acc": [p, p, p, ctypes.POINTER(LPAccGemm), ctypes.POINTER(LPAccFmt),
                         ctypes.POINTER(LPAccFmt), ci],
         "lp_dot4": [p, p, p] + [i64] * 5 + [ci],
+        "lp_channel_sums": [p, i64, i64, p, i64, p, p, ci],
         # optimizer.c
         "lp_opt_step": [p, p, p, p, i64, ctypes.POINTER(LPOpt), lpp, lpp, ci],
         # recurrent.c
