@@ -326,6 +326,52 @@ def test_channel_sums_run_in_the_batch_norm_kernels_order(on_path, rows, channel
     assert kernel.channel_sums(x.t(), parts) is None  # not (rows, C) contiguous: refused
 
 
+@pytest.mark.parametrize("batch,channels,hw,lanes", [(4, 3, 36, 16), (3, 5, 70, 8), (2, 2, 7, 16),
+                                                     (5, 4, 64, 8)])
+def test_plane_sums_run_in_the_contiguous_batch_norm_kernels_order(on_path, batch, channels,
+                                                                   hw, lanes):
+    # per channel: runs of 2 * lanes values into `lanes` float32 partials (the run's first
+    # half, then its second), each plane's remainder into a scalar sum, sample after sample,
+    # the partials then folded in lane order into it (lp_plane_sums), against that loop in
+    # numpy float32; squared deviations fused (float64 product, one rounding) or not
+    import numpy as np
+
+    g = torch.Generator().manual_seed(hw)
+    x = torch.randn(batch, channels, hw, generator=g) * 3 + 40
+    mean = torch.randn(channels, generator=g) + 40
+    xn, mn = x.numpy(), mean.numpy()
+    body = hw - hw % (2 * lanes)
+    for with_mean, fused in ((False, True), (True, True), (True, False)):
+        want = np.zeros(channels, np.float32)
+        for c in range(channels):
+            acc, s = np.zeros(lanes, np.float32), np.float32(0)
+            for n in range(batch):
+                p = xn[n, c]
+                terms = (p - mn[c]).astype(np.float32) if with_mean else p
+
+                def add(a, v):
+                    if not with_mean:
+                        return np.float32(a + v)
+                    if fused:
+                        return np.float32(np.float64(v) * np.float64(v) + np.float64(a))
+                    return np.float32(a + np.float32(v * v))
+
+                for d in range(0, body, 2 * lanes):
+                    for half in (0, lanes):
+                        for lane in range(lanes):
+                            acc[lane] = add(acc[lane], terms[d + half + lane])
+                for d in range(body, hw):
+                    s = add(s, terms[d])
+            r = acc[0]
+            for lane in range(1, lanes):
+                r = np.float32(r + acc[lane])
+            want[c] = np.float32(s + r)
+        got = kernel.plane_sums(x, lanes, fused, mean if with_mean else None)
+        assert got is not None
+        assert_same_bits(got, torch.from_numpy(want), f"mean {with_mean} fused {fused}")
+    assert kernel.plane_sums(x.transpose(0, 1), lanes, True) is None  # not contiguous: refused
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
 def test_one_arrival_at_a_16_bit_sum_gives_the_torch_ops_bits(on_path, fmt):
     # s = rnd(v + rnd(g)) and s - v in one pass (lp_round_sum_delta), v on the grid, with the

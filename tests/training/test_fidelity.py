@@ -810,17 +810,21 @@ BF16_BN_CASES = {  # module, input shape, memory format, offset of the values
     "1d_rows": (lambda: nn.BatchNorm1d(40), (64, 40), None, 50.2),
     "nc11": (lambda: nn.BatchNorm2d(24), (9, 24, 1, 1), None, 5.1),
     "rows_fewer_than_threads": (lambda: nn.BatchNorm1d(64), (2, 64), None, 100.3),
+    "2d_contiguous": (lambda: nn.BatchNorm2d(32), (64, 32, 6, 6), None, 100.3),
+    "2d_contiguous_long_planes": (lambda: nn.BatchNorm2d(4), (8, 4, 30, 31), None, 30.7),
+    "1d_sequence": (lambda: nn.BatchNorm1d(12), (16, 12, 50), None, 60.1),
 }
 
 
 @pytest.mark.parametrize("case", list(BF16_BN_CASES))
-def test_pure_bf16_batch_statistics_on_the_channels_last_path_are_the_kernels(case):
+def test_pure_bf16_batch_statistics_are_the_kernels_in_every_layout(case):
     """torch's bf16 CPU kernel collects a channels-last input's statistics (and an N x C or
     N x C x 1 x 1 one's) over its threads' chunks of rows and takes the squared deviations from
-    the mean stored in bf16: the emulation's outputs and running statistics are its bits over
-    two training steps, on values far from zero, where that stored mean moves about half of
-    the 1/std values (before: 32 of 32 running variances and 47,525 of 73,728 outputs off in
-    the first case)."""
+    the mean stored in bf16; a contiguous one's per channel in vector lanes, from the fp32
+    mean: the emulation's outputs and running statistics are its bits over two training steps,
+    on values far from zero, where the stored mean moves about half of the 1/std values and
+    the order of the sums some (before: 32 of 32 running variances and 47,525 of 73,728
+    outputs off in the first case, 2,970 outputs in "2d_contiguous")."""
     make, shape, fmt, offset = BF16_BN_CASES[case]
     torch.manual_seed(0)
     bn = make()

@@ -611,3 +611,75 @@ void lp_channel_sums(const float *x, int64_t rows, int64_t C, const float *mean,
         out[c] = s;
     }
 }
+
+/* Per-channel sums of a contiguous (batch, C, HW) float32 array in the order of ATen's
+ * contiguous batch-norm statistics for a 16-bit input (batch_norm_cpu_collect_stats_
+ * contiguous_internal): for each sample, each run of 2 * lanes values of the channel's plane
+ * goes into `lanes` float32 partials (its first `lanes` values, then its next `lanes`), the
+ * plane's last HW % (2 * lanes) values into a scalar sum, sample after sample; the scalar sum
+ * then adds the partials folded in lane order ((p0 + p1) + p2 ...). `lanes`: torch's
+ * Vectorized<float> width (16 on its AVX-512 kernels, 8 on AVX2). With `mean`, the terms are
+ * (x - mean[c]) squared, each added by fmaf where `fused` (GCC's contraction on kernels built
+ * for FMA), else by a product and a sum. Channels over up to `nthreads` threads. */
+LP_OPT_CLONES static void plane_sum(const float *x, int64_t batch, int64_t C, int64_t hw,
+                                    int64_t c, int lanes, const float *mean, int fused,
+                                    float *out) {
+    float acc[32] = {0.0f}; /* lanes <= 32 (lp_plane_sums) */
+    float s = 0.0f;
+    const int64_t step = 2 * (int64_t)lanes, body = hw - hw % step;
+    const float m = mean == NULL ? 0.0f : mean[c];
+    for (int64_t n = 0; n < batch; ++n) {
+        const float *p = x + (n * C + c) * hw;
+        if (mean == NULL) {
+            for (int64_t d = 0; d < body; d += step) {
+                for (int l = 0; l < lanes; ++l) acc[l] = acc[l] + p[d + l];
+                for (int l = 0; l < lanes; ++l) acc[l] = acc[l] + p[d + lanes + l];
+            }
+            for (int64_t d = body; d < hw; ++d) s = s + p[d];
+        } else if (fused) {
+            for (int64_t d = 0; d < body; d += step) {
+                for (int l = 0; l < lanes; ++l) {
+                    const float v = p[d + l] - m;
+                    acc[l] = fmaf(v, v, acc[l]);
+                }
+                for (int l = 0; l < lanes; ++l) {
+                    const float v = p[d + lanes + l] - m;
+                    acc[l] = fmaf(v, v, acc[l]);
+                }
+            }
+            for (int64_t d = body; d < hw; ++d) {
+                const float v = p[d] - m;
+                s = fmaf(v, v, s);
+            }
+        } else {
+            for (int64_t d = 0; d < body; d += step) {
+                for (int l = 0; l < lanes; ++l) {
+                    const float v = p[d + l] - m;
+                    acc[l] = acc[l] + v * v;
+                }
+                for (int l = 0; l < lanes; ++l) {
+                    const float v = p[d + lanes + l] - m;
+                    acc[l] = acc[l] + v * v;
+                }
+            }
+            for (int64_t d = body; d < hw; ++d) {
+                const float v = p[d] - m;
+                s = s + v * v;
+            }
+        }
+    }
+    float r = acc[0];
+    for (int l = 1; l < lanes; ++l) r = r + acc[l];
+    out[c] = s + r;
+}
+
+void lp_plane_sums(const float *x, int64_t batch, int64_t C, int64_t hw, int lanes,
+                   const float *mean, int fused, float *out, int nthreads) {
+    if (lanes < 1) lanes = 1;
+    if (lanes > 32) lanes = 32;
+    const int nt = lp_threads_over(batch * C * hw, C, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t c = 0; c < C; ++c) plane_sum(x, batch, C, hw, c, lanes, mean, fused, out);
+}

@@ -16,7 +16,7 @@ names (``kernel.quantize_f32``); a test that runs another build of the library r
 """
 
 from . import library
-from .accumulate import channel_sums, dot4, gemm_acc, gemm_acc_available
+from .accumulate import channel_sums, dot4, gemm_acc, gemm_acc_available, plane_sums
 from .block import block_shifts, block_shifts_available, count_abs_ge, quantize_blocks_f32
 from .fexp import fexp_available, fexp_u20
 from .library import (LPAccFmt, LPAccGemm, LPOpt, LPParams, available, open_kernel, prepare,
@@ -35,7 +35,7 @@ __all__ = [
     # block.c
     "block_shifts", "block_shifts_available", "quantize_blocks_f32", "count_abs_ge",
     # accumulate.c
-    "gemm_acc", "gemm_acc_available", "dot4", "channel_sums",
+    "gemm_acc", "gemm_acc_available", "dot4", "channel_sums", "plane_sums",
     # optimizer.c
     "opt_dtype_code", "opt_step",
     # recurrent.c

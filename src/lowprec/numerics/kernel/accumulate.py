@@ -1,6 +1,7 @@
 """Sums of products in a given order and rounding (csrc/accumulate.c): the GEMM with a rounded
 accumulator (``lp_gemm_acc``), the reference-order dot products (``lp_dot4``) and per-channel
-sums in the order of ATen's channels-last batch-norm statistics (``lp_channel_sums``)."""
+sums in the order of ATen's batch-norm statistics (``lp_channel_sums``: channels-last,
+``lp_plane_sums``: contiguous)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from . import library
 from .library import LPAccFmt, LPAccGemm
 
-__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available"]
+__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available", "plane_sums"]
 
 
 def gemm_acc_available() -> bool:
@@ -78,4 +79,28 @@ def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
     buf = torch.empty(parts * c, dtype=torch.float32)
     lib.lp_channel_sums(x.data_ptr(), rows, c, None if mean is None else mean.data_ptr(), parts,
                         buf.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def plane_sums(x: torch.Tensor, lanes: int, fused: bool, mean: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
+    """Per-channel float32 sums of ``x`` (batch, C, HW), contiguous float32 on the CPU, in the
+    order of ATen's contiguous batch-norm statistics for a 16-bit input: per channel, runs of
+    2 * ``lanes`` values into ``lanes`` partials, each plane's remainder into a scalar sum, the
+    partials folded in lane order into it; with ``mean`` (C,), the squared deviations, added
+    by fused multiply-adds where ``fused``. None where the loaded kernel lacks
+    ``lp_plane_sums`` or the tensors do not fit (the caller then uses torch ops)."""
+    lib = library.lib()
+    if lib is None or not hasattr(lib, "lp_plane_sums") or not 1 <= lanes <= 32 or \
+            x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or \
+            not x.is_contiguous() or \
+            (mean is not None and not (mean.dtype == torch.float32 and mean.is_contiguous() and
+                                       mean.device.type == "cpu" and
+                                       mean.shape == (x.shape[1],))):
+        return None
+    batch, c, hw = x.shape
+    out = torch.empty(c, dtype=torch.float32)
+    lib.lp_plane_sums(x.data_ptr(), batch, c, hw, lanes,
+                      None if mean is None else mean.data_ptr(), int(fused), out.data_ptr(),
+                      torch.get_num_threads())
     return out

@@ -238,6 +238,16 @@ def _channels_last_stats(x: torch.Tensor) -> bool:
         (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
 
 
+def _plane_sums(x: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-channel sums of a contiguous (N, C, ...) tensor (squared deviations from ``mean``)
+    in the order of torch's contiguous 16-bit batch-norm statistics on this CPU: vectors of its
+    kernels' width (:func:`_vector_lanes`; 8 lanes without vector kernels), fused
+    multiply-adds where they are built for FMA (AVX2, AVX-512)."""
+    lanes = _vector_lanes()
+    return _kernel.plane_sums(x.reshape(x.shape[0], x.shape[1], -1), lanes or 8, lanes > 0,
+                              mean)
+
+
 def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
     """Pure bf16 batch statistics as the 16-bit CPU kernel computes them (:func:`batch_norm`):
     the mean and 1/std in 16 bits, the running statistics updated in 16-bit arithmetic.
@@ -247,8 +257,8 @@ def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
     and takes the squared deviations (fp32) from the mean **stored in bf16**; with no more
     rows than threads it sums row by row (measured against torch 2.13's bf16 kernel on this
     CPU: the bf16 mean matched 3,200 of 3,200 1/std values at N = 2, the fp32 mean 1,598). The
-    contiguous path takes them from the fp32 mean, summed here by torch's reductions (the
-    kernel's own order: vector lanes per channel)."""
+    contiguous path takes them from the fp32 mean, each channel's sum in vector lanes
+    (:func:`_plane_sums`). Without the C kernel: torch's reductions, in their order."""
     dims = [0] + list(range(2, x.dim()))
     n = x.numel() // x.shape[1]
     shape = [1, -1] + [1] * (x.dim() - 2)
@@ -271,6 +281,11 @@ def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
             mean = rows.sum(0) / n
             mean_q = q(mean)
             var_sum = q((rows - mean_q).square_().sum(0))
+    elif x.is_contiguous() and x.device.type == "cpu" and x.numel() and \
+            (sums := _plane_sums(x)) is not None:
+        mean = sums / n
+        mean_q = q(mean)
+        var_sum = q(_plane_sums(x, mean))
     else:
         mean = x.mean(dims)
         # (squared in place: the same values, a buffer fewer; 2.4 -> 1.4 ms at
