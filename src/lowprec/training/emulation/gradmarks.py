@@ -53,9 +53,8 @@ def rounded_grad(t: torch.Tensor, fmt) -> torch.Tensor:
 def rounded_grad_(t: torch.Tensor, fmt) -> torch.Tensor:
     """:func:`rounded_grad` in place, for a tensor the caller has just computed and nothing
     else holds (a replayed kernel's fresh fp32 gradient): no second buffer, which a large
-    activation's gradient would otherwise take in a write-allocate pass (a batch-256
-    channels-last batch norm's dx, 256 x 96 x 14 x 14: 2.5 -> 2.05 ms for the backward and its
-    rounding, AMD EPYC with AVX512-BF16, 1 thread)."""
+    activation's gradient would otherwise take in a write-allocate pass (benchmarks/
+    RESULTS.md, figure F39)."""
     quantize_(t, fmt)
     note_rounded(t, fmt)
     return t
