@@ -120,6 +120,30 @@ def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
         assert_same_bits(got, want, f"{fmt} {mode}")
 
 
+@pytest.mark.parametrize("fmt", ["q6.10", "fixed<20,94>", "fixed<24,80>"])
+def test_stochastic_rounding_to_fixed_point_ignores_denormals_are_zero(on_path, fmt):
+    # the fast rule for fixed point computes in float32 (|x| + 2**(qsub + 23) and its
+    # fraction of the quantum): float32 subnormal inputs and fractions truncate to the same
+    # 32-bit fraction whether or not the CPU flushes them (torch.set_flush_denormal, which sets
+    # the calling thread's MXCSR: one thread here)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1 << 14, generator=g) * 2.0 ** -60
+    x[:4096] = torch.randn(4096, generator=g) * 1e-39  # float32 subnormals
+    x[4096:8192] = torch.randn(4096, generator=g) * 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = quantize(x, fmt, "stochastic", seed=(3, 4), impl="torch")
+        for flush in (False, True):
+            if not torch.set_flush_denormal(flush):
+                pytest.skip("this CPU cannot flush denormals")
+            got = quantize(x, fmt, "stochastic", seed=(3, 4), impl="kernel")
+            assert_same_bits(got, want, f"{fmt} flush {flush}")
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "e4m3fn", "q6.10"])
 @pytest.mark.parametrize("mode", ["nearest", "stochastic"])
 def test_one_value_past_the_fast_rule_anywhere_in_a_block(on_path, fmt, mode):

@@ -150,8 +150,8 @@ typedef struct {
     int32_t fixed_ne;             /* fixed point (no normal range), limits below msub: nearest
                                    * even by the fsub trick for every value */
     int32_t fixed_sr;             /* fixed point: stochastic rounding with 32 random bits by
-                                   * the float path's trick at a per-element shift */
-    uint32_t quantum;             /* float32 bits of 2**qsub (fixed_sr) */
+                                   * float32 arithmetic (fixed_sr_one) */
+    float srq, srm, srt;          /* fixed_sr: 2**qsub, 2**(qsub + 23), 2**(32 - qsub) */
     uint32_t cs;                  /* the 2-D tiles' (quantize.c) columns per memory row, log2 */
 } lp_inv;
 
@@ -198,9 +198,14 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
         v.fsub = 1;
         v.msub = u2f(pow2_bits(v.qsub + 23));
     }
-    /* stochastic rounding to fixed point: fixed_sr_one */
-    v.fixed_sr = p->bemin + sh >= 255 && v.qsub >= -126 && v.qsub <= 100;
-    v.quantum = v.fixed_sr ? pow2_bits(v.qsub) : 0u;
+    /* stochastic rounding to fixed point: fixed_sr_one. Its values are multiples of 2**qsub
+     * >= 2**-94 (normal) or fractions below 2**qsub scaled by 2**(32 - qsub) <= 2**126; a
+     * float32 subnormal there (an input, or a fraction below 2**-126) scales below 1 and so
+     * truncates to 0 with or without denormals-are-zero: the same bits in any MXCSR mode. */
+    v.fixed_sr = p->bemin + sh >= 255 && v.qsub >= -94 && v.qsub <= 100;
+    v.srq = v.fixed_sr ? u2f(pow2_bits(v.qsub)) : 0.0f;
+    v.srm = v.fixed_sr ? u2f(pow2_bits(v.qsub + 23)) : 0.0f;
+    v.srt = v.fixed_sr ? u2f(pow2_bits(32 - v.qsub)) : 0.0f;
     return v;
 }
 

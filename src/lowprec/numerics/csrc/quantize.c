@@ -84,24 +84,23 @@ LP_INLINE uint32_t lp_rand(uint32_t idx, uint32_t k0, uint32_t k1) {
 }
 
 /* Stochastic rounding to fixed point (the loop of mode R_SRFX, a variant of R_STOCHASTIC chosen by
- * run_range for fixed formats and 32 random bits): a value with s = qsub + 150 - max(field, 1)
- * bits of its significand below the quantum (1 <= s <= 23) rounds as the float path does,
- * adding the top s random bits to the pattern and clearing the s low bits (quantize_one's
- * carry rule, the exponent's carry included); one below the quantum (s >= 24) becomes the
- * quantum or 0 by the carry of its 32-bit fraction plus the random word. The loop sends s <= 0
- * (at least 2**(qsub + 24): beyond any fixed format's limit) and values beyond the limits to
- * quantize_one with their chunk. A mode of its own, so that each loop's branches fold at
- * compile time (a run-time branch inside the float loop stopped GCC vectorising it:
- * benchmarks/RESULTS.md, figure F12). */
-LP_INLINE uint32_t fixed_sr_one(uint32_t a, int32_t field, uint32_t r, const lp_inv *p) {
-    const int32_t s = p->qsub + 150 - imax(field, 1);
-    const int32_t sc = imin(imax(s, 1), 23);
-    const uint32_t near = (a + (r >> (32 - sc))) & ~((1u << sc) - 1u);
-    const uint32_t M = (a & 0x7fffffu) | ((uint32_t)(field > 0) << 23);
-    const uint32_t t = sel(mask_if(s >= 32), M >> imin(imax(s - 32, 0), 31),
-                           M << imin(imax(32 - s, 0), 31));
-    const uint32_t tiny = sel(mask_if((uint32_t)(t + r) < t), p->quantum, 0u);
-    return sel(mask_if(s >= 24), tiny, near);
+ * run_range for fixed formats and 32 random bits), for |x| < 2**(qsub + 23) (the loop sends
+ * larger values, beyond any fixed format's limit, and NaN to quantize_one with their chunk), in
+ * float32 arithmetic: m = (|x| + 2**(qsub + 23)) - 2**(qsub + 23) is |x| rounded to a multiple
+ * of the quantum q = 2**qsub (the sum's ulp is q; the subtraction is exact), f = m or m - q the
+ * multiple below |x|, |x| - f (exact) its fraction of q, which times 2**(32 - qsub) truncates to
+ * quantize_one's 32-bit fraction t; the result is f + q where t + r carries out of 32 bits, else
+ * f (quantize_one's rule: for a value with s <= 23 bits below the quantum, the carry of its s
+ * fraction bits plus the random word's top s bits, the same carry). About a third of the
+ * integer rule's operations (per-element shifts and selects: benchmarks/RESULTS.md, figure
+ * F41). A mode of its own, so that each loop's branches fold at compile time (a run-time branch
+ * inside the float loop stopped GCC vectorising it: figure F12). */
+LP_INLINE uint32_t fixed_sr_one(uint32_t a, uint32_t r, const lp_inv *p) {
+    const float x = u2f(a);
+    const float m = (x + p->srm) - p->srm;
+    const float f = m > x ? m - p->srq : m;
+    const uint32_t t = (uint32_t)((x - f) * p->srt);
+    return f2u((uint32_t)(t + r) < t ? f + p->srq : f);
 }
 
 #define LP_BASE(MODE) ((MODE) == R_SRFX ? R_STOCHASTIC : (MODE))
@@ -114,8 +113,8 @@ LP_INLINE uint32_t fast_one(uint32_t u, uint32_t r, const lp_inv *p, const int m
     const int32_t field = (int32_t)(a >> 23);
     uint32_t rf, b;
     if (mode == R_SRFX) {
-        rf = fixed_sr_one(a, field, r, p);
-        b = (uint32_t)(p->qsub + 150 - imax(field, 1) <= 0);
+        rf = fixed_sr_one(a, r, p);
+        b = (uint32_t)(a >= f2u(p->srm));
     } else {
         const uint32_t add = mode == R_NEAREST_EVEN ? p->fhalf + (((a >> p->fshift) | p->fodd) & 1u)
                                                     : r >> (32 - p->fshift);
