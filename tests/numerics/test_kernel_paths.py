@@ -357,7 +357,8 @@ def test_plane_sums_run_in_the_contiguous_batch_norm_kernels_order(on_path, batc
     # per channel: runs of 2 * lanes values into `lanes` float32 partials (the run's first
     # half, then its second), each plane's remainder into a scalar sum, sample after sample,
     # the partials then folded in lane order into it (lp_plane_sums), against that loop in
-    # numpy float32; squared deviations fused (float64 product, one rounding) or not
+    # numpy float32; squared deviations in the lanes fused (float64 product, one rounding) or
+    # not, in the remainder never
     import numpy as np
 
     g = torch.Generator().manual_seed(hw)
@@ -373,19 +374,19 @@ def test_plane_sums_run_in_the_contiguous_batch_norm_kernels_order(on_path, batc
                 p = xn[n, c]
                 terms = (p - mn[c]).astype(np.float32) if with_mean else p
 
-                def add(a, v):
+                def add(a, v, fuse):
                     if not with_mean:
                         return np.float32(a + v)
-                    if fused:
+                    if fuse:
                         return np.float32(np.float64(v) * np.float64(v) + np.float64(a))
                     return np.float32(a + np.float32(v * v))
 
                 for d in range(0, body, 2 * lanes):
                     for half in (0, lanes):
                         for lane in range(lanes):
-                            acc[lane] = add(acc[lane], terms[d + half + lane])
-                for d in range(body, hw):
-                    s = add(s, terms[d])
+                            acc[lane] = add(acc[lane], terms[d + half + lane], fused)
+                for d in range(body, hw):  # (the remainder: never fused)
+                    s = add(s, terms[d], False)
             r = acc[0]
             for lane in range(1, lanes):
                 r = np.float32(r + acc[lane])

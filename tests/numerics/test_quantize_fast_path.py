@@ -222,3 +222,17 @@ def test_in_place_rounding_of_a_channels_last_tensor_takes_no_copy(monkeypatch, 
     assert qmod.quantize_(y, "fp16", rounding, **kw()) is y
     assert y.stride() == x.stride()
     assert_same_bits(y.contiguous(), want, f"{rounding} {keys} {channels}")
+
+
+def test_in_place_rounding_of_a_channels_last_tensor_moves_its_version():
+    """Rounding a non-contiguous tensor in place moves its version counter, as the copy back it
+    once took did: autograd still refuses a saved tensor overwritten so."""
+    x = torch.randn(2, 3, 4, 5, requires_grad=True)
+    y = x.exp().contiguous(memory_format=torch.channels_last).exp()  # saves its channels-last output
+    with torch.no_grad():
+        qmod.quantize(y.detach().clone(), "fp16")  # (prepared)
+        before = y._version
+        qmod.quantize_(y, "fp16")
+    assert y._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

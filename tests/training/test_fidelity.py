@@ -813,6 +813,8 @@ BF16_BN_CASES = {  # module, input shape, memory format, offset of the values
     "2d_contiguous": (lambda: nn.BatchNorm2d(32), (64, 32, 6, 6), None, 100.3),
     "2d_contiguous_long_planes": (lambda: nn.BatchNorm2d(4), (8, 4, 30, 31), None, 30.7),
     "1d_sequence": (lambda: nn.BatchNorm1d(12), (16, 12, 50), None, 60.1),
+    "2d_contiguous_3x11": (lambda: nn.BatchNorm2d(4), (8, 4, 3, 11), None, 7.7),
+    "2d_contiguous_3x3": (lambda: nn.BatchNorm2d(64), (4, 64, 3, 3), None, 5.3),
 }
 
 

@@ -552,6 +552,15 @@ def _round_values(xf: torch.Tensor, fmt, key, mode: Rounding, rbits, random_bits
                     "fmt.at_range(r) for a given range")
 
 
+def _written(x: torch.Tensor) -> torch.Tensor:
+    """``x`` after the kernel wrote it in place of a non-contiguous layout: its version counter
+    moved, as the ``copy_`` back that path once took moved it (autograd then still refuses a
+    saved tensor so overwritten)."""
+    if not x.is_inference():
+        torch.autograd.graph.increment_version(x)
+    return x
+
+
 def quantize_(
     x: torch.Tensor,
     fmt: str | Format,
@@ -576,7 +585,7 @@ def quantize_(
                 _kernel.quantize_prepared(x, x, prm)
                 return x
             if _in_layout(x, x, prm, False) is not None:
-                return x
+                return _written(x)
     key = (fmt, rounding)
     if emits_graph_ops():
         spelled = _spelled(fmt, rounding, random_bits)
@@ -610,7 +619,7 @@ def quantize_(
             # take it as it lies (the kernel's tiles read each value before writing it)
             prm = _kernel.with_keys(_kernel.prepare(element_params(fmt), code, rmask), *keys)
             if _in_layout(x, x, prm, code == _STOCHASTIC_CODE) is not None:
-                return x
+                return _written(x)
             if mode.is_stochastic:  # (the keys drawn: the copy below rounds with them)
                 generator, seed = None, keys
         x.copy_(quantize(x, fmt, mode, generator=generator, random_bits=rbits or None,

@@ -568,9 +568,9 @@ void lp_dot4(const float *cols, const float *w, float *out, int64_t N, int64_t G
  * `parts` threads gives chunk t the rows [t*ceil(rows/parts), ...); each chunk is summed row by
  * row into a float32 partial from zero, the partials then added in chunk order from zero. With
  * `mean`, the terms are the squared deviations, fmaf(d, d, partial) with d = x - mean[c]: the
- * kernel's `var += (x - mean) * (x - mean)` as GCC contracts it by default where the target has
- * FMA (torch's AVX2 and AVX-512 kernels); torch's bf16 results cannot tell the two apart (no
- * 1/std of 20,480 channels differed between them). The chunks run on up to
+ * kernel's `var += (x - mean) * (x - mean)` contracted to a fused multiply-add, as torch 2.13's
+ * kernel computes it (measured on its fp32-statistics instantiation: 217 of 217 1/std with
+ * fmaf, 185 with a product and a sum). The chunks run on up to
  * `nthreads` threads; the order depends on `parts` only (parts >= 1; `buf` parts * C floats of
  * scratch for the partials). */
 LP_OPT_CLONES static void channel_chunk(const float *x, int64_t r0, int64_t r1, int64_t C,
@@ -617,10 +617,11 @@ void lp_channel_sums(const float *x, int64_t rows, int64_t C, const float *mean,
  * contiguous_internal): for each sample, each run of 2 * lanes values of the channel's plane
  * goes into `lanes` float32 partials (its first `lanes` values, then its next `lanes`), the
  * plane's last HW % (2 * lanes) values into a scalar sum, sample after sample; the scalar sum
- * then adds the partials folded in lane order ((p0 + p1) + p2 ...). `lanes`: torch's
- * Vectorized<float> width (16 on its AVX-512 kernels, 8 on AVX2). With `mean`, the terms are
- * (x - mean[c]) squared, each added by fmaf where `fused` (GCC's contraction on kernels built
- * for FMA), else by a product and a sum. Channels over up to `nthreads` threads. */
+ * then adds the partials folded in lane order ((p0 + p1) + p2 ...). `lanes`: the kernel's
+ * Vectorized<float> width (8: measured, lowprec/training/emulation/kernels.py _plane_sums).
+ * With `mean`, the terms are (x - mean[c]) squared: in the lanes by fmaf where `fused`, else
+ * by a product and a sum (torch's kernel: measured); the remainder always by a product and a
+ * sum. Channels over up to `nthreads` threads. */
 LP_OPT_CLONES static void plane_sum(const float *x, int64_t batch, int64_t C, int64_t hw,
                                     int64_t c, int lanes, const float *mean, int fused,
                                     float *out) {
@@ -647,9 +648,9 @@ LP_OPT_CLONES static void plane_sum(const float *x, int64_t batch, int64_t C, in
                     acc[l] = fmaf(v, v, acc[l]);
                 }
             }
-            for (int64_t d = body; d < hw; ++d) {
+            for (int64_t d = body; d < hw; ++d) {  /* (the scalar loop: not contracted) */
                 const float v = p[d] - m;
-                s = fmaf(v, v, s);
+                s = s + v * v;
             }
         } else {
             for (int64_t d = 0; d < body; d += step) {

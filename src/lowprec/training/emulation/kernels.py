@@ -240,12 +240,12 @@ def _channels_last_stats(x: torch.Tensor) -> bool:
 
 def _plane_sums(x: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor | None:
     """Per-channel sums of a contiguous (N, C, ...) tensor (squared deviations from ``mean``)
-    in the order of torch's contiguous 16-bit batch-norm statistics on this CPU: vectors of its
-    kernels' width (:func:`_vector_lanes`; 8 lanes without vector kernels), fused
-    multiply-adds where they are built for FMA (AVX2, AVX-512)."""
-    lanes = _vector_lanes()
-    return _kernel.plane_sums(x.reshape(x.shape[0], x.shape[1], -1), lanes or 8, lanes > 0,
-                              mean)
+    in the order of torch's contiguous 16-bit batch-norm statistics: 8 float32 lanes, the
+    squares added by a product and a sum. Measured against torch 2.13's kernel on an AMD EPYC
+    whose torch reports AVX-512 (its mixed-type instantiation, fp32 statistics): 8 lanes gave
+    704 of 704 means and 1/std exactly, 16 lanes 11-25 of 64 means, fused squares 641 of 704
+    1/std."""
+    return _kernel.plane_sums(x.reshape(x.shape[0], x.shape[1], -1), 8, False, mean)
 
 
 def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
@@ -260,7 +260,7 @@ def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
     contiguous path takes them from the fp32 mean, each channel's sum in vector lanes
     (:func:`_plane_sums`). Without the C kernel: torch's reductions, in their order."""
     dims = [0] + list(range(2, x.dim()))
-    n = x.numel() // x.shape[1]
+    n = x.numel() // max(x.shape[1], 1)
     shape = [1, -1] + [1] * (x.dim() - 2)
 
     def q(t):
