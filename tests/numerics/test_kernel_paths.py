@@ -357,8 +357,7 @@ def test_plane_sums_run_in_the_contiguous_batch_norm_kernels_order(on_path, batc
     # per channel: runs of 2 * lanes values into `lanes` float32 partials (the run's first
     # half, then its second), each plane's remainder into a scalar sum, sample after sample,
     # the partials then folded in lane order into it (lp_plane_sums), against that loop in
-    # numpy float32; squared deviations in the lanes fused (float64 product, one rounding) or
-    # not, in the remainder never
+    # numpy float32; squared deviations as a rounded product, then a sum
     import numpy as np
 
     g = torch.Generator().manual_seed(hw)
@@ -366,7 +365,7 @@ def test_plane_sums_run_in_the_contiguous_batch_norm_kernels_order(on_path, batc
     mean = torch.randn(channels, generator=g) + 40
     xn, mn = x.numpy(), mean.numpy()
     body = hw - hw % (2 * lanes)
-    for with_mean, fused in ((False, True), (True, True), (True, False)):
+    for with_mean in (False, True):
         want = np.zeros(channels, np.float32)
         for c in range(channels):
             acc, s = np.zeros(lanes, np.float32), np.float32(0)
@@ -374,27 +373,23 @@ def test_plane_sums_run_in_the_contiguous_batch_norm_kernels_order(on_path, batc
                 p = xn[n, c]
                 terms = (p - mn[c]).astype(np.float32) if with_mean else p
 
-                def add(a, v, fuse):
-                    if not with_mean:
-                        return np.float32(a + v)
-                    if fuse:
-                        return np.float32(np.float64(v) * np.float64(v) + np.float64(a))
-                    return np.float32(a + np.float32(v * v))
+                def add(a, v):
+                    return np.float32(a + (np.float32(v * v) if with_mean else v))
 
                 for d in range(0, body, 2 * lanes):
                     for half in (0, lanes):
                         for lane in range(lanes):
-                            acc[lane] = add(acc[lane], terms[d + half + lane], fused)
-                for d in range(body, hw):  # (the remainder: never fused)
-                    s = add(s, terms[d], False)
+                            acc[lane] = add(acc[lane], terms[d + half + lane])
+                for d in range(body, hw):
+                    s = add(s, terms[d])
             r = acc[0]
             for lane in range(1, lanes):
                 r = np.float32(r + acc[lane])
             want[c] = np.float32(s + r)
-        got = kernel.plane_sums(x, lanes, fused, mean if with_mean else None)
+        got = kernel.plane_sums(x, lanes, mean if with_mean else None)
         assert got is not None
-        assert_same_bits(got, torch.from_numpy(want), f"mean {with_mean} fused {fused}")
-    assert kernel.plane_sums(x.transpose(0, 1), lanes, True) is None  # not contiguous: refused
+        assert_same_bits(got, torch.from_numpy(want), f"mean {with_mean}")
+    assert kernel.plane_sums(x.transpose(0, 1), lanes) is None  # not contiguous: refused
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])

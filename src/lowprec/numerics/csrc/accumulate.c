@@ -569,9 +569,9 @@ void lp_dot4(const float *cols, const float *w, float *out, int64_t N, int64_t G
  * row into a float32 partial from zero, the partials then added in chunk order from zero. With
  * `mean`, the terms are the squared deviations, fmaf(d, d, partial) with d = x - mean[c]: the
  * kernel's `var += (x - mean) * (x - mean)` contracted to a fused multiply-add, as torch 2.13's
- * kernel computes it (measured on its fp32-statistics instantiation: 217 of 217 1/std with
- * fmaf, 185 with a product and a sum). The chunks run on up to
- * `nthreads` threads; the order depends on `parts` only (parts >= 1; `buf` parts * C floats of
+ * kernel computes it (measured on its fp32-statistics instantiation, AMD EPYC with
+ * AVX512-BF16: 217 of 217 1/std with fmaf, 185 with a product and a sum). The chunks run on
+ * up to `nthreads` threads; the order depends on `parts` only (parts >= 1; `buf` parts * C floats of
  * scratch for the partials). */
 LP_OPT_CLONES static void channel_chunk(const float *x, int64_t r0, int64_t r1, int64_t C,
                                         const float *mean, float *acc) {
@@ -619,12 +619,10 @@ void lp_channel_sums(const float *x, int64_t rows, int64_t C, const float *mean,
  * plane's last HW % (2 * lanes) values into a scalar sum, sample after sample; the scalar sum
  * then adds the partials folded in lane order ((p0 + p1) + p2 ...). `lanes`: the kernel's
  * Vectorized<float> width (8: measured, lowprec/training/emulation/kernels.py _plane_sums).
- * With `mean`, the terms are (x - mean[c]) squared: in the lanes by fmaf where `fused`, else
- * by a product and a sum (torch's kernel: measured); the remainder always by a product and a
- * sum. Channels over up to `nthreads` threads. */
+ * With `mean`, the terms are (x - mean[c]) squared, each added as a product and a sum (not
+ * contracted: measured too). Channels over up to `nthreads` threads. */
 LP_OPT_CLONES static void plane_sum(const float *x, int64_t batch, int64_t C, int64_t hw,
-                                    int64_t c, int lanes, const float *mean, int fused,
-                                    float *out) {
+                                    int64_t c, int lanes, const float *mean, float *out) {
     float acc[32] = {0.0f}; /* lanes <= 32 (lp_plane_sums) */
     float s = 0.0f;
     const int64_t step = 2 * (int64_t)lanes, body = hw - hw % step;
@@ -637,21 +635,6 @@ LP_OPT_CLONES static void plane_sum(const float *x, int64_t batch, int64_t C, in
                 for (int l = 0; l < lanes; ++l) acc[l] = acc[l] + p[d + lanes + l];
             }
             for (int64_t d = body; d < hw; ++d) s = s + p[d];
-        } else if (fused) {
-            for (int64_t d = 0; d < body; d += step) {
-                for (int l = 0; l < lanes; ++l) {
-                    const float v = p[d + l] - m;
-                    acc[l] = fmaf(v, v, acc[l]);
-                }
-                for (int l = 0; l < lanes; ++l) {
-                    const float v = p[d + lanes + l] - m;
-                    acc[l] = fmaf(v, v, acc[l]);
-                }
-            }
-            for (int64_t d = body; d < hw; ++d) {  /* (the scalar loop: not contracted) */
-                const float v = p[d] - m;
-                s = s + v * v;
-            }
         } else {
             for (int64_t d = 0; d < body; d += step) {
                 for (int l = 0; l < lanes; ++l) {
@@ -675,12 +658,12 @@ LP_OPT_CLONES static void plane_sum(const float *x, int64_t batch, int64_t C, in
 }
 
 void lp_plane_sums(const float *x, int64_t batch, int64_t C, int64_t hw, int lanes,
-                   const float *mean, int fused, float *out, int nthreads) {
+                   const float *mean, float *out, int nthreads) {
     if (lanes < 1) lanes = 1;
     if (lanes > 32) lanes = 32;
     const int nt = lp_threads_over(batch * C * hw, C, nthreads);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (int64_t c = 0; c < C; ++c) plane_sum(x, batch, C, hw, c, lanes, mean, fused, out);
+    for (int64_t c = 0; c < C; ++c) plane_sum(x, batch, C, hw, c, lanes, mean, out);
 }

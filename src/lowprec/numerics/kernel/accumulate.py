@@ -59,6 +59,15 @@ def dot4(cols: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int) ->
                           w.shape[0] // groups, torch.get_num_threads())
 
 
+def _sums_fit(x: torch.Tensor, dims: int, mean: torch.Tensor | None) -> bool:
+    """Whether ``x`` (``dims``-d, contiguous float32 on the CPU) and ``mean`` (None, or one
+    float32 value a channel, dimension 1 of ``x``) are what the per-channel sums take."""
+    ok = x.dim() == dims and x.dtype == torch.float32 and x.device.type == "cpu" and \
+        x.is_contiguous()
+    return ok and (mean is None or (mean.dtype == torch.float32 and mean.is_contiguous() and
+                                    mean.device.type == "cpu" and mean.shape == (x.shape[1],)))
+
+
 def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
                  ) -> torch.Tensor | None:
     """Per-channel float32 sums of ``x`` (rows, C), contiguous float32 on the CPU, in the order
@@ -68,11 +77,8 @@ def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
     fused multiply-adds. None where the loaded kernel lacks ``lp_channel_sums`` or the tensors
     do not fit (the caller then uses torch ops)."""
     lib = library.lib()
-    if lib is None or not hasattr(lib, "lp_channel_sums") or parts < 1 or x.dim() != 2 or \
-            x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or \
-            (mean is not None and not (mean.dtype == torch.float32 and mean.is_contiguous() and
-                                       mean.device.type == "cpu" and
-                                       mean.shape == (x.shape[1],))):
+    if lib is None or not hasattr(lib, "lp_channel_sums") or parts < 1 or \
+            not _sums_fit(x, 2, mean):
         return None
     rows, c = x.shape
     out = torch.empty(c, dtype=torch.float32)
@@ -82,25 +88,21 @@ def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
     return out
 
 
-def plane_sums(x: torch.Tensor, lanes: int, fused: bool, mean: torch.Tensor | None = None
+def plane_sums(x: torch.Tensor, lanes: int, mean: torch.Tensor | None = None
                ) -> torch.Tensor | None:
     """Per-channel float32 sums of ``x`` (batch, C, HW), contiguous float32 on the CPU, in the
     order of ATen's contiguous batch-norm statistics for a 16-bit input: per channel, runs of
     2 * ``lanes`` values into ``lanes`` partials, each plane's remainder into a scalar sum, the
-    partials folded in lane order into it; with ``mean`` (C,), the squared deviations, added
-    by fused multiply-adds where ``fused``. None where the loaded kernel lacks
-    ``lp_plane_sums`` or the tensors do not fit (the caller then uses torch ops)."""
+    partials folded in lane order into it; with ``mean`` (C,), the squared deviations (each a
+    product, then a sum). None where the loaded kernel lacks ``lp_plane_sums`` or the tensors
+    do not fit (the caller then uses torch ops)."""
     lib = library.lib()
     if lib is None or not hasattr(lib, "lp_plane_sums") or not 1 <= lanes <= 32 or \
-            x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or \
-            not x.is_contiguous() or \
-            (mean is not None and not (mean.dtype == torch.float32 and mean.is_contiguous() and
-                                       mean.device.type == "cpu" and
-                                       mean.shape == (x.shape[1],))):
+            not _sums_fit(x, 3, mean):
         return None
     batch, c, hw = x.shape
     out = torch.empty(c, dtype=torch.float32)
     lib.lp_plane_sums(x.data_ptr(), batch, c, hw, lanes,
-                      None if mean is None else mean.data_ptr(), int(fused), out.data_ptr(),
+                      None if mean is None else mean.data_ptr(), out.data_ptr(),
                       torch.get_num_threads())
     return out

@@ -114,7 +114,7 @@ def open_kernel(path: str):
                         ctypes.POINTER(LPAccFmt), ci],
         "lp_dot4": [p, p, p] + [i64] * 5 + [ci],
         "lp_channel_sums": [p, i64, i64, p, i64, p, p, ci],
-        "lp_plane_sums": [p, i64, i64, i64, ci, p, ci, p, ci],
+        "lp_plane_sums": [p, i64, i64, i64, ci, p, p, ci],
         # optimizer.c
         "lp_opt_step": [p, p, p, p, i64, ctypes.POINTER(LPOpt), lpp, lpp, ci],
         # recurrent.c

@@ -1,9 +1,9 @@
 """The engine's autograd functions: a rounding forward, and the gradient rounding in backward.
 
-:class:`Round` rounds an op's output and, in backward, the gradient reaching it
-(:class:`RoundInplace` in place, where the op's backward does not hold its output:
-:func:`owned`); :class:`RoundInplace` does so for what an in-place op wrote too; :class:`Consumed` rounds the
-gradient one consumer of an activation sends back and :class:`GradSum` adds it to the other
+:class:`Round` rounds an op's output and, in backward, the gradient reaching it;
+:class:`RoundInplace` does so in place, for what an in-place op wrote and for an op's fresh
+output its backward does not hold (:func:`owned`); :class:`Consumed` rounds the gradient one
+consumer of an activation sends back and :class:`GradSum` adds it to the other
 consumers' as native 16-bit autograd adds them; :class:`Upcast` is a 16-bit value cast up to an
 fp32 island; :class:`Broadcast` an operand an elementwise op broadcasts. Stochastic rounding's
 keys come from a :class:`Site` of the forward's :class:`Stream` (or a generator).
