@@ -9,9 +9,12 @@ The instructions that make 16-bit matmuls and convolutions fast on a CPU are:
 * bf16: AVX512-BF16 (``vdpbf16ps``, Cooper Lake, Zen 4 and later) or AMX-BF16 (Sapphire
   Rapids and later: large bf16 GEMMs much faster than fp32 there, figure F23); on Arm, the
   BF16 extension (``BFMMLA``, Neoverse V1/N2, Graviton 3), which torch's oneDNN/ACL path checks for.
-* fp16: AVX512-FP16 or AMX-FP16 (the checks torch's ``mkldnn_fp16_device_check`` makes before
-  it sends fp16 convolutions and matmuls to oneDNN; without them fp16 convolution backward is a
-  reference kernel, far slower than fp32, figure F24); on Arm, FP16 arithmetic (``FEAT_FP16``).
+* fp16: none, for training. torch sends fp16 convolutions and matmuls to oneDNN where the CPU
+  has AVX512-FP16 or AMX-FP16 (``mkldnn_fp16_device_check``), but fp16 convolution *backward*
+  stays a reference kernel even there: on an Intel Xeon with AVX512-FP16 and AMX-BF16 (torch
+  2.13), a LeNet-5 convolution's forward and backward took 175 ms in fp16 against 3.7 ms in
+  fp32, and a native fp16 LeNet-5 training step 52x fp32's (figure F42; without AVX512-FP16,
+  15-70x, figure F24). So ``auto`` emulates fp16 on every CPU; ``b=native`` still runs it.
 
 On CUDA, tensor cores run fp16 from compute capability 7.0 (Volta) and bf16 from 8.0 (Ampere).
 
@@ -43,9 +46,10 @@ CPU_FEATURES = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_tile", "a
 _FAST_CPU = {
     BF16: (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"), ("bf16", "Arm BF16"),
            ("sve_bf16", "Arm SVE BF16")),
-    FP16: (("avx512_fp16", "AVX512-FP16"), ("amx_fp16", "AMX-FP16"),
-           ("fp16_arith", "Arm FP16 arithmetic")),
 }
+# formats whose torch CPU kernels are slow for training whatever the CPU has, and why
+_SLOW_CPU = {FP16: "torch's CPU fp16 convolution backward is a reference kernel, even with "
+                   "AVX512-FP16 (52x fp32 a LeNet-5 step)"}
 # format -> the CUDA compute capability from which tensor cores run it
 _FAST_CUDA = {FP16: (7, 0), BF16: (8, 0)}
 
@@ -129,6 +133,8 @@ def native_speed(fmt: Format, facts: DeviceFacts) -> tuple[bool, str]:
     if fmt == FP32:
         return True, "fp32"
     if facts.type == "cpu":
+        if fmt in _SLOW_CPU:
+            return False, _SLOW_CPU[fmt]
         rules = _FAST_CPU.get(fmt)
         if rules is None:
             return False, f"{fmt} has no torch kernels"

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 
 from ...numerics.formats import BF16, FP16, FP32
+from ...numerics.rounding import Rounding
 from ..hardware import DeviceFacts, native_speed
 from ..policy import Backend, Policy
 
@@ -48,7 +49,8 @@ class BackendChoice:
 
 def can_be_native(policy: Policy) -> bool:
     """Every format is fp32, fp16 or bf16, gradients in the compute format (torch computes
-    them in the dtype of the forward)."""
+    them in the dtype of the forward), both rounded to nearest-even (torch's kernels round
+    no other way: ``c=fp16:sr`` is emulation's alone)."""
     roles = [policy.params, policy.compute, policy.grads, policy.optimizer_state]
     if policy.master is not None:
         roles.append(policy.master)
@@ -57,6 +59,8 @@ def can_be_native(policy: Policy) -> bool:
     if getattr(policy, "scaled", None) is not None:  # scaled GEMMs are emulated (emulation/scaled.py)
         return False
     if getattr(policy, "accumulator", None) is not None:  # accumulators are emulated
+        return False
+    if any(r.mode is not Rounding.NEAREST_EVEN for r in (policy.rounding, policy.grad_rounding)):
         return False
     return all(f in NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
 
@@ -71,7 +75,7 @@ def choose_backend(policy: Policy, facts: DeviceFacts, *,
         if not can_be_native(pol):
             raise ValueError(
                 f"policy {pol} cannot run natively: native needs fp32/fp16/bf16 formats with "
-                "gradients in the compute format; use backend=emulated")
+                "gradients in the compute format, rounded to nearest-even; use backend=emulated")
         if overrides:
             raise ValueError("per-module overrides need backend=emulated (or auto)")
         return BackendChoice(Backend.NATIVE, "b=native")
@@ -83,7 +87,7 @@ def choose_backend(policy: Policy, facts: DeviceFacts, *,
         return BackendChoice(Backend.EMULATED, "b=emulated")
     if not can_be_native(pol):
         return BackendChoice(Backend.EMULATED, "native needs fp32/fp16/bf16 formats with "
-                             "gradients in the compute format")
+                             "gradients in the compute format, rounded to nearest-even")
     lowp = sorted({f for f in (pol.params, pol.compute, pol.grads) if f != FP32}, key=str)
     slow = []
     fast = []
