@@ -1,5 +1,6 @@
 """`lowprec compare`: the runner, the results database, resume, divergence, bad input, report."""
 
+import json
 import os
 import sqlite3
 import subprocess
@@ -246,6 +247,66 @@ def test_resume_before_the_first_checkpoint_redoes_the_run_in_place(tmp_path):
     run_compare(replace(cfg, resume=True))
     rows_after, started_after = _final(out / "results.db")
     assert rows_after == rows and started_after == started
+
+
+def _interrupted_after_epoch_0(out, backend_choice=None):
+    """The run folder as a run killed after epoch 0's checkpoint leaves it; ``backend_choice``
+    replaces the backend choice stored with the run."""
+    c = sqlite3.connect(out / "results.db")
+    c.execute("UPDATE runs SET status = 'running', finished = NULL")
+    c.execute("DELETE FROM epochs WHERE epoch > 0")
+    if backend_choice is not None:
+        hw = json.loads(c.execute("SELECT hardware FROM runs").fetchone()[0])
+        hw["backend_choice"] = backend_choice
+        c.execute("UPDATE runs SET hardware = ?", (json.dumps(hw),))
+    c.commit()
+    c.close()
+
+
+def test_a_resumed_run_keeps_the_backend_it_started_on(tmp_path, monkeypatch):
+    """A run resumes on the backend stored with it, even where ``auto`` would choose another
+    now (a new lowprec's rule, another CPU): the same numbers as the run never interrupted."""
+    from lowprec.experiments import runner
+    from lowprec.training.backends import choice as choice_mod
+
+    cfg = small(tmp_path / "r", policies=("16-true",), epochs=2)
+    out = run_compare(cfg)
+    rows, _ = _final(out / "results.db")
+    assert ResultsDB(out / "results.db", create=False).runs()[0]["backend"] == "emulated"
+    _interrupted_after_epoch_0(out)
+    # auto would now run fp16 natively
+    monkeypatch.setattr(choice_mod, "native_speed", lambda fmt, facts: (True, "fast"))
+    used = []
+    set_up = runner._set_up
+
+    def spy(*args, **kwargs):  # the backend each set-up of the resumed run took
+        made = set_up(*args, **kwargs)
+        used.append(made[2].backend)
+        return made
+
+    monkeypatch.setattr(runner, "_set_up", spy)
+    run_compare(replace(cfg, resume=True))
+    after, _ = _final(out / "results.db")
+    assert used == ["emulated"] and after == rows
+    assert ResultsDB(out / "results.db", create=False).runs()[0]["backend"] == "emulated"
+
+
+def test_a_run_stored_on_a_backend_that_cannot_run_its_policy_is_redone(tmp_path):
+    """A stochastic-rounding run an older lowprec ran natively (torch rounds to nearest) is
+    not continued natively: it is redone from its start, emulated, with a warning, and gives
+    the numbers of a run that was emulated from the start."""
+    policy = "p=bf16,c=bf16:sr,g=bf16"
+    cfg = small(tmp_path / "r", policies=(policy,), epochs=2)
+    out = run_compare(cfg)
+    rows, started = _final(out / "results.db")
+    _interrupted_after_epoch_0(out, {"backend": "native", "reason": "fast", "automatic": True})
+    with pytest.warns(UserWarning, match="redone from its start: .*nearest-even"):
+        run_compare(replace(cfg, resume=True))
+    after, started_after = _final(out / "results.db")
+    assert after == rows and started_after != started
+    run = ResultsDB(out / "results.db", create=False).runs()[0]
+    assert run["status"] == "finished" and run["backend"] == "emulated"
+    assert run["hardware"]["backend_choice"]["backend"] == "emulated"
 
 
 def test_built_in_cnns_train_channels_last_and_a_user_model_as_built(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ several generations), so they hold on any machine; the machine running the tests
 whether Precision reports the choice the rules give for it.
 """
 
+import re
 import warnings
 
 import pytest
@@ -48,7 +49,7 @@ def test_native_speed_follows_the_instructions_the_device_has(facts, bf16, fp16)
 
 
 @pytest.mark.parametrize("policy", ["bf16-true", "bf16-mixed", "16-true", "16-mixed",
-                                    "16-master", "p=bf16,c=bf16,g=bf16,s=matmul"])
+                                    "16-master", "p=fp32,c=bf16,g=bf16,s=matmul"])
 def test_auto_emulates_16_bit_formats_on_an_avx2_only_cpu(policy):
     c = choose_backend(parse_policy(policy), AVX2)
     assert c.backend is Backend.EMULATED and c.automatic
@@ -75,11 +76,28 @@ def test_auto_decides_fp16_by_its_own_instructions():
     assert choose_backend(pol, GRAVITON3).backend is Backend.EMULATED
     assert choose_backend(pol, A100).backend is Backend.NATIVE
     assert choose_backend(pol, T4).backend is Backend.NATIVE
-    # a policy mixing fp16 and bf16 needs both fast
-    both = parse_policy("p=bf16,c=fp16,g=fp16,s=matmul")
-    assert choose_backend(both, SAPPHIRE_RAPIDS).backend is Backend.EMULATED
-    assert choose_backend(both, A100).backend is Backend.NATIVE
     assert choose_backend(parse_policy("bf16-true"), T4).backend is Backend.EMULATED
+
+
+@pytest.mark.parametrize("policy,why", [
+    ("p=fp32,c=bf16,g=bf16,s=all", "p= must equal c="),  # model.bfloat16() has bf16 weights
+    ("p=bf16,c=fp32,g=fp32", "p= must equal c="),
+    ("p=bf16,c=bf16,g=bf16,s=matmul", "p=fp32"),  # autocast keeps fp32 weights
+    ("p=bf16,c=bf16,g=bf16,o=fp32", "state in the parameter format"),
+    ("p=fp32,c=bf16,g=bf16,o=bf16,s=matmul", "state in the parameter format"),
+    ("p=bf16,c=bf16,g=bf16,o=bf16,m=fp32", "state in the master format"),
+    ("p=bf16,c=bf16,g=fp32", "gradients in the compute format"),
+    ("p=q6.10,c=q6.10,g=q6.10", "fp32, fp16 or bf16"),
+])
+def test_a_policy_native_dtypes_cannot_run_as_written_is_emulated_and_says_why(policy, why):
+    """torch's dtypes run a model cast to its parameter format (``model.bfloat16()``, s=all)
+    or autocast from fp32 parameters (s=matmul), with a torch optimizer's state in the
+    parameters' dtype: any other policy would silently train as another one natively, so
+    ``auto`` emulates it, even where bf16 is fast, and ``b=native`` is refused, naming why."""
+    c = choose_backend(parse_policy(policy), SAPPHIRE_RAPIDS)
+    assert c.backend is Backend.EMULATED and why in c.reason, c
+    with pytest.raises(ValueError, match=f"cannot run natively: .*{re.escape(why)}"):
+        choose_backend(parse_policy(policy + ",b=native"), SAPPHIRE_RAPIDS)
 
 
 @pytest.mark.parametrize("policy", ["p=bf16,c=bf16:sr,g=bf16", "p=bf16,c=bf16,g=bf16:sr4",

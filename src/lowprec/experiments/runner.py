@@ -18,12 +18,14 @@ import math
 import sqlite3
 import time
 import traceback
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..training.backends import BackendChoice
 from ..training.optim import SGD, Adam
 from ..training.plan import is_plan_spec, load_plan
 from ..training.policy import Backend, Policy
@@ -211,17 +213,21 @@ def _measure_memory(prec: Precision, model: nn.Module, batch) -> object:
             p.grad = g
 
 
-def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int):
-    """The model, optimizer, Precision and training split of a run, as every run builds them."""
+def _set_up(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int,
+            choice: BackendChoice | None = None):
+    """The model, optimizer, Precision and training split of a run, as every run builds them;
+    ``choice``: the backend a resumed run was started on (ValueError where this Precision
+    cannot run it)."""
     torch.manual_seed(seed)
     model = build_checked_model(cfg.model, data)
     if cfg.model in MODELS:  # a user's model keeps its layout (its code may .view() NCHW)
         channels_last(model)  # oneDNN's fast CPU layout for convolutions, for every policy
     opt = _make_optimizer(cfg, model)
-    compiled = cfg.compile and \
-        Precision(policy).resolve_backend(torch.device("cpu")) == Backend.EMULATED
+    backend = choice.backend if choice is not None else \
+        Precision(policy).resolve_backend(torch.device("cpu"))
+    compiled = cfg.compile and backend == Backend.EMULATED
     prec = Precision(policy, seed=seed, compile=compiled)
-    model, opt = prec.setup(model, opt)
+    model, opt = prec.setup(model, opt, choice=choice)
     x_train, y_train = data.x_train, data.y_train
     if cfg.train_subset:
         x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
@@ -329,7 +335,18 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
         progress.run_done(f"{policy} seed {seed}")
         return existing["status"]
 
-    model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
+    stored = _stored_choice(existing)
+    try:  # a resumed run goes on with the backend it started on (auto's rule may have changed)
+        model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed, stored)
+    except ValueError as err:
+        if stored is None:
+            raise
+        # the stored backend cannot run this policy (a lowprec that ran it natively without
+        # its roundings): the run is redone from its start on the backend it takes now
+        model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
+        warnings.warn(f"lowprec: run {policy} seed {seed} is redone from its start: {err}",
+                      stacklevel=2)
+        existing = None
     steps_per_epoch = math.ceil(len(x_train) / cfg.batch_size)
     start_epoch, records = _resume(db, cfg, policy, seed, env, existing, ckpt_path, model, opt,
                                    prec, x_train, y_train)
@@ -359,6 +376,15 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
     _finish_run(cfg, data, db, run_id, status, diverged_step, model, prec, x_train, y_train,
                 ckpt_path, progress)
     return status
+
+
+def _stored_choice(existing: dict | None) -> BackendChoice | None:
+    """The backend choice stored with a run that resumes (None for a fresh run, or one
+    stored before choices were)."""
+    if not resumable(existing):
+        return None
+    stored = (existing.get("hardware") or {}).get("backend_choice")
+    return BackendChoice.from_json(stored) if stored else None
 
 
 def _resume(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, env: dict, existing,

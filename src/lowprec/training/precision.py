@@ -14,7 +14,7 @@ Backends (:mod:`lowprec.training.backends`, one plug-in each). ``native`` runs r
 ``emulated`` keeps fp32 tensors and rounds values onto the policy's grids at every op
 (:mod:`lowprec.training.emulation`); it accepts any format. ``auto`` picks native where the
 device has fast kernels for the dtype (tensor cores on CUDA; AVX512-BF16 or AMX for bf16 on a
-CPU, AVX512-FP16 or AMX-FP16 for fp16: :mod:`lowprec.training.hardware`) and emulation
+CPU, fp16 on no CPU: :mod:`lowprec.training.hardware`) and emulation
 otherwise, and says which once per process and policy (``prec.backend_choice`` holds it).
 ``match_cpu_kernels=True`` makes emulated 2-D convolutions sum in the order of that reference
 kernel (:mod:`lowprec.numerics.summation`) and matrix products, layer norm, attention without

@@ -2,7 +2,7 @@
 
 ``auto`` runs a policy natively when every low-precision format in it has a torch dtype and
 the device has fast kernels for it (:func:`lowprec.training.hardware.native_speed`:
-AVX512-BF16 or AMX for bf16 on a CPU, AVX512-FP16 or AMX-FP16 for fp16, tensor cores on CUDA),
+AVX512-BF16 or AMX for bf16 on a CPU, fp16 on no CPU, tensor cores on CUDA),
 and emulated otherwise: on an AVX2-only CPU native bf16 steps were many times slower than
 fp32, emulated ones far less (benchmarks/RESULTS.md, figure F22). The choice changes a run's
 numbers (native kernels sum in their own order, emulation rounds each op's output once), so
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from ...numerics.formats import BF16, FP16, FP32
 from ...numerics.rounding import Rounding
 from ..hardware import DeviceFacts, native_speed
-from ..policy import Backend, Policy
+from ..policy import Backend, Policy, Scope
 
 __all__ = ["BackendChoice", "BackendChoiceWarning", "choose_backend", "can_be_native",
+           "native_obstacle",
            "announce", "NATIVE_FORMATS"]
 
 NATIVE_FORMATS = (FP32, FP16, BF16)
@@ -46,23 +47,48 @@ class BackendChoice:
         return {"backend": self.backend.value, "reason": self.reason,
                 "automatic": self.automatic}
 
+    @classmethod
+    def from_json(cls, d: dict) -> "BackendChoice":
+        """The choice :meth:`to_json` stored (a run's, given back when it resumes)."""
+        return cls(Backend.parse(d["backend"]), str(d.get("reason", "")),
+                   bool(d.get("automatic", False)))
 
-def can_be_native(policy: Policy) -> bool:
-    """Every format is fp32, fp16 or bf16, gradients in the compute format (torch computes
-    them in the dtype of the forward), both rounded to nearest-even (torch's kernels round
-    no other way: ``c=fp16:sr`` is emulation's alone)."""
+
+def native_obstacle(policy: Policy) -> str | None:
+    """Why torch's own dtypes cannot run ``policy`` as it is written, in a few words, or None
+    when they can. Native casts the model to the parameter format and computes in it (scope
+    ``all``: ``model.half()``), or keeps fp32 parameters and casts the matrix products
+    (``matmul``: ``torch.autocast``); torch computes gradients in the forward's dtype and rounds
+    only to nearest-even; a plain torch optimizer keeps its state in the parameters' dtype (the
+    master copy's, with ``m=``)."""
+    if policy.is_fp32:
+        return None
+    if getattr(policy, "scaled", None) is not None:  # scaled GEMMs are emulated (emulation/scaled.py)
+        return "scaled matrix products are emulated"
+    if getattr(policy, "accumulator", None) is not None:
+        return "narrow accumulators are emulated"
     roles = [policy.params, policy.compute, policy.grads, policy.optimizer_state]
     if policy.master is not None:
         roles.append(policy.master)
-    if policy.is_fp32:
-        return True
-    if getattr(policy, "scaled", None) is not None:  # scaled GEMMs are emulated (emulation/scaled.py)
-        return False
-    if getattr(policy, "accumulator", None) is not None:  # accumulators are emulated
-        return False
+    if not all(f in NATIVE_FORMATS for f in roles):
+        return "native needs fp32, fp16 or bf16 formats"
     if any(r.mode is not Rounding.NEAREST_EVEN for r in (policy.rounding, policy.grad_rounding)):
-        return False
-    return all(f in NATIVE_FORMATS for f in roles) and policy.grads == policy.compute
+        return "torch's kernels round to nearest-even only"
+    if policy.grads != policy.compute:
+        return "torch computes gradients in the compute format"
+    if policy.scope is Scope.ALL and policy.params != policy.compute:
+        return "with s=all native computes in the parameter format (p= must equal c=)"
+    if policy.scope is Scope.MATMUL and policy.params != FP32:
+        return "with s=matmul native autocasts from fp32 parameters (p=fp32)"
+    if policy.optimizer_state != (policy.master or policy.params):
+        return ("a torch optimizer keeps its state in the " +
+                ("master" if policy.master is not None else "parameter") + " format")
+    return None
+
+
+def can_be_native(policy: Policy) -> bool:
+    """Whether torch's own dtypes can run ``policy`` as written (:func:`native_obstacle`)."""
+    return native_obstacle(policy) is None
 
 
 def choose_backend(policy: Policy, facts: DeviceFacts, *,
@@ -71,11 +97,10 @@ def choose_backend(policy: Policy, facts: DeviceFacts, *,
     Precision has per-module overrides (the engine applies them). ValueError for a policy
     that forces ``native`` but cannot have it."""
     pol = policy
+    obstacle = native_obstacle(pol)
     if pol.backend is Backend.NATIVE:
-        if not can_be_native(pol):
-            raise ValueError(
-                f"policy {pol} cannot run natively: native needs fp32/fp16/bf16 formats with "
-                "gradients in the compute format, rounded to nearest-even; use backend=emulated")
+        if obstacle is not None:
+            raise ValueError(f"policy {pol} cannot run natively: {obstacle}; use b=emulated")
         if overrides:
             raise ValueError("per-module overrides need backend=emulated (or auto)")
         return BackendChoice(Backend.NATIVE, "b=native")
@@ -85,9 +110,8 @@ def choose_backend(policy: Policy, facts: DeviceFacts, *,
         return BackendChoice(Backend.NATIVE, "fp32")
     if pol.backend is Backend.EMULATED:
         return BackendChoice(Backend.EMULATED, "b=emulated")
-    if not can_be_native(pol):
-        return BackendChoice(Backend.EMULATED, "native needs fp32/fp16/bf16 formats with "
-                             "gradients in the compute format, rounded to nearest-even")
+    if obstacle is not None:
+        return BackendChoice(Backend.EMULATED, obstacle)
     lowp = sorted({f for f in (pol.params, pol.compute, pol.grads) if f != FP32}, key=str)
     slow = []
     fast = []
