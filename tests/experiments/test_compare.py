@@ -291,14 +291,32 @@ def test_a_resumed_run_keeps_the_backend_it_started_on(tmp_path, monkeypatch):
     assert ResultsDB(out / "results.db", create=False).runs()[0]["backend"] == "emulated"
 
 
-def test_a_run_stored_on_a_backend_that_cannot_run_its_policy_is_redone(tmp_path):
+def test_a_run_stored_on_a_backend_that_cannot_run_its_policy_is_redone(tmp_path, monkeypatch):
     """A stochastic-rounding run an older lowprec ran natively (torch rounds to nearest) is
     not continued natively: it is redone from its start, emulated, with a warning, and gives
     the numbers of a run that was emulated from the start."""
+    from lowprec.experiments import runner
+
     policy = "p=bf16,c=bf16:sr,g=bf16"
     cfg = small(tmp_path / "r", policies=(policy,), epochs=2)
     out = run_compare(cfg)
     rows, started = _final(out / "results.db")
+    _interrupted_after_epoch_0(out, {"backend": "native", "reason": "fast", "automatic": True})
+    from lowprec.experiments.checkpoints import checkpoint_path
+
+    run_id = ResultsDB(out / "results.db", create=False).runs()[0]["run_id"]
+    old = checkpoint_path(out, run_id)  # the native run's epoch 0
+    old.parent.mkdir(exist_ok=True)
+    old.write_bytes(b"a checkpoint of the run stored native")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:  # the redo killed before its first checkpoint: the old
+        m.setattr(runner, "_run_epoch", killed)  # run's checkpoint is not left to be loaded
+        with pytest.warns(UserWarning, match="redone"), pytest.raises(KeyboardInterrupt):
+            run_compare(replace(cfg, resume=True))
+    assert not old.exists()
     _interrupted_after_epoch_0(out, {"backend": "native", "reason": "fast", "automatic": True})
     with pytest.warns(UserWarning, match="redone from its start: .*nearest-even"):
         run_compare(replace(cfg, resume=True))
@@ -307,6 +325,8 @@ def test_a_run_stored_on_a_backend_that_cannot_run_its_policy_is_redone(tmp_path
     run = ResultsDB(out / "results.db", create=False).runs()[0]
     assert run["status"] == "finished" and run["backend"] == "emulated"
     assert run["hardware"]["backend_choice"]["backend"] == "emulated"
+    db = ResultsDB(out / "results.db", create=False)
+    assert "nearest-even" in db.analysis(run["run_id"], "redone")["reason"]
 
 
 def test_built_in_cnns_train_channels_last_and_a_user_model_as_built(tmp_path, monkeypatch):

@@ -83,16 +83,13 @@ def test_auto_decides_fp16_by_its_own_instructions():
     ("p=fp32,c=bf16,g=bf16,s=all", "p= must equal c="),  # model.bfloat16() has bf16 weights
     ("p=bf16,c=fp32,g=fp32", "p= must equal c="),
     ("p=bf16,c=bf16,g=bf16,s=matmul", "p=fp32"),  # autocast keeps fp32 weights
-    ("p=bf16,c=bf16,g=bf16,o=fp32", "state in the parameter format"),
-    ("p=fp32,c=bf16,g=bf16,o=bf16,s=matmul", "state in the parameter format"),
-    ("p=bf16,c=bf16,g=bf16,o=bf16,m=fp32", "state in the master format"),
     ("p=bf16,c=bf16,g=fp32", "gradients in the compute format"),
     ("p=q6.10,c=q6.10,g=q6.10", "fp32, fp16 or bf16"),
 ])
 def test_a_policy_native_dtypes_cannot_run_as_written_is_emulated_and_says_why(policy, why):
     """torch's dtypes run a model cast to its parameter format (``model.bfloat16()``, s=all)
-    or autocast from fp32 parameters (s=matmul), with a torch optimizer's state in the
-    parameters' dtype: any other policy would silently train as another one natively, so
+    or autocast from fp32 parameters (s=matmul): any other policy would silently train as
+    another one natively, so
     ``auto`` emulates it, even where bf16 is fast, and ``b=native`` is refused, naming why."""
     c = choose_backend(parse_policy(policy), SAPPHIRE_RAPIDS)
     assert c.backend is Backend.EMULATED and why in c.reason, c

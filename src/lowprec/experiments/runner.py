@@ -335,21 +335,21 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
         progress.run_done(f"{policy} seed {seed}")
         return existing["status"]
 
-    stored = _stored_choice(existing)
-    try:  # a resumed run goes on with the backend it started on (auto's rule may have changed)
-        model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed, stored)
-    except ValueError as err:
-        if stored is None:
-            raise
-        # the stored backend cannot run this policy (a lowprec that ran it natively without
-        # its roundings): the run is redone from its start on the backend it takes now
-        model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed)
-        warnings.warn(f"lowprec: run {policy} seed {seed} is redone from its start: {err}",
+    # a resumed run goes on with the backend it started on (auto's rule, or the CPU, may have
+    # changed since); one this lowprec cannot run as stored (a stochastic-rounding policy an
+    # older rule ran natively, without its roundings) is redone from its start
+    stored, redo = _stored_choice(existing, policy)
+    if redo is not None:
+        warnings.warn(f"lowprec: run {policy} seed {seed} is redone from its start: {redo}",
                       stacklevel=2)
+        ckpt_path.unlink(missing_ok=True)  # (a later resume must not load the old run's)
         existing = None
+    model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed, stored)
     steps_per_epoch = math.ceil(len(x_train) / cfg.batch_size)
     start_epoch, records = _resume(db, cfg, policy, seed, env, existing, ckpt_path, model, opt,
                                    prec, x_train, y_train)
+    if redo is not None:
+        db.record_analysis(run_id, "redone", {"reason": redo})
     # the thread count this run trains with, measured where it trains
     db.record_analysis(run_id, "threads", {"threads": torch.get_num_threads()})
     progress.start_run(f"{policy} seed {seed}", cfg.epochs * steps_per_epoch,
@@ -378,13 +378,25 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
     return status
 
 
-def _stored_choice(existing: dict | None) -> BackendChoice | None:
-    """The backend choice stored with a run that resumes (None for a fresh run, or one
-    stored before choices were)."""
+def _stored_choice(existing: dict | None, policy: Policy
+                   ) -> tuple[BackendChoice | None, str | None]:
+    """(the backend choice a resuming run was started on, or None for a fresh run; why the
+    run must be redone instead, or None). Runs stored before choices were give their
+    ``backend`` column."""
     if not resumable(existing):
-        return None
+        return None, None
     stored = (existing.get("hardware") or {}).get("backend_choice")
-    return BackendChoice.from_json(stored) if stored else None
+    if stored:
+        choice = BackendChoice.from_json(stored)
+    elif existing.get("backend"):
+        choice = BackendChoice(Backend.parse(existing["backend"]), "stored with the run", True)
+    else:
+        return None, None
+    own = Precision(policy).choose_backend(torch.device("cpu"))
+    if choice.backend is not own.backend and not own.automatic:
+        return None, f"it was run {choice.backend}, which cannot run it ({own.reason})"
+    return BackendChoice(choice.backend, f"kept from the run's start: {choice.reason}",
+                         choice.automatic), None
 
 
 def _resume(db: ResultsDB, cfg: CompareConfig, policy: Policy, seed: int, env: dict, existing,

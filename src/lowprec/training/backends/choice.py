@@ -59,8 +59,7 @@ def native_obstacle(policy: Policy) -> str | None:
     when they can. Native casts the model to the parameter format and computes in it (scope
     ``all``: ``model.half()``), or keeps fp32 parameters and casts the matrix products
     (``matmul``: ``torch.autocast``); torch computes gradients in the forward's dtype and rounds
-    only to nearest-even; a plain torch optimizer keeps its state in the parameters' dtype (the
-    master copy's, with ``m=``)."""
+    only to nearest-even."""
     if policy.is_fp32:
         return None
     if getattr(policy, "scaled", None) is not None:  # scaled GEMMs are emulated (emulation/scaled.py)
@@ -80,9 +79,6 @@ def native_obstacle(policy: Policy) -> str | None:
         return "with s=all native computes in the parameter format (p= must equal c=)"
     if policy.scope is Scope.MATMUL and policy.params != FP32:
         return "with s=matmul native autocasts from fp32 parameters (p=fp32)"
-    if policy.optimizer_state != (policy.master or policy.params):
-        return ("a torch optimizer keeps its state in the " +
-                ("master" if policy.master is not None else "parameter") + " format")
     return None
 
 
