@@ -17,7 +17,9 @@ device has fast kernels for the dtype (tensor cores on CUDA; AVX512-BF16 or AMX 
 CPU, fp16 on no CPU: :mod:`lowprec.training.hardware`) and emulation
 otherwise, and says which once per process and policy (``prec.backend_choice`` holds it).
 ``match_cpu_kernels=True`` makes emulated 2-D convolutions sum in the order of that reference
-kernel (:mod:`lowprec.numerics.summation`) and matrix products, layer norm, attention without
+kernel where torch runs it (:mod:`lowprec.numerics.summation`; fp16 on a CPU with AVX512-FP16
+or AMX-FP16 convolves in oneDNN, which rounds an fp32 sum once, as the engine does) and
+matrix products, layer norm, attention without
 dropout, recurrent layers, gelu/erf/sqrt and selections by an index tensor run on this CPU's
 own 16-bit kernels (:mod:`lowprec.training.emulation.native_gemm`), for pure fp16/bf16 policies
 rounded to nearest on CPU tensors: forwards are then bit-exact with ``model.half()`` /

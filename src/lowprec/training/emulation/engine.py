@@ -18,7 +18,8 @@ own ``forward``, in a container's ``forward`` or in a plain function. For each c
   inputs are in it (autocast's dtype propagation), fp32 otherwise.
 
 With ``match_cpu_kernels=True``, convolutions sum in the order of torch's reference CPU 16-bit
-kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order, and matrix products,
+kernel (:mod:`lowprec.numerics.summation`) instead of oneDNN's fp32 order where torch runs
+that kernel (not fp16 with AVX512-FP16 or AMX-FP16: oneDNN's, as the default), and matrix products,
 layer norm, attention without dropout, recurrent layers, gelu/erf/sqrt and selections by an
 index tensor run on this CPU's own 16-bit kernels (:mod:`.native_gemm`), which makes an
 emulated run's forward bit-exact with ``model.half()`` on CPUs where the reference

@@ -93,8 +93,9 @@ def kernel_for(em, func, name: str, rule=None, args=(), kwargs=None):
     (:mod:`.native_gemm` explains why)."""
     if not em.match_cpu_kernels:
         return func
-    if name == "conv2d":
-        return summation.conv2d
+    if name == "conv2d":  # (where torch's own 16-bit convolution is the reference kernel)
+        dt = format_dtype(rule.compute) if rule is not None else None
+        return summation.conv2d if native_gemm.conv_is_reference(dt) else func
     if name in native_gemm.INDEX_OPS and rule is not None:
         dt = native_gemm.index_dtype(name, rule, args, kwargs or {})
         return func if dt is None else native_gemm.native_gemm(func, dt)
