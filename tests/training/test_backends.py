@@ -175,3 +175,27 @@ def test_backends_are_registered_plug_ins():
     prec = Precision("p=bf16,b=native")
     prec.setup(nn.Linear(4, 4))
     assert prec.emulation is None and prec.convert_input(torch.ones(2)).dtype == torch.bfloat16
+
+
+def test_native_says_a_torch_optimizers_state_is_not_in_the_policys_format():
+    """Natively, torch creates a plain optimizer's state in its parameters' dtype: with ``o=``
+    another format, setup says so (and names what keeps it); lowprec's SGD keeps ``o=``
+    itself, and a policy whose ``o=`` is the parameters' format says nothing."""
+    from lowprec.training.optim import SGD
+    from lowprec.training.optim.torch_adam import OptimizerPrecisionWarning
+
+    def warned(policy, make_opt):
+        m = nn.Linear(4, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Precision(policy).setup(m, make_opt(m.parameters()))
+        return [str(w.message) for w in caught
+                if issubclass(w.category, OptimizerPrecisionWarning)]
+
+    torch_sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    said = warned("p=bf16,c=bf16,g=bf16,o=fp32,b=native", torch_sgd)
+    assert len(said) == 1 and "o=fp32" in said[0] and "(bf16)" in said[0], said
+    assert not warned("p=bf16,c=bf16,g=bf16,o=fp32,b=native",
+                      lambda ps: SGD(ps, lr=0.1, momentum=0.9))
+    assert not warned("p=bf16,c=bf16,g=bf16,o=bf16,b=native", torch_sgd)
+    assert not warned("p=bf16,c=bf16,g=bf16,o=fp32,b=emulated", torch_sgd)

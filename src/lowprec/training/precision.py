@@ -363,6 +363,13 @@ class Precision:
                                                     if k not in options})
             wrapped.configure_storage(**kwargs)
             return wrapped
+        if pol.optimizer_state != pol.params and not self._backend.carriers:
+            # native: torch creates a plain optimizer's state in its parameters' dtype
+            warnings.warn(
+                f"{type(optimizer).__name__} keeps its state in the parameters' dtype "
+                f"({pol.params}) under the native backend, not in o={pol.optimizer_state}: use "
+                "lowprec.training.optim's SGD or Adam, master weights (m=), or b=emulated",
+                OptimizerPrecisionWarning, stacklevel=3)
         return optimizer
 
     def convert_input(self, x):
