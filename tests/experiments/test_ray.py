@@ -363,3 +363,35 @@ def test_the_address_check_accepts_a_real_gcs(local_ray):
     """The check refuses no real cluster: the running instance's GCS (with Ray's token
     authentication, on by default in Ray 2.60, the question is answered or refused as Ray's)."""
     executors._probe(ray.get_runtime_context().gcs_address)
+
+
+def test_a_run_stored_on_a_backend_that_cannot_run_it_is_redone_by_the_driver(local_ray,
+                                                                             tmp_path):
+    """As the local executor: a stochastic-rounding run stored as native (an older rule's
+    choice) is redone from its start, emulated, with a warning and its reason stored; and a
+    run that resumes gets its stored choice in the task (the sink answers with its row's)."""
+    import json
+    from dataclasses import replace
+
+    cfg = tiny(tmp_path / "r", policies=("p=bf16,c=bf16:sr,g=bf16",), seeds=(0,))
+    executor = RayExecutor(cpus_per_run=1, max_retries=0)
+    out = run_compare(cfg, executor)
+    before = stored(out)
+    c = sqlite3.connect(out / "results.db")
+    c.execute("UPDATE runs SET status = 'running', finished = NULL")
+    c.execute("DELETE FROM epochs WHERE epoch > 0")
+    hw = json.loads(c.execute("SELECT hardware FROM runs").fetchone()[0])
+    hw["backend_choice"] = {"backend": "native", "reason": "fast", "automatic": True}
+    c.execute("UPDATE runs SET hardware = ?", (json.dumps(hw),))
+    c.commit()
+    c.close()
+    with pytest.warns(UserWarning, match="redone from its start: .*nearest-even"):
+        run_compare(replace(cfg, resume=True), executor)
+    after = stored(out)
+    assert after["epochs"] == before["epochs"] and after["runs"] == before["runs"]
+    db = ResultsDB(out / "results.db", create=False)
+    run = db.runs()[0]
+    assert run["backend"] == "emulated" and "nearest-even" in db.analysis(
+        run["run_id"], "redone")["reason"]
+    sink = executors._QueueSink(None, out, None, run["hardware"])
+    assert sink.run(run["run_id"])["hardware"]["backend_choice"]["backend"] == "emulated"

@@ -35,7 +35,7 @@ from .config import RunError
 from .runfolder import SHARED_TOKEN
 from .checkpoints import checkpoint_path, resumable, run_id_of
 from .progress import Progress
-from .runner import failure_message, start_run_record, train_run
+from .runner import failure_message, redo_reason, start_run_record, train_run, warn_redone
 
 __all__ = ["RayExecutor", "SharedStorageError", "make_executor", "start_local_ray",
            "EXECUTORS", "TOKEN_FILE", "FAULT_ENV"]
@@ -244,18 +244,33 @@ class RayExecutor:
             try:
                 have = _largest_node(ray)  # what the cluster is, before any run is opened
                 self.check_fits(have, "the largest node of the Ray cluster")
+                stored = {}  # run id -> the hardware stored with it (its backend choice)
                 for policy, seed in todo:
                     run_id = run_id_of(policy, seed)
-                    if not (resumable(db.run(run_id)) and db.memory(run_id) is not None):
+                    existing = db.run(run_id)
+                    redo = redo_reason(existing, policy)  # stored on a backend it cannot run on
+                    if redo is not None:
+                        warn_redone(policy, seed, redo)
+                    if redo is not None or not (resumable(existing) and
+                                                db.memory(run_id) is not None):
                         checkpoint_path(out, run_id).unlink(missing_ok=True)  # not this row's
                         start_run_record(db, cfg, data, policy, seed, env)
+                        if redo is not None:
+                            db.record_analysis(run_id, "redone", {"reason": redo})
+                    row = db.run(run_id) or {}
+                    stored[run_id] = dict(row.get("hardware") or {})
+                    if "backend_choice" not in stored[run_id] and row.get("backend"):
+                        stored[run_id]["backend_choice"] = {  # a row of an older lowprec
+                            "backend": row["backend"], "reason": "stored with the run",
+                            "automatic": True}
                 self._execute(ray, cfg, data, todo, db, out, progress,
-                              self._cpus_for(cfg, have))
+                              self._cpus_for(cfg, have), stored)
             finally:
                 if started:
                     ray.shutdown()
 
-    def _execute(self, ray, cfg, data, todo, db, out: Path, progress, cpus: float) -> None:
+    def _execute(self, ray, cfg, data, todo, db, out: Path, progress, cpus: float,
+                 stored: dict) -> None:
         from ray.util.queue import Queue
 
         token = secrets.token_hex(16)
@@ -266,7 +281,8 @@ class RayExecutor:
         task = ray.remote(_run_task).options(num_cpus=cpus, num_gpus=self.gpus_per_run,
                                              max_retries=self.max_retries)
         data_ref = ray.put(data)  # once in the object store, not once per task
-        pending = {task.remote(cfg, data_ref, policy, seed, str(out), token, queue, fault):
+        pending = {task.remote(cfg, data_ref, policy, seed, str(out), token, queue, fault,
+                               stored.get(run_id_of(policy, seed), {})):
                    (policy, seed) for policy, seed in todo}
         try:
             while pending:
@@ -428,13 +444,13 @@ def _drain(queue, db, progress) -> None:
 # -- the task (runs in a Ray worker process) -------------------------------------------------
 
 def _run_task(cfg, data, policy, seed: int, out: str, token: str, queue,
-              fault: str | None) -> str:
+              fault: str | None, hardware: dict | None = None) -> str:
     from .system import tune_cpu_allocator
 
     out_path = Path(out)
     _check_shared(out_path, token)
     tune_cpu_allocator()  # train_run sets cfg.threads, as in the driver's process
-    sink = _QueueSink(queue, out_path, fault)
+    sink = _QueueSink(queue, out_path, fault, hardware)
     try:
         return train_run(cfg, data, policy, seed, sink, out_path, {}, sink)
     finally:
@@ -461,8 +477,10 @@ class _QueueSink:
     _DB = ("set_backend", "record_memory", "truncate", "record_epoch", "record_analysis",
            "finish_run")
 
-    def __init__(self, queue, out: Path, fault: str | None) -> None:
+    def __init__(self, queue, out: Path, fault: str | None, hardware: dict | None = None
+                 ) -> None:
         self.queue, self.out = queue, out
+        self.hardware = hardware or {}  # the run's row's: the backend choice it resumes on
         self.name = None
         self.pending = 0
         self.last = time.monotonic()
@@ -472,7 +490,8 @@ class _QueueSink:
 
     # -- the two reads of train_run
     def run(self, run_id: str) -> dict:
-        return {"run_id": run_id, "status": "running", "error": None}
+        return {"run_id": run_id, "status": "running", "error": None,
+                "hardware": self.hardware}
 
     def memory(self, run_id: str) -> dict:
         return {"run_id": run_id}

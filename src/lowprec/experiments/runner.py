@@ -340,8 +340,7 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
     # older rule ran natively, without its roundings) is redone from its start
     stored, redo = _stored_choice(existing, policy)
     if redo is not None:
-        warnings.warn(f"lowprec: run {policy} seed {seed} is redone from its start: {redo}",
-                      stacklevel=2)
+        warn_redone(policy, seed, redo)
         ckpt_path.unlink(missing_ok=True)  # (a later resume must not load the old run's)
         existing = None
     model, opt, prec, x_train, y_train = _set_up(cfg, data, policy, seed, stored)
@@ -376,6 +375,17 @@ def _train_run(cfg: CompareConfig, data: Dataset, policy: Policy, seed: int, db:
     _finish_run(cfg, data, db, run_id, status, diverged_step, model, prec, x_train, y_train,
                 ckpt_path, progress)
     return status
+
+
+def redo_reason(existing: dict | None, policy: Policy) -> str | None:
+    """Why a stored run that would resume must be redone from its start instead: it was run
+    on a backend this lowprec cannot run its policy on (None: it resumes, or starts afresh)."""
+    return _stored_choice(existing, policy)[1]
+
+
+def warn_redone(policy, seed: int, reason: str) -> None:
+    warnings.warn(f"lowprec: run {policy} seed {seed} is redone from its start: {reason}",
+                  stacklevel=3)
 
 
 def _stored_choice(existing: dict | None, policy: Policy
