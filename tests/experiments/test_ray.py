@@ -393,5 +393,5 @@ def test_a_run_stored_on_a_backend_that_cannot_run_it_is_redone_by_the_driver(lo
     run = db.runs()[0]
     assert run["backend"] == "emulated" and "nearest-even" in db.analysis(
         run["run_id"], "redone")["reason"]
-    sink = executors._QueueSink(None, out, None, run["hardware"])
+    sink = executors._QueueSink(None, out, None, {k: run[k] for k in ("hardware", "backend")})
     assert sink.run(run["run_id"])["hardware"]["backend_choice"]["backend"] == "emulated"

@@ -50,7 +50,7 @@ def _probe(fmt) -> torch.Tensor:
              np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)]
     if isinstance(fmt, FloatFormat) and fmt.bits <= 16 or not isinstance(fmt, FloatFormat):
         values = interesting_values(fmt)
-        if len(values) > 2**22:  # fixed<24,126>: 2e8 values, minutes a mode: the 2**16 at
+        if len(values) > 2**22:  # fixed<24,126>: 2e8 values, 1.6 GB a mode: the 2**16 at
             # each end (the overflow region) and 2**21 drawn from the rest, every kind alike
             pick = np.random.default_rng(5).integers(2**16, len(values) - 2**16, 2**21)
             values = np.concatenate([values[:2**16], values[np.sort(pick)], values[-2**16:]])

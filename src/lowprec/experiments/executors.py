@@ -244,7 +244,7 @@ class RayExecutor:
             try:
                 have = _largest_node(ray)  # what the cluster is, before any run is opened
                 self.check_fits(have, "the largest node of the Ray cluster")
-                stored = {}  # run id -> the hardware stored with it (its backend choice)
+                stored = {}  # run id -> its row's hardware and backend (the choice it resumes on)
                 for policy, seed in todo:
                     run_id = run_id_of(policy, seed)
                     existing = db.run(run_id)
@@ -258,11 +258,7 @@ class RayExecutor:
                         if redo is not None:
                             db.record_analysis(run_id, "redone", {"reason": redo})
                     row = db.run(run_id) or {}
-                    stored[run_id] = dict(row.get("hardware") or {})
-                    if "backend_choice" not in stored[run_id] and row.get("backend"):
-                        stored[run_id]["backend_choice"] = {  # a row of an older lowprec
-                            "backend": row["backend"], "reason": "stored with the run",
-                            "automatic": True}
+                    stored[run_id] = {k: row.get(k) for k in ("hardware", "backend")}
                 self._execute(ray, cfg, data, todo, db, out, progress,
                               self._cpus_for(cfg, have), stored)
             finally:
@@ -444,13 +440,13 @@ def _drain(queue, db, progress) -> None:
 # -- the task (runs in a Ray worker process) -------------------------------------------------
 
 def _run_task(cfg, data, policy, seed: int, out: str, token: str, queue,
-              fault: str | None, hardware: dict | None = None) -> str:
+              fault: str | None, stored: dict | None = None) -> str:
     from .system import tune_cpu_allocator
 
     out_path = Path(out)
     _check_shared(out_path, token)
     tune_cpu_allocator()  # train_run sets cfg.threads, as in the driver's process
-    sink = _QueueSink(queue, out_path, fault, hardware)
+    sink = _QueueSink(queue, out_path, fault, stored)
     try:
         return train_run(cfg, data, policy, seed, sink, out_path, {}, sink)
     finally:
@@ -477,10 +473,10 @@ class _QueueSink:
     _DB = ("set_backend", "record_memory", "truncate", "record_epoch", "record_analysis",
            "finish_run")
 
-    def __init__(self, queue, out: Path, fault: str | None, hardware: dict | None = None
+    def __init__(self, queue, out: Path, fault: str | None, stored: dict | None = None
                  ) -> None:
         self.queue, self.out = queue, out
-        self.hardware = hardware or {}  # the run's row's: the backend choice it resumes on
+        self.stored = stored or {}  # the row's hardware and backend: the choice it resumes on
         self.name = None
         self.pending = 0
         self.last = time.monotonic()
@@ -490,8 +486,7 @@ class _QueueSink:
 
     # -- the two reads of train_run
     def run(self, run_id: str) -> dict:
-        return {"run_id": run_id, "status": "running", "error": None,
-                "hardware": self.hardware}
+        return {**self.stored, "run_id": run_id, "status": "running", "error": None}
 
     def memory(self, run_id: str) -> dict:
         return {"run_id": run_id}

@@ -11,10 +11,8 @@ The instructions that make 16-bit matmuls and convolutions fast on a CPU are:
   BF16 extension (``BFMMLA``, Neoverse V1/N2, Graviton 3), which torch's oneDNN/ACL path checks for.
 * fp16: none, for training. torch sends fp16 convolutions and matmuls to oneDNN where the CPU
   has AVX512-FP16 or AMX-FP16 (``mkldnn_fp16_device_check``), but fp16 convolution *backward*
-  stays a reference kernel even there: on an Intel Xeon with AVX512-FP16 and AMX-BF16 (torch
-  2.13), a LeNet-5 convolution's forward and backward took 175 ms in fp16 against 3.7 ms in
-  fp32, and a native fp16 LeNet-5 training step 52x fp32's (figure F42; without AVX512-FP16,
-  15-70x, figure F24). So ``auto`` emulates fp16 on every CPU; ``b=native`` still runs it.
+  stays a reference kernel even there, many times slower than fp32 (figure F42; without
+  AVX512-FP16, figure F24). So ``auto`` emulates fp16 on every CPU; ``b=native`` still runs it.
 
 On CUDA, tensor cores run fp16 from compute capability 7.0 (Volta) and bf16 from 8.0 (Ampere).
 
@@ -49,7 +47,7 @@ _FAST_CPU = {
 }
 # formats whose torch CPU kernels are slow for training whatever the CPU has, and why
 _SLOW_CPU = {FP16: "torch's CPU fp16 convolution backward is a reference kernel, even with "
-                   "AVX512-FP16 (52x fp32 a LeNet-5 step)"}
+                   "AVX512-FP16 (a LeNet-5 step 52x fp32's on an Intel Xeon with it)"}
 # format -> the CUDA compute capability from which tensor cores run it
 _FAST_CUDA = {FP16: (7, 0), BF16: (8, 0)}
 

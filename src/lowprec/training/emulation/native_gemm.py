@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ...numerics.rounding import Rounding
+from ..hardware import device_facts
 from .dtypes import format_dtype
 
 __all__ = ["conv_is_reference", "ELEMENTWISE_OPS", "elementwise_dtype", "GEMM_OPS", "INDEX_OPS", "index_dtype", "applies", "attention_dtype", "cpu_fp32", "native_gemm", "native_nested",
@@ -50,15 +51,10 @@ def conv_is_reference(dtype: torch.dtype | None) -> bool:
     """Whether torch convolves ``dtype`` on this CPU with its reference kernel (``slow_conv2d``,
     the order :mod:`lowprec.numerics.summation` reproduces). For fp16 torch takes oneDNN's
     convolution instead where the CPU has AVX512-FP16 or AMX-FP16 (``mkldnn_fp16_device_check``),
-    which sums in fp32 and rounds once: on an Intel Xeon with AVX512-FP16, 100% of a 5x5
-    convolution's outputs equal the fp32 convolution rounded once, and emulated ResNet's forward
-    is bit-exact with native there without the reference order and 0.76 of fp32's distance
-    from it with (benchmarks/RESULTS.md, issue 37 ninth session). Other dtypes (bf16, formats
-    of no torch dtype) keep the reference order."""
+    which sums in fp32 and rounds once, as the engine's default does (figure F43). Other dtypes
+    (bf16, formats of no torch dtype) keep the reference order."""
     if dtype != torch.float16:
         return True
-    from ..hardware import device_facts
-
     return not ({"avx512_fp16", "amx_fp16"} & device_facts("cpu").features)
 
 
