@@ -38,6 +38,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     import torch
 
+    _share_cores(torch)
+
     name = config.getoption("--device")
     if name not in ("cpu", "cuda"):
         raise pytest.UsageError(f"--device {name!r}; accepted: cpu, cuda")
@@ -45,6 +47,23 @@ def pytest_configure(config):
         if not torch.cuda.is_available():
             raise pytest.UsageError("--device cuda: torch sees no CUDA device here")
         _quantize_on("cuda")
+
+
+def _share_cores(torch) -> None:
+    """Under pytest-xdist, each worker computes with its share of the cores (and so do the
+    processes it starts, through OMP_NUM_THREADS). Each torch takes every core by default: two
+    workers then run four OpenMP threads on two cores, and a worker's parallel regions wait for
+    threads the other worker has descheduled. The yun2023 preset test took 18 s alone, 69 s
+    beside a two-thread neighbour and 20 s with one thread each (Intel Xeon, 2 cores). Tests that
+    need another count set it themselves."""
+    import os
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:  # alone, or the caller's choice
+        return
+    share = max(1, len(os.sched_getaffinity(0)) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
 
 
 def _quantize_on(device: str) -> None:
