@@ -7,7 +7,8 @@ tests only ever see one of them. Here the library is built once per instruction 
 (setup.py's flags otherwise) and each build this CPU can execute is checked: quantization
 (elementwise, every rounding mode, and MX blocks) against the plain-torch path, the fused
 optimizer step against the torch path, the counting and reference-order dot-product loops
-against torch, the fused LSTM kernels against the op-by-op replay they stand for, and the
+against torch, the fused LSTM kernels against the op-by-op replay they stand for, the
+emulated attention's row passes against its torch ops, and the
 embedding's ordered 16-bit sums against the torch loop. A path this CPU cannot execute (AVX-512 on an AVX2-only EPYC) is skipped with the
 reason; CI machines with AVX-512 run it.
 """
@@ -277,6 +278,61 @@ def test_fexp_u20_gives_the_torch_ops_bits(on_path):
                    torch.randn(1 << 14, generator=g) * 30, edges])
     assert kernel.fexp_available()
     assert_same_bits(fexp_u20(x, impl="kernel"), fexp_u20(x, impl="torch"), "fexp_u20")
+
+
+def _attention_scores(causal_rows: int, n: int, seed: int):
+    """Raw scores [2, 3, L, n] of every kind a row meets: normal, huge (the max overflows to
+    inf when scaled), -inf keys, a NaN, a row entirely -inf; the log-sum-exp and the row sums
+    the backward's passes take."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(2, 3, causal_rows, n, generator=g) * 8
+    s[0, 0, 1] *= 1e38
+    s[0, 1, 2, ::3] = -float("inf")
+    s[1, 0, 3, 1] = float("nan")
+    s[1, 2, 4] = -float("inf")
+    s[1, 1, 5, 0] = float("inf")
+    lse = torch.randn(2, 3, causal_rows, 1, generator=g) * 4
+    lse[0, 2, 0] = -float("inf")
+    lse[1, 2, 6] = float("nan")
+    return s, lse, torch.randn(2, 3, causal_rows, 1, generator=g)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("L, n", [(16, 16), (9, 32), (40, 64), (12, 48), (8, 7), (40, 40)])
+def test_attention_row_passes_give_the_torch_ops_bits(on_path, causal, L, n):
+    # the emulated flash attention's fused passes (fexp.c) against the torch ops they replace
+    # (kernels._FlashAttention's unfused path): scale and causal mask, the row max, fexp_u20
+    # of s - max; backward, s * scale - lse before torch's exp, then p zero where masked and
+    # dp = (dp - dsum) * p
+    from lowprec.training.emulation.kernels import _masked_scores, fexp_u20
+
+    s, lse, dsum = _attention_scores(L, n, seed=L + n)
+    sc = torch.tensor(0.17677669529663687, dtype=torch.float32)
+    assert kernel.attention_rows_available()
+    ref = _masked_scores(s * sc, None, causal)
+    m = ref.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    ref = fexp_u20(ref - m, impl="torch")
+    got = s.clone()
+    got_m = kernel.attn_fwd_rows(got, float(sc), causal, n)
+    assert_same_bits(got_m, m, "row max")
+    assert_same_bits(got, ref, "fexp_u20(s - max)")
+    got = s.clone()  # the first whole vectors of 16 keys by fexp_u20, the rest s - max
+    kernel.attn_fwd_rows(got, float(sc), causal, n // 16 * 16)
+    assert_same_bits(got[..., :n // 16 * 16], ref[..., :n // 16 * 16], "fexp_u20 part")
+    assert_same_bits(got[..., n // 16 * 16:], (_masked_scores(s * sc, None, causal) - m)
+                     [..., n // 16 * 16:], "s - max past the vectors")
+
+    p = (_masked_scores(s * sc, None, causal) - lse).exp()
+    dp = torch.randn(s.shape, generator=torch.Generator().manual_seed(1)) * 3
+    ds = (dp - dsum) * p
+    got_p = s.clone()
+    kernel.attn_bwd_p(got_p, lse, float(sc), causal)
+    got_p = got_p.exp()
+    got_ds = dp.clone()
+    kernel.attn_bwd_ds(got_ds, got_p, dsum, causal)
+    assert_same_bits(got_p, p, "P")
+    assert_same_bits(got_ds, ds, "dS")
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])

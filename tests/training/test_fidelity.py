@@ -593,6 +593,51 @@ def test_transformer_matches_native_fp16():
         assert 0.8 <= part[1] <= 1.25, res
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 4, 4, 64, 64, 32), (3, 4, 2, 48, 64, 16),
+                                   (2, 2, 2, 80, 32, 8), (2, 2, 2, 40, 40, 8),
+                                   (2, 2, 2, 5, 7, 8)],
+                         ids=["64", "grouped-48x64", "80x32", "40", "5x7"])
+def test_the_fused_attention_passes_keep_the_unfused_bits(shape, causal, fmt, monkeypatch):
+    """The emulated flash attention's passes over rows of scores, fused in the kernel (fexp.c:
+    scale, causal mask, row max and fexp_u20 forward; s * scale - lse, then p and dS backward,
+    the masked keys' exp(-inf) not computed), give the torch ops' bits: output and the three
+    input gradients, key counts that are whole vectors or not (the rest by torch's exp)."""
+    from lowprec.numerics import kernel
+    from lowprec.numerics.formats import parse_format
+    from lowprec.numerics.quantize import quantize
+    from lowprec.training.emulation import kernels
+    from lowprec.training.emulation.gradmarks import rounded_grad_
+
+    if not kernel.attention_rows_available():
+        pytest.skip("the kernel is not built here")
+    f = parse_format(fmt)
+    B, H, Hk, L, S, D = shape
+    g = torch.Generator().manual_seed(L + S)
+
+    def mk(*sh):
+        return quantize(torch.randn(*sh, generator=g) * 3, f)
+
+    q, k, v, do = mk(B, H, L, D), mk(B, Hk, S, D), mk(B, Hk, S, D), mk(B, H, L, D)
+    calls = []
+    real = kernel.attn_fwd_rows
+    monkeypatch.setattr(kernel, "attn_fwd_rows", lambda *a: calls.append(1) or real(*a))
+
+    def run(fuse):
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = kernels._FlashAttention.apply(*ts, None, causal, torch.tensor(D ** -0.5),
+                                          lambda t: quantize(t, f),
+                                          lambda t: rounded_grad_(t, f), fuse)
+        o.backward(do)
+        return [o] + [t.grad for t in ts]
+
+    fused = run(True)
+    assert calls, "the fused passes did not run"
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused, run(False)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+
+
 GEMMS = ("linear", "matmul", "mm", "bmm")
 
 

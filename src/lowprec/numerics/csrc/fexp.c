@@ -1,5 +1,6 @@
 /*
- * fexp.c: ATen's vectorised exp of the 16-bit CPU flash attention (lp_fexp_u20).
+ * fexp.c: ATen's vectorised exp of the 16-bit CPU flash attention (lp_fexp_u20), and the
+ * emulated attention's passes over rows of scores that surround it (lp_attn_*).
  */
 #include "lp_common.h"
 
@@ -15,25 +16,26 @@ static inline float lp_bits_f32(uint32_t u) {
     return f;
 }
 
-LP_OPT_CLONES static void fexp_range(const float *x, float *o, int64_t b, int64_t e) {
+static inline float fexp_one(const float xi) {
     const float c0 = lp_bits_f32(0x38e077a1u), c1 = lp_bits_f32(0x3e9b69f0u),
                 c2 = lp_bits_f32(0xbe65b8f5u), c3 = lp_bits_f32(0xbda235d5u);
     const float lo = lp_bits_f32(0xC2AEAC50u), hi = lp_bits_f32(0x42B17218u),
                 log2e = lp_bits_f32(0x3FB8AA3Bu);
-    for (int64_t i = b; i < e; ++i) {
-        const float xi = x[i];
-        const float src = xi * log2e;
-        const float frac = src - floorf(src);
-        const float poly = fmaf(frac, fmaf(frac, fmaf(frac, c3, c2), c1), c0);
-        float t = fmaf(8388608.0f, src - poly, 1065353216.0f);
-        t = t != t ? 0.0f : t;
-        t = t > 2147483520.0f ? 2147483520.0f : t;
-        t = t < 0.0f ? 0.0f : t;
-        int32_t bits = (int32_t)t;
-        bits = xi < lo ? 0 : bits;
-        bits = xi > hi ? 0x7F800000 : bits;
-        memcpy(o + i, &bits, 4);
-    }
+    const float src = xi * log2e;
+    const float frac = src - floorf(src);
+    const float poly = fmaf(frac, fmaf(frac, fmaf(frac, c3, c2), c1), c0);
+    float t = fmaf(8388608.0f, src - poly, 1065353216.0f);
+    t = t != t ? 0.0f : t;
+    t = t > 2147483520.0f ? 2147483520.0f : t;
+    t = t < 0.0f ? 0.0f : t;
+    int32_t bits = (int32_t)t;
+    bits = xi < lo ? 0 : bits;
+    bits = xi > hi ? 0x7F800000 : bits;
+    return lp_bits_f32((uint32_t)bits);
+}
+
+LP_OPT_CLONES static void fexp_range(const float *x, float *o, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) o[i] = fexp_one(x[i]);
 }
 
 void lp_fexp_u20(const float *x, float *out, int64_t n, int nthreads) {
@@ -46,4 +48,127 @@ void lp_fexp_u20(const float *x, float *out, int64_t n, int nthreads) {
         const int64_t b = t * per < n ? t * per : n, e = (t + 1) * per < n ? (t + 1) * per : n;
         fexp_range(x, out, b, e);
     }
+}
+
+/* ---- the emulated flash attention's row passes ----------------------------------------------
+ * Rows of n scores, `rows` of them, row r the query r % L of its [L, n] matrix. Causal: key j of
+ * query i masked where j > i (torch's triu(1) of an [L, n] mask). Each pass is the torch ops
+ * lowprec.training.emulation.kernels._FlashAttention otherwise runs, fused, the same fp32
+ * operations in the same order (this file builds with -ffp-contract=off): the tests compare the
+ * two on every instruction-set build. */
+
+static inline int64_t attn_keep(int64_t r, int64_t n, int64_t L, int causal) {
+    if (!causal) return n;
+    const int64_t i = r % L;
+    return i + 1 < n ? i + 1 : n;
+}
+
+/* One call's arguments: the rows' tensors (x, y, per-row z) and shape. */
+typedef struct {
+    float *x, *y, *z;
+    int64_t n, nvec, L;
+    float sc;
+    int causal;
+} attn_args;
+
+/* The rows [0, rows) split among threads, each range run by `range`. */
+static void attn_rows(void (*range)(const attn_args *, int64_t, int64_t), const attn_args *a,
+                      int64_t rows, int nthreads) {
+    const int nt = lp_threads_for(rows * a->n, nthreads);
+    const int64_t per = (rows + nt - 1) / nt;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int t = 0; t < nt; ++t) {
+        const int64_t b = t * per < rows ? t * per : rows;
+        const int64_t e = (t + 1) * per < rows ? (t + 1) * per : rows;
+        range(a, b, e);
+    }
+}
+
+/* The max of n >= 1 values without NaN, in any order (the max of a set is the same): under
+ * finite-math-only, x > m ? x : m becomes a vector max (5x faster on 64-key rows than the loop
+ * GCC keeps scalar for NaN's sake, measured on an Intel Xeon). No infinity is a constant here,
+ * so nothing is folded on the assumption; the hardware's max orders infinities as any value. */
+LP_OPT_CLONES __attribute__((optimize("finite-math-only", "no-signed-zeros")))
+static float finite_max(const float *x, int64_t n) {
+    float m = x[0];
+    for (int64_t j = 1; j < n; ++j) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+LP_OPT_CLONES static int has_nan(const float *x, int64_t n) {
+    int any = 0;
+    for (int64_t j = 0; j < n; ++j) any |= x[j] != x[j];
+    return any;
+}
+
+/* torch's amax of a row: NaN if it holds one. */
+static inline float row_max(const float *x, int64_t n) {
+    return has_nan(x, n) ? NAN : finite_max(x, n);
+}
+
+/* Forward, in place on the scores x: x = x * sc, masked -inf; m = the row's max (NaN if it
+ * holds one; 0 where infinite); x = fexp_u20(x - m) on the row's first nvec keys (whole
+ * vectors), x - m on the rest (the caller takes torch's exp of them). m to z[r]. */
+LP_OPT_CLONES static void attn_fwd_range(const attn_args *a, int64_t b, int64_t e) {
+    const int64_t n = a->n;
+    for (int64_t r = b; r < e; ++r) {
+        float *x = a->x + r * n;
+        const int64_t keep = attn_keep(r, n, a->L, a->causal);
+        for (int64_t j = 0; j < keep; ++j) x[j] = x[j] * a->sc;
+        for (int64_t j = keep; j < n; ++j) x[j] = -INFINITY;
+        float m = row_max(x, keep);
+        m = isinf(m) ? 0.0f : m;
+        a->z[r] = m;
+        for (int64_t j = 0; j < n; ++j) x[j] = x[j] - m;
+        fexp_range(x, x, 0, a->nvec);
+    }
+}
+
+void lp_attn_fwd_rows(float *s, float *rowmax, int64_t rows, int64_t n, int64_t nvec, int64_t L,
+                      float sc, int causal, int nthreads) {
+    const attn_args a = {s, NULL, rowmax, n, nvec < n ? nvec : n, L, sc, causal};
+    attn_rows(attn_fwd_range, &a, rows, nthreads);
+}
+
+/* Backward, before torch's exp, in place on the scores x: x = x * sc - lse[r] (z) where kept;
+ * where masked, the value exp would make 0 is stored as 0 (exp(-inf) runs ATen's slow path
+ * for every masked key) and NaN stays NaN (-inf - lse with lse -inf or NaN);
+ * lp_attn_bwd_ds zeroes what exp made of them. */
+LP_OPT_CLONES static void attn_bwd_p_range(const attn_args *a, int64_t b, int64_t e) {
+    const int64_t n = a->n;
+    for (int64_t r = b; r < e; ++r) {
+        float *x = a->x + r * n;
+        const float l = a->z[r];
+        const int64_t keep = attn_keep(r, n, a->L, a->causal);
+        for (int64_t j = 0; j < keep; ++j) x[j] = x[j] * a->sc - l;
+        const float masked = -INFINITY - l;
+        for (int64_t j = keep; j < n; ++j) x[j] = masked != masked ? masked : 0.0f;
+    }
+}
+
+void lp_attn_bwd_p(float *s, const float *lse, int64_t rows, int64_t n, int64_t L, float sc,
+                   int causal, int nthreads) {
+    const attn_args a = {s, NULL, (float *)lse, n, n, L, sc, causal};
+    attn_rows(attn_bwd_p_range, &a, rows, nthreads);
+}
+
+/* Backward, after torch's exp: p (y) = 0 where masked (NaN kept), and dp (x) = (dp - dsum[r])
+ * * p, dsum in z. */
+LP_OPT_CLONES static void attn_bwd_ds_range(const attn_args *a, int64_t b, int64_t e) {
+    const int64_t n = a->n;
+    for (int64_t r = b; r < e; ++r) {
+        float *d = a->x + r * n, *p = a->y + r * n;
+        const float sum = a->z[r];
+        const int64_t keep = attn_keep(r, n, a->L, a->causal);
+        for (int64_t j = keep; j < n; ++j) p[j] = p[j] != p[j] ? p[j] : 0.0f;
+        for (int64_t j = 0; j < n; ++j) d[j] = (d[j] - sum) * p[j];
+    }
+}
+
+void lp_attn_bwd_ds(float *dp, float *p, const float *dsum, int64_t rows, int64_t n, int64_t L,
+                    int causal, int nthreads) {
+    const attn_args a = {dp, p, (float *)dsum, n, n, L, 1.0f, causal};
+    attn_rows(attn_bwd_ds_range, &a, rows, nthreads);
 }

@@ -7,7 +7,8 @@
     accumulate   the GEMM with a rounded accumulator, reference-order dot products (accumulate.c)
     optimizer    the fused optimizer step (optimizer.c)
     recurrent    the fused LSTM cell, 16-bit sums of gradients (recurrent.c)
-    fexp         ATen's vectorised exp of the 16-bit flash attention (fexp.c)
+    fexp         ATen's vectorised exp of the 16-bit flash attention, the emulated attention's
+                 fused passes over rows of scores (fexp.c)
 
 ``available()`` says whether it loaded; ``LOWPREC_KERNEL=0`` in the environment disables it, and
 lowprec then uses the plain-torch path, which gives the same bits. Callers use this package's
@@ -18,7 +19,8 @@ names (``kernel.quantize_f32``); a test that runs another build of the library r
 from . import library
 from .accumulate import channel_sums, dot4, gemm_acc, gemm_acc_available, plane_sums
 from .block import block_shifts, block_shifts_available, count_abs_ge, quantize_blocks_f32
-from .fexp import fexp_available, fexp_u20
+from .fexp import (attention_rows_available, attn_bwd_ds, attn_bwd_p, attn_fwd_rows,
+                   fexp_available, fexp_u20)
 from .library import (LPAccFmt, LPAccGemm, LPOpt, LPParams, available, open_kernel, prepare,
                       with_keys)
 from .optimizer import opt_dtype_code, opt_step
@@ -43,5 +45,6 @@ __all__ = [
     "round_sum_delta", "index_add_rounded", "lstm_op_available", "site_params", "lstm_op_gates",
     "lstm_op_cell", "lstm_op_out", "lstm_op_backward",
     # fexp.c
-    "fexp_available", "fexp_u20",
+    "fexp_available", "fexp_u20", "attention_rows_available", "attn_fwd_rows", "attn_bwd_p",
+    "attn_bwd_ds",
 ]

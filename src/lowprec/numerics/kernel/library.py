@@ -132,6 +132,9 @@ def open_kernel(path: str):
         "lp_lstm_op_bwd": [p, p, p, p, p, p, p, p, p, p, p, p, i64, p, p, i64, i64, p, ci],
         # fexp.c
         "lp_fexp_u20": [p, p, i64, ci],
+        "lp_attn_fwd_rows": [p, p, i64, i64, i64, i64, ctypes.c_float, ci, ci],
+        "lp_attn_bwd_p": [p, p, i64, i64, i64, ctypes.c_float, ci, ci],
+        "lp_attn_bwd_ds": [p, p, p, i64, i64, i64, ci, ci],
     }
     for name, argtypes in signatures.items():
         if hasattr(handle, name):

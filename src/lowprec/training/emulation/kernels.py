@@ -433,32 +433,56 @@ class _FlashAttention(torch.autograd.Function):
       buffer rounded after each add);
     * dP = dO @ V^T in fp32, dsum = rowsum(dO * O16) in fp32, dS = P * (dP - dsum) with the
       fp32 P, rounded to 16 bits; dQ = scale * dS16 @ K rounded once (one key block: up to 512
-      keys)."""
+      keys).
+
+    Without a mask, on plain CPU tensors, the passes over rows of scores between the products
+    run fused in the kernel (``lp_attn_*`` in csrc/fexp.c; ``fuse=False``: the torch ops), the
+    same fp32 operations in the same order, so the same bits (tests/numerics/test_kernel_paths,
+    tests/training/test_fidelity); the masked keys' exp(-inf), which ATen computes slowly, is
+    not computed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad):
+    def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad, fuse=True):
         rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
         K, V = _grouped(k, rep), _grouped(v, rep)
-        s = _scores_in_place(q, K, sc, attn_mask, is_causal)
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
-        e = _fexp_values(s.sub_(m))
+        fused = fuse and type(q) is torch.Tensor and attn_mask is None and \
+            q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and \
+            _kernel.attention_rows_available()
+        if fused:  # the passes below in one (fexp.c): the same operations, the same bits
+            e = q @ K.transpose(-2, -1)
+            lanes = _vector_lanes()
+            nvec = e.shape[-1] // lanes * lanes if lanes else 0
+            m = _kernel.attn_fwd_rows(e, float(sc), is_causal, nvec)
+            if nvec < e.shape[-1]:  # std::exp on the rest: _fexp_values' very call
+                e[..., nvec:] = torch.exp(e[..., nvec:])
+        else:
+            s = _scores_in_place(q, K, sc, attn_mask, is_causal)
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # fully masked rows: zeros
+            e = _fexp_values(s.sub_(m))
         total = e.sum(-1, keepdim=True)
         total = torch.where(total == 0, torch.ones_like(total), total)
         out = act((act(e) @ V).mul_(1 / total))
         ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total))
-        ctx.spec = (is_causal, sc, act, grad, rep)
+        ctx.spec = (is_causal, sc, act, grad, rep, fused)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
         q, k, v, attn_mask, out, lse = ctx.saved_tensors
-        is_causal, sc, act, grad, rep = ctx.spec
+        is_causal, sc, act, grad, rep, fused = ctx.spec
         K, V = _grouped(k, rep), _grouped(v, rep)
-        p = _scores_in_place(q, K, sc, attn_mask, is_causal).sub_(lse).exp_()
         dsum = (do * out).sum(-1, keepdim=True)
-        ds = grad((do @ V.transpose(-2, -1)).sub_(dsum).mul_(p))  # p * (dP - dsum)
+        if fused:  # as below, the masked keys' exp(-inf) not computed (ATen's slow path)
+            p = q @ K.transpose(-2, -1)
+            _kernel.attn_bwd_p(p, lse, float(sc), is_causal)
+            ds = do @ V.transpose(-2, -1)
+            _kernel.attn_bwd_ds(ds, p.exp_(), dsum, is_causal)
+            ds = grad(ds)
+        else:
+            p = _scores_in_place(q, K, sc, attn_mask, is_causal).sub_(lse).exp_()
+            ds = grad((do @ V.transpose(-2, -1)).sub_(dsum).mul_(p))  # p * (dP - dsum)
         dq = grad((ds @ K).mul_(sc)) if ctx.needs_input_grad[0] else None
         dk = dv = None
         L, split = q.shape[-2], _q_split(q.shape[-2])
@@ -479,7 +503,7 @@ class _FlashAttention(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             pt = act(p).transpose(-2, -1)
             dv = accumulate([pt[..., b] @ do[..., b, :] for b in blocks])
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention(engine, rule, key: str, q, k, v, attn_mask=None, dropout_p=0.0,
