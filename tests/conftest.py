@@ -53,8 +53,7 @@ def _share_cores(torch) -> None:
     """Under pytest-xdist, each worker computes with its share of the cores (and so do the
     processes it starts, through OMP_NUM_THREADS). Each torch takes every core by default: two
     workers then run four OpenMP threads on two cores, and a worker's parallel regions wait for
-    threads the other worker has descheduled. The yun2023 preset test took 18 s alone, 69 s
-    beside a two-thread neighbour and 20 s with one thread each (Intel Xeon, 2 cores). Tests that
+    threads the other worker has descheduled (benchmarks/RESULTS.md, figure F45). Tests that
     need another count set it themselves."""
     import os
 

@@ -87,9 +87,10 @@ static void attn_rows(void (*range)(const attn_args *, int64_t, int64_t), const 
 }
 
 /* The max of n >= 1 values without NaN, in any order (the max of a set is the same): under
- * finite-math-only, x > m ? x : m becomes a vector max (5x faster on 64-key rows than the loop
- * GCC keeps scalar for NaN's sake, measured on an Intel Xeon). No infinity is a constant here,
- * so nothing is folded on the assumption; the hardware's max orders infinities as any value. */
+ * finite-math-only, x > m ? x : m becomes a vector max (on 64-key rows several times faster
+ * than the loop GCC keeps scalar for NaN's sake: benchmarks/RESULTS.md, figure F44). No
+ * infinity is a constant here, so nothing is folded on the assumption; the hardware's max
+ * orders infinities as any value. */
 LP_OPT_CLONES __attribute__((optimize("finite-math-only", "no-signed-zeros")))
 static float finite_max(const float *x, int64_t n) {
     float m = x[0];
@@ -133,8 +134,8 @@ void lp_attn_fwd_rows(float *s, float *rowmax, int64_t rows, int64_t n, int64_t 
 }
 
 /* Backward, before torch's exp, in place on the scores x: x = x * sc - lse[r] (z) where kept;
- * where masked, the value exp would make 0 is stored as 0 (exp(-inf) runs ATen's slow path
- * for every masked key) and NaN stays NaN (-inf - lse with lse -inf or NaN);
+ * where masked, the value exp would make 0 is stored as 0 (ATen's exp of -inf is slow: F44)
+ * and NaN stays NaN (-inf - lse with lse -inf or NaN);
  * lp_attn_bwd_ds zeroes what exp made of them. */
 LP_OPT_CLONES static void attn_bwd_p_range(const attn_args *a, int64_t b, int64_t e) {
     const int64_t n = a->n;

@@ -474,7 +474,7 @@ class _FlashAttention(torch.autograd.Function):
         is_causal, sc, act, grad, rep, fused = ctx.spec
         K, V = _grouped(k, rep), _grouped(v, rep)
         dsum = (do * out).sum(-1, keepdim=True)
-        if fused:  # as below, the masked keys' exp(-inf) not computed (ATen's slow path)
+        if fused:  # as below, the masked keys' exp(-inf) not computed (slow in ATen: F44)
             p = q @ K.transpose(-2, -1)
             _kernel.attn_bwd_p(p, lse, float(sc), is_causal)
             ds = do @ V.transpose(-2, -1)
