@@ -60,7 +60,8 @@ def _share_cores(torch) -> None:
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:  # alone, or the caller's choice
         return
-    share = max(1, len(os.sched_getaffinity(0)) // int(workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // int(workers))
     os.environ["OMP_NUM_THREADS"] = str(share)
     torch.set_num_threads(share)
 

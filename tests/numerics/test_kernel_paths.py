@@ -294,7 +294,18 @@ def _attention_scores(causal_rows: int, n: int, seed: int):
     lse = torch.randn(2, 3, causal_rows, 1, generator=g) * 4
     lse[0, 2, 0] = -float("inf")
     lse[1, 2, 6] = float("nan")
-    return s, lse, torch.randn(2, 3, causal_rows, 1, generator=g)
+    dsum = torch.randn(2, 3, causal_rows, 1, generator=g)
+    # NaNs other than torch's canonical one (the hardware's default NaN has the sign bit: an
+    # overflowed score inf - inf), where torch's ops choose between two NaN operands; away from
+    # the tensors' last elements, where ATen's scalar tail chooses the other in a product
+    s[0, 2, 0, 1], lse[0, 1, 3], dsum[0, 0, 2] = _nan(0xFFC00000), _nan(0xFFC00001), \
+        _nan(0x7FC00005)
+    lse[0, 0, 2] = _nan(0xFFC00003)
+    return s, lse, dsum
+
+
+def _nan(bits: int) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)[0]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -325,6 +336,7 @@ def test_attention_row_passes_give_the_torch_ops_bits(on_path, causal, L, n):
 
     p = (_masked_scores(s * sc, None, causal) - lse).exp()
     dp = torch.randn(s.shape, generator=torch.Generator().manual_seed(1)) * 3
+    dp[0, 0, 1, 0], dp[0, 0, 2, 1] = _nan(0xFFC00007), _nan(0x7FC00009)
     ds = (dp - dsum) * p
     got_p = s.clone()
     kernel.attn_bwd_p(got_p, lse, float(sc), causal)
@@ -333,6 +345,33 @@ def test_attention_row_passes_give_the_torch_ops_bits(on_path, causal, L, n):
     kernel.attn_bwd_ds(got_ds, got_p, dsum, causal)
     assert_same_bits(got_p, p, "P")
     assert_same_bits(got_ds, ds, "dS")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_attention_row_passes_split_among_threads_give_the_same_bits(on_path, threads):
+    # rows enough for several threads (8,192 values or more each), whatever count the test
+    # process runs with (one under pytest-xdist on two cores)
+    from lowprec.training.emulation.kernels import _masked_scores, fexp_u20
+
+    s, lse, dsum = _attention_scores(128, 64, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = s.clone()
+        m = kernel.attn_fwd_rows(got, 0.125, True, 64)
+        p = s.clone()
+        kernel.attn_bwd_p(p, lse, 0.125, True)
+        p = p.exp()
+        ds = torch.ones_like(s)
+        kernel.attn_bwd_ds(ds, p, dsum, True)
+    finally:
+        torch.set_num_threads(before)
+    ref = _masked_scores(s * 0.125, None, True)
+    ref_m = torch.where(torch.isinf(ref.amax(-1, keepdim=True)), 0.0, ref.amax(-1, keepdim=True))
+    assert_same_bits(got, fexp_u20(ref - ref_m, impl="torch"), "forward")
+    ref_p = (ref - lse).exp()
+    assert_same_bits(p, ref_p, "P")
+    assert_same_bits(ds, (torch.ones_like(s) - dsum) * ref_p, "dS")
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])

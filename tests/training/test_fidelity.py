@@ -638,6 +638,40 @@ def test_the_fused_attention_passes_keep_the_unfused_bits(shape, causal, fmt, mo
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_fused_attention_keeps_nan_payloads_and_steps_aside_under_autocast(causal):
+    """An infinite query meeting keys of both signs makes NaN scores with the sign bit set
+    (the hardware's default NaN): the fused passes give them the NaN the torch ops give
+    (theirs for a - b is b's, amax's the canonical one), in the output and every gradient.
+    Under CPU autocast the products come out in bf16: the torch ops run then."""
+    from lowprec.numerics.formats import parse_format
+    from lowprec.numerics.quantize import quantize
+    from lowprec.training.emulation import kernels
+    from lowprec.training.emulation.gradmarks import rounded_grad_
+
+    f = parse_format("fp16")
+    q = torch.ones(2, 2, 20, 16)
+    q[0, 0, 0] = float("inf")
+    q[1, 1, 5, 3] = -float("inf")
+    k, v = torch.ones(2, 2, 20, 16), torch.ones(2, 2, 20, 16)
+    k[..., 1, 0] = -1.0
+    k[1, 0, 4, 2] = float("nan")
+    do = torch.ones(2, 2, 20, 16)
+
+    def run(fuse):
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = kernels._FlashAttention.apply(*ts, None, causal, torch.tensor(0.25),
+                                          lambda t: quantize(t, f),
+                                          lambda t: rounded_grad_(t, f), fuse)
+        o.backward(do)
+        return [o] + [t.grad for t in ts]
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(True), run(False)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert run(True)[0].dtype == torch.bfloat16  # no error: the unfused path ran
+
+
 GEMMS = ("linear", "matmul", "mm", "bmm")
 
 

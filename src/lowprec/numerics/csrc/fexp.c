@@ -63,6 +63,12 @@ static inline int64_t attn_keep(int64_t r, int64_t n, int64_t L, int causal) {
     return i + 1 < n ? i + 1 : n;
 }
 
+/* NaN payloads follow torch's CPU kernels: a - b is b's NaN where both are NaN (in the vector
+ * body and the scalar tail alike), a * b is b's in the vector body (the tail takes a's: the
+ * one case where a NaN's sign or payload may differ from the torch ops, with NaN on both
+ * sides of a product, and only in the last elements of a thread's chunk); torch's amax
+ * gives the canonical NaN (NAN). */
+
 /* One call's arguments: the rows' tensors (x, y, per-row z) and shape. */
 typedef struct {
     float *x, *y, *z;
@@ -122,7 +128,10 @@ LP_OPT_CLONES static void attn_fwd_range(const attn_args *a, int64_t b, int64_t 
         float m = row_max(x, keep);
         m = isinf(m) ? 0.0f : m;
         a->z[r] = m;
-        for (int64_t j = 0; j < n; ++j) x[j] = x[j] - m;
+        if (m != m) /* a row with a NaN: x - m is m's NaN throughout */
+            for (int64_t j = 0; j < n; ++j) x[j] = m;
+        else
+            for (int64_t j = 0; j < n; ++j) x[j] = x[j] - m;
         fexp_range(x, x, 0, a->nvec);
     }
 }
@@ -135,16 +144,20 @@ void lp_attn_fwd_rows(float *s, float *rowmax, int64_t rows, int64_t n, int64_t 
 
 /* Backward, before torch's exp, in place on the scores x: x = x * sc - lse[r] (z) where kept;
  * where masked, the value exp would make 0 is stored as 0 (ATen's exp of -inf is slow: F44)
- * and NaN stays NaN (-inf - lse with lse -inf or NaN);
- * lp_attn_bwd_ds zeroes what exp made of them. */
+ * and a NaN as that NaN (-inf - lse with lse -inf or NaN); lp_attn_bwd_ds zeroes what exp
+ * made of the zeros. */
 LP_OPT_CLONES static void attn_bwd_p_range(const attn_args *a, int64_t b, int64_t e) {
     const int64_t n = a->n;
     for (int64_t r = b; r < e; ++r) {
         float *x = a->x + r * n;
         const float l = a->z[r];
         const int64_t keep = attn_keep(r, n, a->L, a->causal);
+        if (l != l) { /* x * sc - lse is lse's NaN throughout, masked keys too */
+            for (int64_t j = 0; j < n; ++j) x[j] = l;
+            continue;
+        }
         for (int64_t j = 0; j < keep; ++j) x[j] = x[j] * a->sc - l;
-        const float masked = -INFINITY - l;
+        const float masked = -INFINITY - l; /* NaN where lse is -inf */
         for (int64_t j = keep; j < n; ++j) x[j] = masked != masked ? masked : 0.0f;
     }
 }
@@ -164,7 +177,14 @@ LP_OPT_CLONES static void attn_bwd_ds_range(const attn_args *a, int64_t b, int64
         const float sum = a->z[r];
         const int64_t keep = attn_keep(r, n, a->L, a->causal);
         for (int64_t j = keep; j < n; ++j) p[j] = p[j] != p[j] ? p[j] : 0.0f;
-        for (int64_t j = 0; j < n; ++j) d[j] = (d[j] - sum) * p[j];
+        if (sum != sum) { /* dp - dsum is dsum's NaN; times p, p's where p is NaN */
+            for (int64_t j = 0; j < n; ++j) d[j] = p[j] != p[j] ? p[j] : sum;
+            continue;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float t = d[j] - sum, v = p[j];
+            d[j] = t != t && v != v ? v : t * v;
+        }
     }
 }
 

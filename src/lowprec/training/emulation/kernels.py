@@ -447,7 +447,7 @@ class _FlashAttention(torch.autograd.Function):
         K, V = _grouped(k, rep), _grouped(v, rep)
         fused = fuse and type(q) is torch.Tensor and attn_mask is None and \
             q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and \
-            _kernel.attention_rows_available()
+            not torch.is_autocast_enabled("cpu") and _kernel.attention_rows_available()
         if fused:  # the passes below in one (fexp.c): the same operations, the same bits
             e = q @ K.transpose(-2, -1)
             lanes = _vector_lanes()
