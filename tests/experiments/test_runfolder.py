@@ -42,6 +42,35 @@ def _integrity(db_path):
         c.close()
 
 
+def test_the_lock_holders_half_written_file_names_the_holder(tmp_path, capsys):
+    """A second command that meets the temp file the lock's holder is writing (a checkpoint
+    half saved) says the folder is in use by that process, not that the file is foreign (CI
+    met it: the holder was saving its first checkpoint); a live temp file of a process the
+    lock does not name is still refused as not lowprec's."""
+    out = tmp_path / "run"
+    argv = ARGS + ["--policies", "32-true", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (out / ".lock").write_text(f"{holder.pid} (lowprec compare)\n")
+        half = out / "checkpoints" / f".run1.pt.lowprec-tmp{holder.pid}@{_host()}"
+        half.write_bytes(b"half")
+        for extra in ([], ["--resume"]):
+            assert main(argv + extra) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"in use by process {holder.pid} (lowprec compare)" in \
+                err[0], err
+        (out / ".lock").write_text(f"{os.getpid()} (lowprec compare)\n")  # not the writer
+        assert main(argv + ["--resume"]) == 2
+        err = capsys.readouterr().err
+        assert half.name in err and "not part of a lowprec run folder" in err
+        assert half.read_bytes() == b"half"  # a live writer's file is never deleted
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.timeout(3600)  # hang guards only: a loaded machine is slow, not hung
 def test_lock_names_the_holder_and_sigterm_stops_resumably(tmp_path, capsys):
     out = tmp_path / "run"

@@ -29,7 +29,8 @@ import shutil
 import socket
 from pathlib import Path
 
-__all__ = ["FolderLock", "FolderBusy", "RunIOError", "atomic_write_bytes", "atomic_torch_save",
+__all__ = ["FolderLock", "FolderBusy", "busy_writer", "RunIOError", "atomic_write_bytes",
+           "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
            "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
            "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE", "EXPORT_MARK", "read_models_list", "enclosing_run"]
@@ -131,6 +132,30 @@ def io_error(path, what: str, err: BaseException) -> RunIOError:
     return RunIOError(f"could not write {what} to {path}: {reason}")
 
 
+def _busy_message(folder: Path, holder: str) -> str:
+    who = f"process {holder}" if holder else "another process"
+    return f"{folder} is in use by {who}; wait for it to finish or stop it, or choose another --out"
+
+
+def busy_writer(folder: Path, entry: str) -> FolderBusy | None:
+    """FolderBusy when ``entry`` (a path in ``folder``) is a temp file of a live lowprec process
+    of this machine that the folder's lock note names as its holder: a second command met the
+    holder's half-written file (read only: the lock itself is not probed, which could make the
+    holder's own start fail)."""
+    m = _TEMP_RE.match(Path(entry).name)
+    if not m or (m.group(2) is not None and m.group(2) != _host()):
+        return None
+    pid = int(m.group(1))
+    if pid == os.getpid() or _pid_gone(pid):
+        return None
+    try:
+        note = (Path(folder) / LOCK_NAME).read_text("ascii", "replace")[:200].strip()
+    except OSError:
+        return None
+    return FolderBusy(_busy_message(Path(folder), note)) if note.split(" ", 1)[0] == str(pid) \
+        else None
+
+
 class FolderLock:
     """Exclusive lock on a run folder for the life of a command (``with FolderLock(out):``)."""
 
@@ -154,9 +179,7 @@ class FolderLock:
                 pass
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                who = f"process {holder}" if holder else "another process"
-                raise FolderBusy(f"{self.path.parent} is in use by {who}; wait for it to "
-                                 "finish or stop it, or choose another --out") from None
+                raise FolderBusy(_busy_message(self.path.parent, holder)) from None
             raise io_error(self.path, "the lock", err) from None
         try:
             os.ftruncate(fd, 0)

@@ -41,7 +41,8 @@ from .results import (NOT_REQUESTED, ResultsDB, is_blank, read_run_statuses,
                       read_stored_config)
 from .run_analyses import analyse_run
 from .runfolder import (CONFIG_FILE, WRITE_PROBE, FolderLock, RunIOError, atomic_write_bytes,
-                        enclosing_run, foreign_entry, io_error, remove_stale_temps, temp_path)
+                        busy_writer, enclosing_run, foreign_entry, io_error, remove_stale_temps,
+                        temp_path)
 from .system import tune_cpu_allocator
 from .timing import EpochMeter
 
@@ -70,7 +71,8 @@ def _prepare_out(out: Path) -> None:
 
 def refuse_foreign(out: Path, **kind) -> None:
     """RunError when ``out`` holds a file or folder that is not part of a lowprec run folder:
-    lowprec writes only into an empty or new folder, or one of its own runs."""
+    lowprec writes only into an empty or new folder, or one of its own runs; FolderBusy where
+    the entry is the half-written temp file of the process holding the folder's lock."""
     try:
         found = foreign_entry(out, **kind)
     except OSError as err:
@@ -79,6 +81,9 @@ def refuse_foreign(out: Path, **kind) -> None:
     if found == ".":
         raise RunError(f"--out {str(out)[:200]} is a file, not a folder: name a new folder")
     if found is not None:
+        busy = busy_writer(out, found)
+        if busy is not None:
+            raise busy
         raise RunError(f"--out {str(out)[:200]} holds {found[:120]!r}, which is not part of a "
                        "lowprec run folder: lowprec writes only into a new or empty folder, or "
                        "one of its own runs; choose another --out")
