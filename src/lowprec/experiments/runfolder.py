@@ -142,12 +142,11 @@ def busy_writer(folder: Path, entry: str) -> FolderBusy | None:
     of this machine that the folder's lock note names as its holder: a second command met the
     holder's half-written file (read only: the lock itself is not probed, which could make the
     holder's own start fail)."""
-    m = _TEMP_RE.match(Path(entry).name)
-    if not m or (m.group(2) is not None and m.group(2) != _host()):
+    name = Path(entry).name
+    m = _TEMP_RE.match(name)
+    if not m or _is_temp(name):  # not lowprec's, or its writer gone, elsewhere or this one
         return None
     pid = int(m.group(1))
-    if pid == os.getpid() or _pid_gone(pid):
-        return None
     try:
         note = (Path(folder) / LOCK_NAME).read_text("ascii", "replace")[:200].strip()
     except OSError:

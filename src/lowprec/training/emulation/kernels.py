@@ -366,10 +366,15 @@ def _kernel_exp(d: torch.Tensor) -> torch.Tensor:
     return e + (fast - e).detach()  # the kernel's values; the gradient of exp
 
 
+def _whole_vectors(keys: int) -> int:
+    """How many of a row's ``keys`` the kernels' exp takes as whole vectors (fexp_u20)."""
+    lanes = _vector_lanes()
+    return keys // lanes * lanes if lanes else 0
+
+
 def _fexp_values(d: torch.Tensor) -> torch.Tensor:
     """``_kernel_exp``'s values without autograd: fexp_u20 on whole vectors, exp on the rest."""
-    lanes = _vector_lanes()
-    n = d.shape[-1] // lanes * lanes if lanes else 0
+    n = _whole_vectors(d.shape[-1])
     if not n:
         return torch.exp(d)
     if n == d.shape[-1]:
@@ -450,8 +455,7 @@ class _FlashAttention(torch.autograd.Function):
             not torch.is_autocast_enabled("cpu") and _kernel.attention_rows_available()
         if fused:  # the passes below in one (fexp.c): the same operations, the same bits
             e = q @ K.transpose(-2, -1)
-            lanes = _vector_lanes()
-            nvec = e.shape[-1] // lanes * lanes if lanes else 0
+            nvec = _whole_vectors(e.shape[-1])
             m = _kernel.attn_fwd_rows(e, float(sc), is_causal, nvec)
             if nvec < e.shape[-1]:  # std::exp on the rest: _fexp_values' very call
                 e[..., nvec:] = torch.exp(e[..., nvec:])
