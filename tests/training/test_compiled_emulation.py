@@ -38,6 +38,10 @@ MODELS = {
                                     nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
                                     nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
                                     nn.Flatten(), nn.Linear(16, 10)), (8, 1, 8, 8)),
+    # pure bf16 batch statistics: the kernel's sums in ATen's order (contiguous: by planes,
+    # channels-last: by rows), opaque ops in the trace
+    "bncnn_cl": (lambda: MODELS["bncnn"][0]().to(memory_format=torch.channels_last),
+                 (8, 1, 8, 8)),
     # residual blocks: batch norm's y = x * a + b' (addcmul) in every block
     "resnet20": (lambda: build_model("resnet20", (1, 28, 28), 10), (8, 1, 28, 28)),
 }
@@ -113,6 +117,7 @@ def _same_run(a, b, what):
     ("mlp", "16-true"), ("lenet", "bf16-true"), ("transformer", "16-true"),
     ("mlp", "16-mixed"), ("lenet", "16-mixed"), ("transformer", "16-mixed"),
     ("bncnn", "16-true"), ("bncnn", "16-mixed"), ("clampnet", "16-true"),
+    ("bncnn", "bf16-true"), ("bncnn_cl", "bf16-true"),
     # stochastic rounding: one base pair of keys drawn per forward, a graph input, each
     # rounding's keys derived from it in the graph as the eager engine derives them
     ("mlp", "q6.10-sr"), ("transformer", "p=fp16,c=fp16:sr,g=fp16:sr"),

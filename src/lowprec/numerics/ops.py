@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from . import kernel
 from .quantize import quantize
 
-__all__ = ["quantize_op", "quantize_fused_op"]
+__all__ = ["quantize_op", "quantize_fused_op", "channel_sums_op"]
 
 
 # needs_fixed_stride_order: Inductor hands the op its input in the order of the traced strides
@@ -58,6 +59,31 @@ def _(x, fmt, rounding, random_bits, seed=None):
 
 
 _OP = torch.ops.lowprec.quantize.default
+
+
+# The kernel's per-channel sums in the order of ATen's batch-norm statistics (pure bf16 batch
+# norm), opaque to a trace as quantize is: compiled emulation keeps the kernel's order, where
+# tracing into the ctypes call fails on fake tensors (the model then ran eagerly). ``kind``:
+# "channel" (rows x channels, ``arg`` parts: kernel.channel_sums) or "plane" (batch x channels
+# x plane, ``arg`` lanes: kernel.plane_sums).
+@torch.library.custom_op("lowprec::channel_sums", mutates_args=())
+def _channel_sums(x: torch.Tensor, kind: str, arg: int, mean: torch.Tensor | None
+                  ) -> torch.Tensor:
+    out = (kernel.channel_sums if kind == "channel" else kernel.plane_sums)(x, arg, mean)
+    if out is None:
+        raise RuntimeError(f"lowprec::channel_sums: the kernel's {kind} sums do not take x "
+                           f"{tuple(x.shape)} {x.dtype}")
+    return out
+
+
+@_channel_sums.register_fake
+def _(x, kind, arg, mean):
+    return x.new_empty((x.shape[1],))
+
+
+def channel_sums_op():
+    """The registered ``torch.ops.lowprec.channel_sums`` (its default overload)."""
+    return torch.ops.lowprec.channel_sums.default
 
 
 def quantize_op():

@@ -12,7 +12,7 @@ import torch
 from . import library
 from .library import LPAccFmt, LPAccGemm
 
-__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available", "plane_sums"]
+__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available", "plane_sums", "sums_take"]
 
 
 def gemm_acc_available() -> bool:
@@ -68,6 +68,16 @@ def _sums_fit(x: torch.Tensor, dims: int, mean: torch.Tensor | None) -> bool:
                                     mean.device.type == "cpu" and mean.shape == (x.shape[1],)))
 
 
+def sums_take(kind: str, x: torch.Tensor, arg: int, mean: torch.Tensor | None = None) -> bool:
+    """Whether :func:`channel_sums` (``kind`` "channel", ``arg`` parts) or :func:`plane_sums`
+    ("plane", ``arg`` lanes) takes ``x`` and ``mean``, decided from their dtype, device, shape
+    and layout only (so that a trace decides it on fake tensors)."""
+    lib = library.lib()
+    name, dims, ok = ("lp_channel_sums", 2, arg >= 1) if kind == "channel" else \
+        ("lp_plane_sums", 3, 1 <= arg <= 32)
+    return ok and lib is not None and hasattr(lib, name) and _sums_fit(x, dims, mean)
+
+
 def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
                  ) -> torch.Tensor | None:
     """Per-channel float32 sums of ``x`` (rows, C), contiguous float32 on the CPU, in the order
@@ -76,15 +86,14 @@ def channel_sums(x: torch.Tensor, parts: int, mean: torch.Tensor | None = None
     added in chunk order; with ``mean`` (C,), the squared deviations ``(x - mean)**2`` as
     fused multiply-adds. None where the loaded kernel lacks ``lp_channel_sums`` or the tensors
     do not fit (the caller then uses torch ops)."""
-    lib = library.lib()
-    if lib is None or not hasattr(lib, "lp_channel_sums") or parts < 1 or \
-            not _sums_fit(x, 2, mean):
+    if not sums_take("channel", x, parts, mean):
         return None
     rows, c = x.shape
     out = torch.empty(c, dtype=torch.float32)
     buf = torch.empty(parts * c, dtype=torch.float32)
-    lib.lp_channel_sums(x.data_ptr(), rows, c, None if mean is None else mean.data_ptr(), parts,
-                        buf.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    library.lib().lp_channel_sums(x.data_ptr(), rows, c,
+                                  None if mean is None else mean.data_ptr(), parts,
+                                  buf.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -96,13 +105,11 @@ def plane_sums(x: torch.Tensor, lanes: int, mean: torch.Tensor | None = None
     partials folded in lane order into it; with ``mean`` (C,), the squared deviations (each a
     product, then a sum). None where the loaded kernel lacks ``lp_plane_sums`` or the tensors
     do not fit (the caller then uses torch ops)."""
-    lib = library.lib()
-    if lib is None or not hasattr(lib, "lp_plane_sums") or not 1 <= lanes <= 32 or \
-            not _sums_fit(x, 3, mean):
+    if not sums_take("plane", x, lanes, mean):
         return None
     batch, c, hw = x.shape
     out = torch.empty(c, dtype=torch.float32)
-    lib.lp_plane_sums(x.data_ptr(), batch, c, hw, lanes,
-                      None if mean is None else mean.data_ptr(), out.data_ptr(),
-                      torch.get_num_threads())
+    library.lib().lp_plane_sums(x.data_ptr(), batch, c, hw, lanes,
+                                None if mean is None else mean.data_ptr(), out.data_ptr(),
+                                torch.get_num_threads())
     return out

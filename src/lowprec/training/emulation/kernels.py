@@ -14,7 +14,8 @@ from torch.autograd.function import once_differentiable
 
 from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, BlockFormat
-from ...numerics.quantize import prepared_params, quantize
+from ...numerics.ops import channel_sums_op
+from ...numerics.quantize import emits_graph_ops, prepared_params, quantize
 from ...numerics.rounding import Rounding
 from ...numerics.storage import NATIVE_DTYPES
 from .gradmarks import note_rounded, rounded_grad_
@@ -245,7 +246,18 @@ def _plane_sums(x: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tens
     whose torch reports AVX-512 (its mixed-type instantiation, fp32 statistics): 8 lanes gave
     704 of 704 means and 1/std exactly, 16 lanes 11-25 of 64 means, fused squares 641 of 704
     1/std."""
-    return _kernel.plane_sums(x.reshape(x.shape[0], x.shape[1], -1), 8, mean)
+    return _sums("plane", x.reshape(x.shape[0], x.shape[1], -1), 8, mean)
+
+
+def _sums(kind: str, x: torch.Tensor, arg: int, mean: torch.Tensor | None = None):
+    """The kernel's per-channel sums (``kind`` "channel": :func:`lowprec.numerics.kernel.
+    channel_sums` with ``arg`` parts, "plane": ``plane_sums`` with ``arg`` lanes), or None where
+    it does not take the tensors; while a graph is traced (compiled emulation), the same kernel
+    as its opaque op (``lowprec::channel_sums``)."""
+    if emits_graph_ops():
+        return channel_sums_op()(x, kind, arg, mean) if _kernel.sums_take(kind, x, arg, mean) \
+            else None
+    return (_kernel.channel_sums if kind == "channel" else _kernel.plane_sums)(x, arg, mean)
 
 
 def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
@@ -274,10 +286,10 @@ def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
         rows = x.movedim(1, -1).reshape(n, x.shape[1])  # the memory as it lies: no copy
         # no more rows than threads: one chunk, row by row
         parts = torch.get_num_threads() if n > torch.get_num_threads() else 1
-        if (sums := _kernel.channel_sums(rows, parts)) is not None:
+        if (sums := _sums("channel", rows, parts)) is not None:
             mean = sums / n
             mean_q = q(mean)
-            var_sum = q(_kernel.channel_sums(rows, parts, mean_q))
+            var_sum = q(_sums("channel", rows, parts, mean_q))
         else:  # (no kernel: torch's reductions, in their order)
             mean = rows.sum(0) / n
             mean_q = q(mean)
