@@ -177,3 +177,27 @@ def test_fused_cpu_kernel_agrees_with_the_torch_path(cls, kw, dtype, pf, sf):
         if fuse:
             assert opt._can_fuse(w, opt.state[w])
     assert torch.equal(res[0].view(torch.int32), res[1].view(torch.int32))
+
+
+def test_a_wrapped_torch_optimizer_keeps_its_state_on_the_state_format():
+    """FormatOptimizer rounds a torch optimizer's floating state onto the state format after
+    each step (in place): the momentum of torch's own SGD, cast to bf16 and back by torch,
+    step after step."""
+    model = small_mlp(0)
+    ref = copy.deepcopy(model)
+    fo = FormatOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         state_format="bf16")
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 20, generator=g), torch.tensor([0, 1, 2, 3])
+    for _ in range(3):
+        for m, o in ((model, fo), (ref, topt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            b = topt.state[q]["momentum_buffer"]
+            b.copy_(b.to(torch.bfloat16).float())  # the reference's buffer, as stored
+            assert fo.state[p]["momentum_buffer"].dtype == torch.float32
+            assert torch.equal(fo.state[p]["momentum_buffer"], b)
+            assert torch.equal(p, q)

@@ -139,9 +139,8 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
             if sf != FP32:
                 for key, val in self.optimizer.state.get(p, {}).items():
                     if torch.is_tensor(val) and val.is_floating_point() and val.dim() > 0:
-                        v32 = val.float()
-                        val.copy_(round_to(v32, st.now(sf, p, key, v32), "nearest",
-                                         None))
+                        v32 = val.float()  # (val itself when fp32: rounded in place)
+                        write(val, v32, st.now(sf, p, key, v32), "nearest", None)
         return loss
 
     def state_layout(self, p) -> dict[str, Format]:
