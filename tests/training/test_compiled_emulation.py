@@ -42,9 +42,20 @@ MODELS = {
     # channels-last: by rows), opaque ops in the trace
     "bncnn_cl": (lambda: MODELS["bncnn"][0]().to(memory_format=torch.channels_last),
                  (8, 1, 8, 8)),
+    # softmax along the channels, 5 x 5 positions a channel: fewer than a vector, so the CPU
+    # kernel's scalar tail (each exp stored in 16 bits), decided from shapes while tracing
+    "softmaxnet": (lambda: nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Softmax(dim=1),
+                                         nn.Flatten(), nn.Linear(100, 10)), (8, 1, 5, 5)),
+    # a frozen batch norm (eval mode while the rest trains): its running statistics only read
+    "frozenbn": (lambda: _frozen(MODELS["bncnn"][0](), 1), (8, 1, 8, 8)),
     # residual blocks: batch norm's y = x * a + b' (addcmul) in every block
     "resnet20": (lambda: build_model("resnet20", (1, 28, 28), 10), (8, 1, 28, 28)),
 }
+
+
+def _frozen(model: nn.Sequential, i: int) -> nn.Sequential:
+    model[i].eval()
+    return model
 
 
 class _ClampNet(nn.Module):
@@ -117,7 +128,8 @@ def _same_run(a, b, what):
     ("mlp", "16-true"), ("lenet", "bf16-true"), ("transformer", "16-true"),
     ("mlp", "16-mixed"), ("lenet", "16-mixed"), ("transformer", "16-mixed"),
     ("bncnn", "16-true"), ("bncnn", "16-mixed"), ("clampnet", "16-true"),
-    ("bncnn", "bf16-true"), ("bncnn_cl", "bf16-true"),
+    ("bncnn", "bf16-true"), ("bncnn_cl", "bf16-true"), ("softmaxnet", "16-true"),
+    ("softmaxnet", "bf16-true"), ("frozenbn", "16-true"),
     # stochastic rounding: one base pair of keys drawn per forward, a graph input, each
     # rounding's keys derived from it in the graph as the eager engine derives them
     ("mlp", "q6.10-sr"), ("transformer", "p=fp16,c=fp16:sr,g=fp16:sr"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from numbers import Number
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -173,24 +174,26 @@ def _logsumexp(x, opts, a, kind):
     return y if keepdim else y.squeeze(dims) if dims else y
 
 
-def _vectorized(outer: int, inner: int, device) -> torch.Tensor:
+def _vectorized(outer: int, inner: int, device=None):
     """Which (outer, inner) positions ``_vec_softmax`` computes on whole 16-bit vectors: the
     positions are split into one contiguous chunk per thread (``at::parallel_for``), and each
     chunk walks them in vectors of ``lanes`` that must fit both in the row of the inner
     dimensions and in the chunk; the others take the scalar tail. Measured with 1-4 threads
-    on 12 shapes: one chunk per thread (a grain of at most a few positions)."""
+    on 12 shapes: one chunk per thread (a grain of at most a few positions). A bool tensor on
+    ``device``; with none, a numpy array, whose values are known while a graph is traced."""
     lanes = 2 * kernels._vector_lanes()
     n = outer * inner
     if not lanes:
-        return torch.zeros(outer, inner, dtype=torch.bool, device=device)
+        return np.zeros((outer, inner), bool) if device is None else \
+            torch.zeros(outer, inner, dtype=torch.bool, device=device)
     chunks = max(1, min(torch.get_num_threads(), n))
     size = -(-n // chunks)
-    p = torch.arange(n, device=device)
+    p = np.arange(n) if device is None else torch.arange(n, device=device)
     begin = p // size * size
-    end = torch.clamp(begin + size, max=n)
+    end = (begin + size).clip(max=n)
     row, j = p // inner, p % inner
-    start = torch.where(row == begin // inner, begin % inner, torch.zeros_like(begin))
-    v = start + torch.div(j - start, lanes, rounding_mode="floor") * lanes
+    start = (row == begin // inner) * (begin % inner)
+    v = start + (j - start) // lanes * lanes  # (floor division, as at::parallel_for's walk)
     return ((v + lanes <= inner) & (row * inner + v + lanes <= end)).reshape(outer, inner)
 
 
@@ -208,13 +211,12 @@ def _softmax(x, dim, a, kind):
         outer *= n
     for n in x.shape[d + 1:]:
         inner *= n
-    vec = _vectorized(outer, inner, x.device)
-    if bool(vec.all()):
+    if _vectorized(outer, inner).all():  # (decided on numpy: a trace cannot read a tensor)
         return y
     m = x.amax(d, keepdim=True)
     e = torch.exp(x - m)
     tail = a(a(e) / e.sum(d, keepdim=True))
-    vec = vec.reshape(*x.shape[:d], 1, *x.shape[d + 1:])
+    vec = _vectorized(outer, inner, x.device).reshape(*x.shape[:d], 1, *x.shape[d + 1:])
     return torch.where(vec, y, tail)
 
 

@@ -974,8 +974,14 @@ class Emulation:
         return self.round_outputs(out, inputs, rule, okey, on_grid=fmt if grid else None)
 
     def _round_buffers(self, args, rule: Rule) -> None:
-        # running statistics as the parameter format stores them (pure policies: fp16 buffers)
+        # running statistics as the parameter format stores them (pure policies: fp16 buffers),
+        # where the op wrote them: not in eval mode (batch_norm's ``training``, instance_norm's
+        # ``use_input_stats`` false), which reads what setup stored on the grid. (Rounding them
+        # again there was the identity eagerly, and under compiled emulation a copy into a
+        # tensor the op saved for its backward: autograd refused it, the model ran eagerly.)
         if rule.params == FP32 or isinstance(rule.params, BlockFormat) or rule.params.dynamic:
+            return
+        if len(args) > 5 and isinstance(args[5], bool) and not args[5]:
             return
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for i in _BUFFER_POS:
