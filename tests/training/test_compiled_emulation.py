@@ -115,13 +115,18 @@ def _train(name, policy, steps=3, **precision):
 
 
 def _same_run(a, b, what):
-    (_, oa, ga, pa), (_, ob, gb, pb) = a, b
+    (ma, oa, ga, pa), (mb, ob, gb, pb) = a, b
     for s in range(len(oa)):
         assert_same_bits(oa[s], ob[s], f"{what}: output, step {s}")
         for i, (u, v) in enumerate(zip(ga[s], gb[s])):
             assert_same_bits(u, v, f"{what}: gradient {i}, step {s}")
     for i, (u, v) in enumerate(zip(pa, pb)):
         assert_same_bits(u, v, f"{what}: parameter {i} after {len(oa)} steps")
+    # and the buffers (batch norm's running statistics), which eval mode reads
+    bufs = dict(mb.named_buffers())
+    for name, u in ma.named_buffers():
+        if u.is_floating_point():
+            assert_same_bits(u, bufs[name], f"{what}: buffer {name} after {len(oa)} steps")
 
 
 @pytest.mark.parametrize("name,policy", [

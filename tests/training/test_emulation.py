@@ -867,3 +867,36 @@ def test_outputs_rounded_in_place_give_the_out_of_place_bits(monkeypatch, policy
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a, b, f"tensor {i}")
+
+
+@pytest.mark.parametrize("policy,dtype", [("16-true", torch.float16),
+                                          ("p=bf16,c=bf16,g=bf16,o=bf16,b=emulated",
+                                           torch.bfloat16)])
+def test_eval_mode_reads_running_statistics_as_16_bit_buffers_hold_them(policy, dtype):
+    """Running statistics loaded off the grid after setup (an fp32 checkpoint) are read in eval
+    mode as the 16-bit buffers of a native run would hold them (torch's cast), from the first
+    eval forward on, and stay on the grid; the same outputs as a model given them cast."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Flatten(),
+                             nn.Linear(3 * 4 * 4, 2))
+
+    g = torch.Generator().manual_seed(1)
+    stats = (torch.randn(3, generator=g) * 0.3, torch.rand(3, generator=g) + 0.5)
+    x = torch.randn(4, 2, 4, 4, generator=g)
+    outs = []
+    for cast in (False, True):
+        net = build()
+        prec = Precision(policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        bn = net[1]
+        for buf, v in zip((bn.running_mean, bn.running_var), stats):
+            buf.copy_(v.to(dtype).float() if cast else v)  # after setup: off the grid unless cast
+        model.eval()
+        with torch.no_grad(), prec.autocast():
+            outs.append([model(x).float().clone() for _ in range(2)])
+        assert on_grid(bn.running_mean, dtype) and on_grid(bn.running_var, dtype)
+    for a, b in zip(*outs):
+        assert_same_bits(a, b, policy)

@@ -800,11 +800,14 @@ class Emulation:
         op = optable.OpCall(func, name, rule, key, args, kwargs)
         if not grid:
             op.args, op.kwargs = self._pure_inputs(name, rule, key, args, kwargs, inplace)
+        reads = name in BUFFER_OPS and self._reads_buffers(args)
+        if reads:
+            self._round_buffers(args, rule)
         out = optable.run(self, op)
         if op.args is not args or op.kwargs is not kwargs:  # (rounded, or a handler's)
             args, kwargs = op.args, op.kwargs
             inputs = tensors_in(args, tensors_in(kwargs, []))
-        if name in BUFFER_OPS:
+        if name in BUFFER_OPS and not reads:
             self._round_buffers(args, rule)
         if inplace:
             t = args[0] if args else None
@@ -973,15 +976,19 @@ class Emulation:
         grid = _grid_op(name, args, kwargs, fmt)
         return self.round_outputs(out, inputs, rule, okey, on_grid=fmt if grid else None)
 
+    @staticmethod
+    def _reads_buffers(args) -> bool:
+        """Whether a BUFFER_OPS call only reads its running statistics: eval mode
+        (batch_norm's ``training``, instance_norm's ``use_input_stats`` false)."""
+        return len(args) > 5 and isinstance(args[5], bool) and not args[5]
+
     def _round_buffers(self, args, rule: Rule) -> None:
-        # running statistics as the parameter format stores them (pure policies: fp16 buffers),
-        # where the op wrote them: not in eval mode (batch_norm's ``training``, instance_norm's
-        # ``use_input_stats`` false), which reads what setup stored on the grid. (Rounding them
-        # again there was the identity eagerly, and under compiled emulation a copy into a
-        # tensor the op saved for its backward: autograd refused it, the model ran eagerly.)
+        # running statistics as the parameter format stores them (pure policies: fp16 buffers):
+        # after an op that wrote them; before one that only reads them (eval mode: values
+        # loaded after setup are read as the 16-bit buffers would hold them, and under compiled
+        # emulation the rounding comes before the op saves them for its backward: rounded after
+        # it, autograd refused the copy into a saved tensor and the model ran eagerly)
         if rule.params == FP32 or isinstance(rule.params, BlockFormat) or rule.params.dynamic:
-            return
-        if len(args) > 5 and isinstance(args[5], bool) and not args[5]:
             return
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for i in _BUFFER_POS:

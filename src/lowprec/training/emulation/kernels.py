@@ -307,12 +307,40 @@ def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
         mean_q = q(mean)
     inv_q = q((1 / torch.sqrt(q(var_sum / c(n)).double() + eps)).float())
     if running_mean is not None and running_var is not None:
-        m = c(momentum)
-        keep = q(1 - m)
-        running_mean.copy_(q(q(m * mean_q) + q(keep * running_mean)))
-        unbiased = q(var_sum / c(max(n - 1, 1)))
-        running_var.copy_(q(m * unbiased + q(keep * running_var)))
+        fmt = str(rule.params)
+        if emits_graph_ops():  # (one opaque node: the eager ops' bits, see _running_16)
+            new_mean, new_var = torch.ops.lowprec_emulation.running_16(
+                mean_q, var_sum, running_mean, running_var, float(momentum), n, fmt)
+        else:
+            new_mean, new_var = _running_16(mean_q, var_sum, running_mean, running_var,
+                                            float(momentum), n, fmt)
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
     return mean_q, inv_q
+
+
+@torch.library.custom_op("lowprec_emulation::running_16", mutates_args=())
+def _running_16(mean_q: torch.Tensor, var_sum: torch.Tensor, running_mean: torch.Tensor,
+                running_var: torch.Tensor, momentum: float, n: int, fmt: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running statistics pure bf16 batch norm keeps (:func:`_bf16_stats`): updated with a
+    16-bit momentum, each product and sum rounded to ``fmt`` as c10::BFloat16 arithmetic
+    rounds it. A custom op, so that compiled emulation holds it as one node running these
+    ops: Inductor's code for them put a running mean one bf16 unit off eager's (a batch-norm
+    CNN, bf16-true, one step)."""
+    def q(t):
+        return quantize(t, fmt)
+
+    m = q(torch.tensor(momentum))
+    keep = q(1 - m)
+    new_mean = q(q(m * mean_q) + q(keep * running_mean))
+    unbiased = q(var_sum / q(torch.tensor(float(max(n - 1, 1)))))
+    return new_mean, q(m * unbiased + q(keep * running_var))
+
+
+@_running_16.register_fake
+def _(mean_q, var_sum, running_mean, running_var, momentum, n, fmt):
+    return torch.empty_like(running_mean), torch.empty_like(running_var)
 
 
 # fexp_u20 (ATen's vec512_float.h / vec256_float.h, after Malossi et al., "Fast Exponential
