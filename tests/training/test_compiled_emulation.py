@@ -134,7 +134,7 @@ def _same_run(a, b, what):
     ("mlp", "16-mixed"), ("lenet", "16-mixed"), ("transformer", "16-mixed"),
     ("bncnn", "16-true"), ("bncnn", "16-mixed"), ("clampnet", "16-true"),
     ("bncnn", "bf16-true"), ("bncnn_cl", "bf16-true"), ("softmaxnet", "16-true"),
-    ("softmaxnet", "bf16-true"), ("frozenbn", "16-true"),
+    ("softmaxnet", "bf16-true"), ("frozenbn", "16-true"), ("frozenbn", "bf16-true"),
     # stochastic rounding: one base pair of keys drawn per forward, a graph input, each
     # rounding's keys derived from it in the graph as the eager engine derives them
     ("mlp", "q6.10-sr"), ("transformer", "p=fp16,c=fp16:sr,g=fp16:sr"),
