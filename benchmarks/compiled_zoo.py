@@ -1,7 +1,7 @@
 """Compiled emulation over the model zoo (tests/zoo): for each model and policy, whether
 ``Precision(..., compile=True)`` compiled it or fell back (and why), and whether 3 SGD steps
-gave eager emulation's bits (outputs, gradients, parameters after the steps). One thread; a
-survey, not a timing (each compile takes 10-60 s here).
+gave eager emulation's bits (outputs, gradients, parameters and floating buffers after the
+steps). One thread; a survey, not a timing (each compile takes 10-60 s here).
 
     python benchmarks/compiled_zoo.py [--models bert,resnet] [--policies 16-true,16-mixed]
 """
@@ -23,10 +23,12 @@ from training.test_compiled_emulation import _train_entry  # noqa: E402 (the tes
 from zoo import ZOO  # noqa: E402
 
 
-def _flat(run) -> list:
-    """(outputs per step, gradients per step, parameters) as one list of tensors."""
+def _flat(model, run) -> list:
+    """(outputs per step, gradients per step, parameters) and the model's floating buffers
+    (batch norm's running statistics) after the steps, as one list of tensors."""
     outs, grads, params = run
-    return [*outs, *(g for step in grads for g in step), *params]
+    bufs = [b for _, b in sorted(model.named_buffers()) if b.is_floating_point()]
+    return [*outs, *(g for step in grads for g in step), *params, *bufs]
 
 
 def main() -> None:
@@ -43,7 +45,7 @@ def main() -> None:
             with warnings.catch_warnings(record=True) as rec:
                 warnings.simplefilter("always")
                 try:
-                    _, *eager = _train_entry(entry, policy, False)
+                    eager_model, *eager = _train_entry(entry, policy, False)
                     t0 = time.perf_counter()
                     model, *comp = _train_entry(entry, policy, True)
                     took = time.perf_counter() - t0
@@ -53,7 +55,7 @@ def main() -> None:
             reason = getattr(model.forward, "reason", "not set up compiled")
             said = [str(w.message) for w in rec if "runs this model eagerly" in str(w.message)]
             how = "yes" if reason is None else f"eager: {reason}"
-            eager, comp = _flat(eager), _flat(comp)
+            eager, comp = _flat(eager_model, eager), _flat(model, comp)
             differ = sum(not torch.equal(u.float().view(torch.int32), v.float().view(torch.int32))
                          for u, v in zip(eager, comp))
             bits = "identical" if differ == 0 else f"{differ} of {len(eager)} tensors differ"
