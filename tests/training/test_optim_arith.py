@@ -62,15 +62,17 @@ def _grads(step: int, shape=SHAPE) -> torch.Tensor:
     return torch.randn(shape, generator=g) * scale
 
 
-def _run(cls, kw, dtype, pf, sf, update, fuse: bool, steps: int = 3, shape=SHAPE):
+def _run(cls, kw, dtype, pf, sf, update, fuse: bool, steps: int = 3, shape=SHAPE,
+         layout=torch.contiguous_format):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(7))
-    w = (quantize(w, pf) if pf else w).to(dtype)
+    w = (quantize(w, pf) if pf else w).to(dtype).contiguous(memory_format=layout)
     opt = cls([w], param_format=pf, state_format=sf, update=update,
               generator=torch.Generator().manual_seed(11), **kw)
     if not fuse:
         opt._can_fuse = lambda p, s: False
     for i in range(steps):
-        w.grad = _grads(i, shape).to(dtype, copy=True)
+        # (laid out as the parameter, as autograd lays out a dense parameter's gradient)
+        w.grad = _grads(i, shape).to(dtype, copy=True).contiguous(memory_format=layout)
         opt.step(grad_scale=0.37)
         if fuse:
             assert opt._can_fuse(w, opt.state[w]), "the fused kernel did not run"
@@ -99,6 +101,33 @@ def test_fused_step_equals_torch_path_bit_for_bit(name, storage, update):
             assert_same_bits(val, st_t[key], f"{name} {storage} {update}: {key}")
         else:
             assert val == st_t[key], key
+
+
+@pytest.mark.skipif(not kernel.available(), reason="kernel not built")
+@pytest.mark.parametrize("storage", ["fp32+bf16", "fp16", "e5m2", "q6.10+bf16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_step_of_a_channels_last_weight_equals_torch_path(name, storage):
+    """A channels-last convolution weight (its gradient and state laid out as it is) takes the
+    fused kernel over its memory as it lies, rounding to nearest: parameters and state bit for
+    bit the torch path's. Stochastic write-back keeps the torch path there (its random bits
+    follow logical indices), and so does a state tensor of another layout (a checkpoint of a
+    contiguous model): the kernel would pair a value with another's state."""
+    cls, kw = OPTIMIZERS[name]
+    dtype, pf, sf = STORAGE[storage]
+    shape, cl = (16, 6, 5, 5), torch.channels_last
+    w_f, st_f = _run(cls, kw, dtype, pf, sf, "nearest", fuse=True, shape=shape, layout=cl)
+    w_t, st_t = _run(cls, kw, dtype, pf, sf, "nearest", fuse=False, shape=shape, layout=cl)
+    assert w_f.is_contiguous(memory_format=cl) and not w_f.is_contiguous()
+    assert_same_bits(w_f, w_t, f"{name} {storage}: parameter")
+    for key, val in st_f.items():
+        if torch.is_tensor(val):
+            assert_same_bits(val, st_t[key], f"{name} {storage}: {key}")
+    opt = cls([w_f], param_format=pf, state_format=sf, update="stochastic", **kw)
+    assert not opt._can_fuse(w_f, {})
+    moved = {k: (v.contiguous() if torch.is_tensor(v) and v.dim() else v)
+             for k, v in st_f.items()}
+    if any(torch.is_tensor(v) and v.dim() for v in moved.values()):
+        assert not cls([w_f], param_format=pf, state_format=sf, **kw)._can_fuse(w_f, moved)
 
 
 @pytest.mark.skipif(not kernel.available(), reason="kernel not built")

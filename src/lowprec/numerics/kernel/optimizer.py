@@ -33,7 +33,8 @@ def _prepared(ep: ElementParams, rounding: int):
 
 def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
              sq: ElementParams) -> None:
-    """Fused optimizer step on contiguous CPU tensors (see lp_opt_step in csrc/optimizer.c)."""
+    """Fused optimizer step on CPU tensors laid out alike over dense memory, read in memory
+    order (see lp_opt_step in csrc/optimizer.c)."""
     if p_rounding == R_STOCHASTIC:
         pp = library.params(pq, p_rounding, random_mask(32), seed)
     else:

@@ -7,7 +7,7 @@ import torch
 from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, FP32, FixedFormat, FloatFormat, Format
 from ...numerics.params import ROUNDING_CODES, element_params
-from ...numerics.quantize import draw_seed
+from ...numerics.quantize import draw_seed, memory_order
 from ...numerics.rounding import Rounding
 from ...numerics.storage import compact, storage_dtype
 from .protocol import PolicyOptimizer
@@ -156,9 +156,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
     # -- the fused CPU kernel ---------------------------------------------------------------
     def _can_fuse(self, p, state) -> bool:
         st = self.storage
-        if torch.compiler.is_compiling() or not p.is_contiguous() or \
-                not p.grad.is_contiguous() or "master" in state or st.update == "kahan" or \
-                not _kernel.available():
+        if torch.compiler.is_compiling() or "master" in state or st.update == "kahan" or \
+                not _kernel.available() or not self._alike(p, state, st.update == "stochastic"):
             # (a ctypes call cannot enter a graph: compiled steps take the torch path (the
             # same bits), whose roundings are lowprec::quantize nodes)
             return False
@@ -169,6 +168,29 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         if seen is None or seen[0] != key:  # (the same objects: compared by identity first)
             seen = known[id(p)] = (key, self._fusable_formats(p, pf, sf))
         return seen[1]
+
+    @staticmethod
+    def _alike(p, state, stochastic: bool) -> bool:
+        """``p``, its gradient and its state tensors laid out alike over dense memory, so that
+        the kernel's elementwise pass over memory pairs each value with its own: all contiguous,
+        or (a deterministic write-back) one other dense layout they share, such as a
+        channels-last convolution weight's, whose gradient and state torch lays out as the
+        weight (stochastic rounding counts logical indices, which only contiguous memory
+        follows). A state tensor of another layout (loaded from a checkpoint of another
+        layout) sends the parameter to the torch path."""
+        g = p.grad
+        if p.is_contiguous():  # (the common case, first: a few C calls a parameter)
+            if not g.is_contiguous():
+                return False
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and not t.is_contiguous():
+                    return False
+            return True
+        if stochastic or memory_order(p) is None:
+            return False
+        strides = p.stride()
+        return g.stride() == strides and all(t.stride() == strides for t in state.values()
+                                             if isinstance(t, torch.Tensor) and t.dim())
 
     @staticmethod
     def _fusable_formats(p, pf, sf) -> bool:
