@@ -69,7 +69,7 @@ _OP = torch.ops.lowprec.quantize.default
 @torch.library.custom_op("lowprec::channel_sums", mutates_args=())
 def _channel_sums(x: torch.Tensor, kind: str, arg: int, mean: torch.Tensor | None
                   ) -> torch.Tensor:
-    out = (kernel.channel_sums if kind == "channel" else kernel.plane_sums)(x, arg, mean)
+    out = kernel.sums(kind, x, arg, mean)
     if out is None:
         raise RuntimeError(f"lowprec::channel_sums: the kernel's {kind} sums do not take x "
                            f"{tuple(x.shape)} {x.dtype}")

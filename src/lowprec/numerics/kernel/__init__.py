@@ -17,7 +17,7 @@ names (``kernel.quantize_f32``); a test that runs another build of the library r
 """
 
 from . import library
-from .accumulate import (channel_sums, dot4, gemm_acc, gemm_acc_available, plane_sums,
+from .accumulate import (channel_sums, dot4, gemm_acc, gemm_acc_available, plane_sums, sums,
                          sums_take)
 from .block import block_shifts, block_shifts_available, count_abs_ge, quantize_blocks_f32
 from .fexp import (attention_rows_available, attn_bwd_ds, attn_bwd_p, attn_fwd_rows,
@@ -38,7 +38,8 @@ __all__ = [
     # block.c
     "block_shifts", "block_shifts_available", "quantize_blocks_f32", "count_abs_ge",
     # accumulate.c
-    "gemm_acc", "gemm_acc_available", "dot4", "channel_sums", "plane_sums", "sums_take",
+    "gemm_acc", "gemm_acc_available", "dot4", "channel_sums", "plane_sums", "sums",
+    "sums_take",
     # optimizer.c
     "opt_dtype_code", "opt_step",
     # recurrent.c

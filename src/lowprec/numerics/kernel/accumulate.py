@@ -12,7 +12,8 @@ import torch
 from . import library
 from .library import LPAccFmt, LPAccGemm
 
-__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available", "plane_sums", "sums_take"]
+__all__ = ["channel_sums", "dot4", "gemm_acc", "gemm_acc_available", "plane_sums", "sums",
+           "sums_take"]
 
 
 def gemm_acc_available() -> bool:
@@ -113,3 +114,10 @@ def plane_sums(x: torch.Tensor, lanes: int, mean: torch.Tensor | None = None
                                 None if mean is None else mean.data_ptr(), out.data_ptr(),
                                 torch.get_num_threads())
     return out
+
+
+def sums(kind: str, x: torch.Tensor, arg: int, mean: torch.Tensor | None = None
+         ) -> torch.Tensor | None:
+    """:func:`channel_sums` (``kind`` "channel", ``arg`` parts) or :func:`plane_sums` ("plane",
+    ``arg`` lanes)."""
+    return (channel_sums if kind == "channel" else plane_sums)(x, arg, mean)

@@ -257,7 +257,7 @@ def _sums(kind: str, x: torch.Tensor, arg: int, mean: torch.Tensor | None = None
     if emits_graph_ops():
         return channel_sums_op()(x, kind, arg, mean) if _kernel.sums_take(kind, x, arg, mean) \
             else None
-    return (_kernel.channel_sums if kind == "channel" else _kernel.plane_sums)(x, arg, mean)
+    return _kernel.sums(kind, x, arg, mean)
 
 
 def _bf16_stats(rule, x, running_mean, running_var, momentum, eps):
