@@ -267,6 +267,17 @@ LP_INTERNAL tile_fn tile_of(loop_fn f);
 typedef void (*shifted_fn)(const uint32_t *, uint32_t *, int64_t, int64_t, int64_t, int64_t,
                            const int32_t *, uint32_t, uint32_t, const lp_params *);
 LP_INTERNAL shifted_fn shifted_of(const lp_params *p);
+/* F16C's float16 conversions (vcvtps2ph, vcvtph2ps), built where the clones are (the CPU is
+ * asked at run time: lp_has_f16c) or where the -march has F16C (the per-ISA test builds:
+ * x86-64-v3 and v4 test it, the baseline the integer loops). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    (!defined(LP_NO_CLONES) || defined(__F16C__))
+#define LP_F16C_PATH 1
+LP_INTERNAL int lp_has_f16c(void);
+#endif
+/* Whether run_at rounds to p by F16C's conversions (IEEE float16, nearest even, on a CPU with
+ * F16C): faster than the tile loops, the same bits. */
+LP_INTERNAL int lp_fp16_shortcut(const lp_params *p);
 /* Elements [begin, end) of the logical tensor rounded by the loop (or shortcut) for p. */
 LP_INTERNAL void run_range(const uint32_t *in, uint32_t *out, int64_t begin, int64_t end,
                            const lp_params *p);

@@ -71,6 +71,44 @@ LP_INLINE void store_as(void *base, int64_t i, int dt, uint32_t vbits) {
     else ((uint16_t *)base)[i] = f32_to_f16_exact(vbits);
 }
 
+#ifdef LP_F16C_PATH
+#include <immintrin.h>
+/* float16 tiles widened and narrowed by F16C, eight values an instruction: the same bits as
+ * f16_to_f32 and f32_to_f16_exact (exact conversions of values on the float16 grid) but for NaN,
+ * which the instructions treat otherwise (a signalling NaN quieted; a float32 NaN's top payload
+ * bits kept): eight values holding a NaN go through the integer functions. The integer
+ * conversions were a third of a float16 SGD-with-momentum step. */
+__attribute__((target("avx2,f16c"))) static void load_f16c(float *dst, const uint16_t *src,
+                                                            int n) {
+    int l = 0;
+    for (; l + 8 <= n; l += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(src + l));
+        const __m128i mag = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+        if (_mm_movemask_epi8(_mm_cmpgt_epi16(mag, _mm_set1_epi16(0x7c00)))) {
+            for (int k = l; k < l + 8; ++k) dst[k] = f16_to_f32(src[k]);
+        } else {
+            _mm256_storeu_ps(dst + l, _mm256_cvtph_ps(h));
+        }
+    }
+    for (; l < n; ++l) dst[l] = f16_to_f32(src[l]);
+}
+
+__attribute__((target("avx2,f16c"))) static void store_f16c(uint16_t *dst, const uint32_t *src,
+                                                             int n) {
+    int l = 0;
+    for (; l + 8 <= n; l += 8) {
+        const __m256 x = _mm256_loadu_ps((const float *)(src + l));
+        if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))) {
+            for (int k = l; k < l + 8; ++k) dst[k] = f32_to_f16_exact(src[k]);
+        } else {
+            _mm_storeu_si128((__m128i *)(dst + l),
+                             _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+    for (; l < n; ++l) dst[l] = f32_to_f16_exact(src[l]);
+}
+#endif
+
 typedef struct {
     void *p;
     const void *g;
@@ -84,7 +122,27 @@ typedef struct {
  * stage vectorizes and rounding takes the fast path of quantize. */
 #define LP_OT 256
 
-LP_CLONES static void load_tile(float *dst, const void *src, int dt, int64_t off, int n) {
+/* The lines of the tile LP_PF tiles ahead, asked for while this one is computed: the stages
+ * between two loads leave the hardware prefetcher behind (quantize.c's lp_prefetch likewise). */
+#define LP_PF 4
+
+static inline void prefetch_tile(const void *base, int dt, int64_t off) {
+    const int64_t size = dt == DT_F32 ? 4 : 2;
+    const char *b = (const char *)base + off * size;
+    for (int64_t k = 0; k < LP_OT * size; k += 64) __builtin_prefetch(b + k, 1, 3);
+}
+
+/* f16c: the CPU has F16C (float16 tiles by load_f16c and store_f16c) */
+LP_CLONES static void load_tile(float *dst, const void *src, int dt, int64_t off, int n,
+                                int f16c) {
+#ifdef LP_F16C_PATH
+    if (dt == DT_F16 && f16c) {
+        load_f16c(dst, (const uint16_t *)src + off, n);
+        return;
+    }
+#else
+    (void)f16c;
+#endif
     if (dt == DT_F32) {
         for (int l = 0; l < n; ++l) dst[l] = ((const float *)src)[off + l];
     } else if (dt == DT_BF16) {
@@ -94,7 +152,16 @@ LP_CLONES static void load_tile(float *dst, const void *src, int dt, int64_t off
     }
 }
 
-LP_CLONES static void store_tile(void *dst, const uint32_t *src, int dt, int64_t off, int n) {
+LP_CLONES static void store_tile(void *dst, const uint32_t *src, int dt, int64_t off, int n,
+                                 int f16c) {
+#ifdef LP_F16C_PATH
+    if (dt == DT_F16 && f16c) {
+        store_f16c((uint16_t *)dst + off, src, n);
+        return;
+    }
+#else
+    (void)f16c;
+#endif
     if (dt == DT_F32) {
         for (int l = 0; l < n; ++l) ((uint32_t *)dst)[off + l] = src[l];
     } else if (dt == DT_BF16) {
@@ -114,10 +181,15 @@ LP_CLONES static void round_tile_bf16(const uint32_t *a, uint32_t *q, int n) {
     }
 }
 
-/* ne: quantize.c's nearest-even tile loop */
+/* ne: quantize.c's nearest-even tile loop; fast: rounding to IEEE float16 (the format p) by
+ * quantize.c's F16C shortcut instead, the same bits (two conversions a vector instead of the
+ * general rule's range checks: a float16 SGD step 1.3-1.6x faster, benchmarks/RESULTS.md,
+ * "Issue 37, twelfth session"). bfloat16 keeps round_tile_bf16, which quiets a NaN so that
+ * store_tile's narrowing cannot turn it into an infinity. */
 static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si, int is_bf16,
-                        tile_fn ne) {
-    if (is_bf16) round_tile_bf16(a, q, n);
+                        tile_fn ne, int fast, const lp_params *p) {
+    if (fast) run_at(a, q, n, 0, p);
+    else if (is_bf16) round_tile_bf16(a, q, n);
     else ne(a, q, n, 0, 1u, 0, 0, si);
 }
 
@@ -127,16 +199,31 @@ LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t 
     const uint32_t k0 = j->pq->k0, k1 = j->pq->k1;
     const int sr = j->pq->rounding == R_STOCHASTIC;
     const tile_fn ne = tile_of(pick_loop(R_NEAREST_EVEN)), sr_tile = tile_of(pick_loop(R_STOCHASTIC));
+    const lp_params *pq = j->pq, *sq = j->sq;
+    const int pfast = !sr && lp_fp16_shortcut(pq), sfast = lp_fp16_shortcut(sq);
+#ifdef LP_F16C_PATH
+    const int f16c = lp_has_f16c();
+#else
+    const int f16c = 0;
+#endif
     /* torch.lerp (ATen Lerp.h / LerpKernel.cpp): weight w with |w| < 0.5 gives
      * fma(w, end - self, self), otherwise fma(w - 1, end - self, end) */
     const int lerp_small = fabsf(o.lerp_w) < 0.5f;
     const float lerp_c = lerp_small ? o.lerp_w : o.lerp_w - 1.0f;
     float w[LP_OT], g[LP_OT], s1[LP_OT], s2[LP_OT];
     uint32_t a[LP_OT], q1[LP_OT], q2[LP_OT];
+    const int s1_read = o.kind == 1 || (o.has_momentum && !o.first);
     for (int64_t t0 = begin; t0 < end; t0 += LP_OT) {
         const int n = (int)(end - t0 < LP_OT ? end - t0 : LP_OT);
-        load_tile(w, j->p, o.p_dtype, t0, n);
-        load_tile(g, j->g, o.g_dtype, t0, n);
+        if (t0 + (LP_PF + 1) * LP_OT <= end) {
+            const int64_t ahead = t0 + LP_PF * LP_OT;
+            prefetch_tile(j->p, o.p_dtype, ahead);
+            prefetch_tile(j->g, o.g_dtype, ahead);
+            if (s1_read) prefetch_tile(j->s1, o.s_dtype, ahead);
+            if (o.kind == 1) prefetch_tile(j->s2, o.s_dtype, ahead);
+        }
+        load_tile(w, j->p, o.p_dtype, t0, n, f16c);
+        load_tile(g, j->g, o.g_dtype, t0, n, f16c);
         if (o.grad_scale != 1.0f) /* g * 1 is exact: skipping it changes no bit */
             for (int l = 0; l < n; ++l) g[l] = g[l] * o.grad_scale;
         if (o.kind == 0) { /* SGD: see lowprec/training/optim/sgd.py */
@@ -146,11 +233,11 @@ LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t 
                 if (o.first) {
                     for (int l = 0; l < n; ++l) a[l] = f2u(g[l]);
                 } else {
-                    load_tile(s1, j->s1, o.s_dtype, t0, n);
+                    load_tile(s1, j->s1, o.s_dtype, t0, n, f16c);
                     for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(g[l], o.damp_c, s1[l] * o.momentum));
                 }
-                round_state(a, q1, n, &si, o.s_is_bf16, ne);
-                store_tile(j->s1, q1, o.s_dtype, t0, n);
+                round_state(a, q1, n, &si, o.s_is_bf16, ne, sfast, sq);
+                store_tile(j->s1, q1, o.s_dtype, t0, n, f16c);
                 if (o.nesterov) {
                     for (int l = 0; l < n; ++l) g[l] = fmaf(u2f(q1[l]), o.momentum, g[l]);
                 } else {
@@ -166,27 +253,27 @@ LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t 
                     for (int l = 0; l < n; ++l) g[l] = fmaf(w[l], o.wd, g[l]);
                 }
             }
-            load_tile(s1, j->s1, o.s_dtype, t0, n);
+            load_tile(s1, j->s1, o.s_dtype, t0, n, f16c);
             if (lerp_small) {
                 for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(lerp_c, g[l] - s1[l], s1[l]));
             } else {
                 for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(lerp_c, g[l] - s1[l], g[l]));
             }
-            round_state(a, q1, n, &si, o.s_is_bf16, ne);
-            store_tile(j->s1, q1, o.s_dtype, t0, n);
-            load_tile(s2, j->s2, o.s_dtype, t0, n);
+            round_state(a, q1, n, &si, o.s_is_bf16, ne, sfast, sq);
+            store_tile(j->s1, q1, o.s_dtype, t0, n, f16c);
+            load_tile(s2, j->s2, o.s_dtype, t0, n, f16c);
             if (o.sqrt_storage) { /* sqrt(v) is stored: square it, update, store its root */
                 for (int l = 0; l < n; ++l)
                     a[l] = f2u(sqrtf(fmaf(o.beta2_c * g[l], g[l], (s2[l] * s2[l]) * o.beta2)));
-                round_state(a, q2, n, &si, o.s_is_bf16, ne);
+                round_state(a, q2, n, &si, o.s_is_bf16, ne, sfast, sq);
                 for (int l = 0; l < n; ++l) s2[l] = u2f(q2[l]);
             } else {
                 for (int l = 0; l < n; ++l)
                     a[l] = f2u(fmaf(o.beta2_c * g[l], g[l], s2[l] * o.beta2));
-                round_state(a, q2, n, &si, o.s_is_bf16, ne);
+                round_state(a, q2, n, &si, o.s_is_bf16, ne, sfast, sq);
                 for (int l = 0; l < n; ++l) s2[l] = sqrtf(u2f(q2[l]));
             }
-            store_tile(j->s2, q2, o.s_dtype, t0, n);
+            store_tile(j->s2, q2, o.s_dtype, t0, n, f16c);
             /* torch.addcdiv: self + (value * t1) / t2, no fusion possible around the division */
             for (int l = 0; l < n; ++l)
                 a[l] = f2u(w[l] + (o.neg_step * u2f(q1[l])) / (s2[l] / o.bc2_sqrt + o.eps));
@@ -194,8 +281,8 @@ LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t 
         if (sr)
             sr_tile(a, q1, n, (uint32_t)t0, 1u, k0, k1, &pi);
         else
-            round_state(a, q1, n, &pi, o.p_is_bf16, ne);
-        store_tile(j->p, q1, o.p_dtype, t0, n);
+            round_state(a, q1, n, &pi, o.p_is_bf16, ne, pfast, pq);
+        store_tile(j->p, q1, o.p_dtype, t0, n, f16c);
     }
 }
 

@@ -329,10 +329,8 @@ loop_fn pick_loop(int mode) {
  * bits, as quantize_one keeps them. Faster than the integer loop (benchmarks/RESULTS.md,
  * figure F13). Built where the clones are (the CPU is asked at run time) or where the
  * -march has F16C (the per-ISA test builds: x86-64-v3 and v4 test it, the baseline the loop). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    (!defined(LP_NO_CLONES) || defined(__F16C__))
+#ifdef LP_F16C_PATH
 #include <immintrin.h>
-#define LP_F16C_PATH 1
 __attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in,
                                                                uint32_t *out, int64_t n,
                                                                const lp_params *p) {
@@ -347,7 +345,7 @@ __attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in
     if (i < n) loop_ne(in + i, out + i, n - i, 0, 0, p); /* the tail: the integer loop */
 }
 
-static int lp_has_f16c(void) {
+int lp_has_f16c(void) {
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
@@ -390,6 +388,15 @@ static loop_fn loop_for(const lp_params *p) {
         p->qsub <= 100)
         return loop_sr_fixed;
     return pick_loop(p->rounding);
+}
+
+int lp_fp16_shortcut(const lp_params *p) {
+#ifdef LP_F16C_PATH
+    return lp_is_fp16_ne(p) && lp_has_f16c();
+#else
+    (void)p;
+    return 0;
+#endif
 }
 
 /* n values rounded, their random counters off, off + 1, ...: a piece of a logical tensor (a
