@@ -121,6 +121,37 @@ def test_every_rounding_mode_gives_the_torch_paths_bits(on_path, fmt):
         assert_same_bits(got, want, f"{fmt} {mode}")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "e4m3fn-sat", "q6.10"])
+def test_the_counting_rounding_gives_the_torch_paths_bits_and_count(on_path, fmt, threads):
+    """lp_quantize_f32_nonfinite (the emulated step's gradients rounded and checked in one
+    pass): the torch path's bits, and the number of Inf and NaN values among them. Random bit
+    patterns and values beyond the format's range, 20,488 of them (chunks of 2,048, a partial
+    one, and two threads' shares)."""
+    from lowprec.numerics.formats import parse_format
+    from lowprec.numerics.params import ROUNDING_CODES, element_params
+    from lowprec.numerics.rounding import parse_rounding
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.cat([bit_patterns(), torch.randn(4100, generator=g) * 3e5])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for mode in ("nearest", "toward_zero", "up"):
+            want = quantize(x, fmt, mode, impl="torch")
+            prm = kernel.prepare(element_params(parse_format(fmt)),
+                                 ROUNDING_CODES[parse_rounding(mode)[0]], 0)
+            out = torch.empty_like(x)
+            n = kernel.quantize_prepared_nonfinite(x, out, prm)
+            assert_same_bits(out, want, f"{fmt} {mode}")
+            assert n == int((~torch.isfinite(want)).sum()), f"{fmt} {mode}"
+            y = x.clone()  # in place, as the step rounds a gradient
+            assert kernel.quantize_prepared_nonfinite(y, y, prm) == n
+            assert_same_bits(y, want, f"{fmt} {mode} in place")
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("fmt", ["q6.10", "fixed<20,94>", "fixed<24,80>"])
 def test_stochastic_rounding_to_fixed_point_ignores_denormals_are_zero(on_path, fmt):
     # the fast rule for fixed point computes in float32 (|x| + 2**(qsub + 23) and its

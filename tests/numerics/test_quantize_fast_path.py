@@ -236,3 +236,27 @@ def test_in_place_rounding_of_a_channels_last_tensor_moves_its_version():
     assert y._version > before
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_the_counting_rounding_runs_where_the_fast_path_would_and_declines_elsewhere(
+        monkeypatch):
+    """quantize_counting_ rounds in place and counts the Inf and NaN values left (quantize_'s
+    bits), for what quantize_'s fast path takes: a contiguous float32 CPU tensor and a
+    deterministic rounding a first call prepared; elsewhere it declines (None) and leaves the
+    tensor as it was, for the caller's two passes."""
+    fmt = parse_format("e5m2")
+    # (another test may have prepared it: not here; restored after)
+    monkeypatch.delitem(qmod._PREPARED, (fmt, "down"), raising=False)
+    x = torch.tensor([1.0, 70000.0, float("inf"), float("nan"), -3.3, 57344.0] * 700)
+    assert qmod.quantize_counting_(x.clone(), fmt, "down") is None  # not prepared yet
+    want = quantize(x, fmt, "down")  # prepares it
+    y = x.clone()
+    assert qmod.quantize_counting_(y, fmt, "down") == int((~want.isfinite()).sum()) == 1400
+    assert_same_bits(y, want, "in place")
+    for declined in (x.clone()[::2], x.clone().to(torch.float16), x.clone()):
+        kept = declined.clone()
+        mode = "stochastic" if declined.dtype == torch.float32 and declined.is_contiguous() \
+            else "down"
+        assert qmod.quantize_counting_(declined, fmt, mode) is None
+        assert torch.equal(declined.isnan(), kept.isnan())
+        assert torch.equal(declined.nan_to_num(0.0), kept.nan_to_num(0.0))

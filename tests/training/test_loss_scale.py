@@ -1,11 +1,14 @@
 """Loss scaling: the dynamic rule, and a skipped step against a control run."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import small_mlp
 from torch import nn
 
-from lowprec import DynamicLossScale, Precision, StaticLossScale
+from lowprec import DynamicLossScale, Precision, StaticLossScale, quantize
+from lowprec.training.policy import parse_policy
 
 
 def test_dynamic_loss_scale_rule():
@@ -83,3 +86,55 @@ def test_the_unfused_check_is_torchs_fused_one(dtype, inv_scale):
         for a, b in zip(gs, ref):  # NaN payloads aside (a step with a NaN is skipped)
             assert torch.equal(a.isnan(), b.isnan())
             assert torch.equal(a[~a.isnan()].view(bits), b[~b.isnan()].view(bits))
+
+
+
+@pytest.mark.parametrize("policy", ["16-true", "bf16-true", "e5m2", "fixed16-rn"])
+@pytest.mark.parametrize("case", ["finite", "overflow", "inf", "nan"])
+def test_an_emulated_steps_check_sees_what_rounding_leaves(policy, case, monkeypatch):
+    """The emulated step rounds each gradient to its storage format and checks it for Inf/NaN,
+    in one pass where the kernel can (lp_quantize_f32_nonfinite): the flag is torch's fused
+    check of the gradients rounded by quantize (a gradient of 70000 overflows fp16 and e5m2
+    only on rounding; bf16 keeps it; 16-bit fixed point saturates it, and an Inf or NaN there is
+    seen before rounding); the gradients are left as quantize rounds them; a flagged step is
+    skipped. Three steps: the first prepares the rounding the later ones count in one pass."""
+    from lowprec.numerics import kernel
+
+    counted = []
+    if kernel.nonfinite_available():
+        real = kernel.quantize_prepared_nonfinite
+        monkeypatch.setattr(kernel, "quantize_prepared_nonfinite",
+                            lambda *a: counted.append(1) or real(*a))
+    pol = dataclasses.replace(parse_policy(policy), backend="emulated")
+    prec = Precision(pol, loss_scale=StaticLossScale(1.0))
+    net = small_mlp(0)
+    model, opt = prec.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(8, 20, generator=torch.Generator().manual_seed(1))
+    value = {"finite": 1.0, "overflow": 70000.0, "inf": float("inf"), "nan": float("nan")}[case]
+    flags = []
+    for _ in range(3):
+        opt.zero_grad()
+        with prec.autocast():
+            loss = model(x).square().mean()
+        prec.backward(loss)
+        model[0].weight.grad[0, 0] = value
+        params = list(model.parameters())
+        fmts = prec._backend.grad_formats(params)
+        want = [quantize(p.grad, f) for p, f in zip(params, fmts)]
+        ref = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_([w.clone() for w in want], ref,
+                                                         torch.ones(1))
+        if not all(getattr(f, "has_inf", False) for f in fmts):  # saturating: as they came
+            torch._amp_foreach_non_finite_check_and_unscale_([p.grad.clone() for p in params],
+                                                             ref, torch.ones(1))
+        before = [p.detach().clone() for p in params]
+        stepped = prec.step(opt)
+        flags.append(prec.trace[-1]["found_inf"])
+        assert prec.trace[-1]["found_inf"] == (ref.item() > 0) and stepped == (ref.item() == 0)
+        for p, w, b in zip(params, want, before):
+            assert torch.equal(p.grad.isnan(), w.isnan())
+            assert torch.equal(p.grad.masked_fill(p.grad.isnan(), 0), w.masked_fill(w.isnan(), 0))
+            assert stepped or torch.equal(p.detach(), b)
+    overflows = {"16-true": True, "bf16-true": False, "e5m2": True, "fixed16-rn": False}[policy]
+    assert flags == [case in ("inf", "nan") or (case == "overflow" and overflows)] * 3
+    assert counted or not kernel.nonfinite_available(), "the counting pass did not run"

@@ -37,7 +37,7 @@ from .rounding import Rounding, check_generator, parse_rounding
 
 __all__ = ["quantize", "quantize_", "draw_seed", "seed_tensor", "block_shifts", "tracing_graph",
            "memory_order", "batched_transpose",
-           "emits_graph_ops", "prepared_params"]
+           "emits_graph_ops", "prepared_params", "quantize_counting_"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # formats whose nearest-even rounding torch's casts perform exactly (the plain-torch fast path)
@@ -559,6 +559,21 @@ def _written(x: torch.Tensor) -> torch.Tensor:
     if not x.is_inference():
         torch.autograd.graph.increment_version(x)
     return x
+
+
+def quantize_counting_(x: torch.Tensor, fmt, rounding="nearest") -> int | None:
+    """``quantize_(x, fmt, rounding)`` for a deterministic rounding that an earlier call
+    prepared, counting the Inf and NaN values it leaves in ``x``, in one pass (the kernel counts
+    each chunk while it is in cache): the number, or None without rounding anything where that
+    pass does not apply (not a contiguous float32 CPU tensor, no kernel, inside a trace, a
+    rounding no call prepared); the caller then rounds and checks as before."""
+    if type(x) not in _PLAIN or x.dtype != torch.float32 or x.device.type != "cpu" or \
+            not x.is_contiguous() or not x.numel() or not _kernel.nonfinite_available():
+        return None
+    prm = _prepared(_PREPARED, fmt, rounding)
+    if prm is None or emits_graph_ops():
+        return None
+    return _kernel.quantize_prepared_nonfinite(x, x, prm)
 
 
 def quantize_(

@@ -446,10 +446,13 @@ class Precision:
         if rounds and not all(getattr(f, "has_inf", False) for f in pfmts if f != FP32):
             # a saturating format would turn an Inf into its max: look before rounding too
             self._check(grads, found, 1.0)
+        unchecked = grads
         if rounds:
-            # the gradients as parameter-format storage would hold them
-            self._backend.round_grads(params, pfmts)
-        self._check(grads, found, scale_by)
+            # the gradients as parameter-format storage would hold them; those the kernel
+            # rounds and counts in one pass (no unscaling to do) need no second pass
+            counted, unchecked = self._backend.round_grads(params, pfmts, count=scale_by == 1.0)
+            found += counted
+        self._check(unchecked, found, scale_by)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         return bool(found.item() > 0)

@@ -599,6 +599,37 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     }
 }
 
+/* lp_quantize_f32 and the count of non-finite values (Inf, NaN) it wrote: chunks of
+ * LP_NF_CHUNK values rounded, then scanned while they are in L1. One pass over memory where
+ * rounding a step's gradients and torch's fused check (_amp_foreach_non_finite_check_and_unscale_)
+ * took two (the emulated step's gradient check, training/precision.py). */
+#define LP_NF_CHUNK 2048
+LP_CLONES static int64_t count_nonfinite(const uint32_t *x, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i) c += (x[i] & 0x7f800000u) == 0x7f800000u;
+    return c;
+}
+
+int64_t lp_quantize_f32_nonfinite(const uint32_t *in, uint32_t *out, int64_t n,
+                                  const lp_params *p, int nthreads) {
+    const int nt = lp_threads_for(n, nthreads);
+    /* thread shares in whole chunks; each chunk's random counters are its logical indices */
+    const int64_t per = ((n + nt - 1) / nt + LP_NF_CHUNK - 1) / LP_NF_CHUNK * LP_NF_CHUNK;
+    int64_t total = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : total) if (nt > 1)
+#endif
+    for (int t = 0; t < nt; ++t) {
+        const int64_t b = t * per < n ? t * per : n, e = (t + 1) * per < n ? (t + 1) * per : n;
+        for (int64_t c0 = b; c0 < e; c0 += LP_NF_CHUNK) {
+            const int64_t len = e - c0 < LP_NF_CHUNK ? e - c0 : LP_NF_CHUNK;
+            run_at(in + c0, out + c0, len, (uint64_t)c0, p);
+            total += count_nonfinite(out + c0, len);
+        }
+    }
+    return total;
+}
+
 /* Public entry points (called through ctypes). in may equal out. */
 void lp_quantize_f32(const uint32_t *in, uint32_t *out, int64_t n, const lp_params *p,
                      int nthreads) {

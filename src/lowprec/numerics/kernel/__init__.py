@@ -25,7 +25,8 @@ from .fexp import (attention_rows_available, attn_bwd_ds, attn_bwd_p, attn_fwd_r
 from .library import (LPAccFmt, LPAccGemm, LPOpt, LPParams, available, open_kernel, prepare,
                       with_keys)
 from .optimizer import opt_dtype_code, opt_step
-from .quantize import quantize_f32, quantize_prepared, quantize_transposed, transposed_available
+from .quantize import (nonfinite_available, quantize_f32, quantize_prepared,
+                       quantize_prepared_nonfinite, quantize_transposed, transposed_available)
 from .recurrent import (lstm_available, lstm_backward, lstm_forward, lstm_forward2, lstm_gates,
                         index_add_rounded, lstm_op_available, lstm_op_backward, lstm_op_cell,
                         lstm_op_gates, lstm_op_out, round_add2, round_sum_delta, site_params)
@@ -35,6 +36,7 @@ __all__ = [
     "with_keys",
     # quantize.c
     "quantize_f32", "quantize_prepared", "quantize_transposed", "transposed_available",
+    "nonfinite_available", "quantize_prepared_nonfinite",
     # block.c
     "block_shifts", "block_shifts_available", "quantize_blocks_f32", "count_abs_ge",
     # accumulate.c

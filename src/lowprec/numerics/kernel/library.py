@@ -105,6 +105,7 @@ def open_kernel(path: str):
         # quantize.c
         "lp_quantize_f32": [p, p, i64, lpp, ci],
         "lp_quantize_f32_bt": [p, p, i64, i64, i64, lpp, ci],
+        "lp_quantize_f32_nonfinite": [p, p, i64, lpp, ci],
         # block.c
         "lp_quantize_blocks_f32": [p, p, i64, i64, i64, p, lpp, ci],
         "lp_block_shifts_f32": [p, p, i64, i64, i64, i32, i32, i32, ci],
@@ -140,7 +141,8 @@ def open_kernel(path: str):
         if hasattr(handle, name):
             fn = getattr(handle, name)
             fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if name == "lp_gemm_acc" else None
+            fn.restype = {"lp_gemm_acc": ctypes.c_int,
+                          "lp_quantize_f32_nonfinite": ctypes.c_int64}.get(name)
     return handle
 
 

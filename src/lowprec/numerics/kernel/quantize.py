@@ -1,5 +1,6 @@
-"""Elementwise rounding of float32 tensors (csrc/quantize.c): ``lp_quantize_f32`` and the
-batched transpose ``lp_quantize_f32_bt``."""
+"""Elementwise rounding of float32 tensors (csrc/quantize.c): ``lp_quantize_f32``, the
+batched transpose ``lp_quantize_f32_bt`` and the rounding that counts the non-finite values it
+writes ``lp_quantize_f32_nonfinite``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from ..params import ElementParams
 from . import library
 from .library import LPParams
 
-__all__ = ["quantize_f32", "quantize_prepared", "quantize_transposed", "transposed_available"]
+__all__ = ["quantize_f32", "quantize_prepared", "quantize_transposed", "transposed_available",
+           "nonfinite_available", "quantize_prepared_nonfinite"]
 
 
 def quantize_prepared(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> None:
@@ -41,3 +43,16 @@ def quantize_transposed(x: torch.Tensor, out: torch.Tensor, batch: int, rows: in
     cols = C). Below 2**32 elements (unchecked: the caller checked)."""
     library.lib().lp_quantize_f32_bt(x.data_ptr(), out.data_ptr(), batch, rows, cols,
                                      ctypes.byref(prm), torch.get_num_threads())
+
+
+def nonfinite_available() -> bool:
+    """True when the loaded kernel has the rounding that counts non-finite values."""
+    lib = library.lib()
+    return lib is not None and hasattr(lib, "lp_quantize_f32_nonfinite")
+
+
+def quantize_prepared_nonfinite(x: torch.Tensor, out: torch.Tensor, prm: LPParams) -> int:
+    """:func:`quantize_prepared`, returning how many of the values it wrote are Inf or NaN
+    (one pass: each chunk counted while it is in cache)."""
+    return library.lib().lp_quantize_f32_nonfinite(x.data_ptr(), out.data_ptr(), x.numel(),
+                                                   ctypes.byref(prm), torch.get_num_threads())

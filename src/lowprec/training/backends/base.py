@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ...numerics.formats import FP32, Format
-from ...numerics.quantize import quantize_
+from ...numerics.quantize import quantize_, quantize_counting_
 from ..policy import Backend, Policy
 from ..regimes import GroupKey, Role
 
@@ -113,13 +113,27 @@ class PrecisionBackend:
         has to put it there (FP32: the gradient is kept as it is)."""
         return [FP32] * len(params)
 
-    def round_grads(self, params: list, formats: list[Format]) -> None:
+    def round_grads(self, params: list, formats: list[Format], *, count: bool = False
+                    ) -> tuple[int, list]:
         """Round each gradient in place onto its format (from :meth:`grad_formats`), refined
-        per group by the regimes."""
+        per group by the regimes. ``count``: a gradient the kernel can round and check in one
+        pass (:func:`~lowprec.numerics.quantize.quantize_counting_`) is so rounded and its Inf
+        and NaN values counted. Returns the count and the gradients not counted (all of them
+        without ``count``), which the caller checks."""
+        found, rest = 0, []
         for p, fmt in zip(params, formats):
+            n = None
             if fmt != FP32:
                 key = GroupKey(Role.PARAM_GRAD, self.names.get(id(p), str(id(p))))
-                quantize_(p.grad, self.resolve(fmt, key, p.grad))
+                fmt = self.resolve(fmt, key, p.grad)
+                n = quantize_counting_(p.grad, fmt) if count else None
+                if n is None:
+                    quantize_(p.grad, fmt)
+            if n is None:
+                rest.append(p.grad)
+            else:
+                found += n
+        return found, rest
 
     def stored_formats(self) -> dict[str, Format]:
         """Name -> format of each parameter and buffer held on a format's grid in a wider
