@@ -370,3 +370,81 @@ def test_fused_step_with_nonfinite_gradients_equals_torch_path(name, storage):
     for key, val in st_f.items():
         if torch.is_tensor(val) and val.dim():
             same(val, st_t[key], f"{name} {storage}: {key}")
+
+
+def _wrapped_sgd_run(pf, update, fuse, groups, *, layout=torch.contiguous_format, steps=3,
+                     grad_scale=0.37, sched=False):
+    """Three steps of a FormatOptimizer around torch.optim.SGD; ``fuse``: its fused path
+    allowed, else forced onto torch's step. Returns the weights and how many fused steps ran."""
+    ws = [quantize(torch.randn((16, 6, 5, 5), generator=torch.Generator().manual_seed(7 + i)),
+                   pf).contiguous(memory_format=layout) for i in range(len(groups))]
+    inner = torch.optim.SGD([dict(params=[w], **g) for w, g in zip(ws, groups)], lr=0.1)
+    opt = FormatOptimizer(inner, param_format=parse_format(pf), update=update,
+                          generator=torch.Generator().manual_seed(11))
+    ran = []
+    if not fuse:
+        opt._sgd_fuses = lambda: False
+    else:
+        real = opt._sgd_fuses
+        opt._sgd_fuses = lambda: ran.append(real()) or ran[-1]
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5) if sched else None
+    for i in range(steps):
+        for w in ws:
+            w.grad = (_grads(i, (16, 6 * 5 * 5)).reshape(w.shape).clone()  # (scaled in place)
+                      .contiguous(memory_format=layout))
+        opt.step(grad_scale=grad_scale)
+        if scheduler is not None:
+            scheduler.step()
+    return ws, sum(ran)
+
+
+@pytest.mark.skipif(not kernel.available(), reason="kernel not built")
+@pytest.mark.parametrize("update", ["nearest", "stochastic"])
+@pytest.mark.parametrize("pf", ["fp16", "bf16", "e5m2", "q6.10"])
+def test_a_wrapped_torch_sgd_steps_fused_with_torch_steps_bits(pf, update):
+    """FormatOptimizer around torch.optim.SGD without momentum steps each float32 carrier by
+    the fused kernel (update and write-back in one pass): the bits of torch's step and the
+    rounding after it, with weight decay or none, two groups of their own rates, a
+    channels-last weight, a grad_scale, an integer rate, and a scheduler changing the rate."""
+    groups = [dict(weight_decay=1e-3), dict(lr=1, weight_decay=0)]
+    for layout in (torch.contiguous_format, torch.channels_last):
+        if update == "stochastic" and layout == torch.channels_last:
+            continue  # (stochastic bits follow logical indices: the torch path, as for SGD)
+        for sched in (False, True):
+            fused, ran = _wrapped_sgd_run(pf, update, True, groups, layout=layout, sched=sched)
+            plain, _ = _wrapped_sgd_run(pf, update, False, groups, layout=layout, sched=sched)
+            assert ran == 3, "the fused step did not run"
+            for a, b in zip(fused, plain):
+                assert_same_bits(a, b, f"{pf} {update} {layout} {sched}")
+
+
+@pytest.mark.skipif(not kernel.available(), reason="kernel not built")
+def test_a_wrapped_torch_sgd_steps_as_torch_does_what_the_kernel_does_not_compute():
+    """Momentum, maximize, a step hook, a closure, a tensor rate, native fp16 parameters: the
+    wrapped optimizer's own step runs (its hooks with it)."""
+    import warnings
+
+    for group in (dict(momentum=0.9), dict(maximize=True), dict(lr=torch.tensor(0.1)),
+                  dict(weight_decay=1e-60)):
+        _, ran = _wrapped_sgd_run("fp16", "nearest", True, [group])
+        assert ran == 0, group
+    w = torch.randn(8, 8).half()
+    opt = FormatOptimizer(torch.optim.SGD([w], lr=0.1), param_format=parse_format("fp16"))
+    w.grad = torch.randn(8, 8).half()
+    assert not opt._sgd_fuses()
+    w = quantize(torch.randn(8, 8), "fp16")
+    inner = torch.optim.SGD([w], lr=0.1)
+    opt = FormatOptimizer(inner, param_format=parse_format("fp16"))
+    w.grad = torch.randn(8, 8)
+    hooked = []
+    handle = inner.register_step_post_hook(lambda *a: hooked.append(1))
+    opt.step()
+    assert hooked == [1] and not opt._sgd_fuses()
+    handle.remove()
+    assert opt._sgd_fuses()  # (stepped)
+    assert opt.step(closure=lambda: torch.tensor(2.0)) == 2.0  # the closure's loss, torch's step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        sched = torch.optim.lr_scheduler.StepLR(inner, 1)
+        opt.step()
+        sched.step()

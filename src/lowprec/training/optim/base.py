@@ -13,7 +13,7 @@ from ...numerics.storage import compact, storage_dtype
 from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, write
 
-__all__ = ["LowPrecisionOptimizer", "sqrt_rn"]
+__all__ = ["LowPrecisionOptimizer", "sqrt_rn", "run_fused"]
 
 
 def sqrt_rn(x32: torch.Tensor) -> torch.Tensor:
@@ -27,6 +27,22 @@ def sqrt_rn(x32: torch.Tensor) -> torch.Tensor:
     exact, and this is its torch twin.
     """
     return x32.double().sqrt_().float()
+
+
+def run_fused(st: Storage, p, s1, s2, opt, grad_scale, sformat: Format | None = None) -> None:
+    """One parameter's step by the fused kernel (``opt``: the update's :class:`LPOpt`), with
+    ``st``'s formats and write-back mode; ``sformat``: the state's format if not ``st``'s."""
+    sf = st.sformat(p) if sformat is None else sformat
+    opt.p_dtype = _kernel.opt_dtype_code(p.dtype)
+    opt.g_dtype = _kernel.opt_dtype_code(p.grad.dtype)
+    opt.s_dtype = _kernel.opt_dtype_code(storage_dtype(sf))
+    opt.grad_scale = 1.0 if grad_scale is None else float(grad_scale)
+    opt.p_is_bf16 = int(st.pformat(p) == BF16)
+    opt.s_is_bf16 = int(sf == BF16)
+    mode = Rounding.STOCHASTIC if st.update == "stochastic" else Rounding.NEAREST_EVEN
+    seed = draw_seed(st.generator) if st.update == "stochastic" else (0, 0)
+    _kernel.opt_step(p, p.grad, s1, s2, opt, element_params(st.pformat(p)),
+                     ROUNDING_CODES[mode], seed, element_params(sf))
 
 
 class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
@@ -207,17 +223,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         )
 
     def _run_fused(self, p, s1, s2, opt, grad_scale) -> None:
-        st = self.storage
-        opt.p_dtype = _kernel.opt_dtype_code(p.dtype)
-        opt.g_dtype = _kernel.opt_dtype_code(p.grad.dtype)
-        opt.s_dtype = _kernel.opt_dtype_code(storage_dtype(st.sformat(p)))
-        opt.grad_scale = 1.0 if grad_scale is None else float(grad_scale)
-        opt.p_is_bf16 = int(st.pformat(p) == BF16)
-        opt.s_is_bf16 = int(st.sformat(p) == BF16)
-        mode = Rounding.STOCHASTIC if st.update == "stochastic" else Rounding.NEAREST_EVEN
-        seed = draw_seed(st.generator) if st.update == "stochastic" else (0, 0)
-        _kernel.opt_step(p, p.grad, s1, s2, opt, element_params(st.pformat(p)),
-                         ROUNDING_CODES[mode], seed, element_params(st.sformat(p)))
+        run_fused(self.storage, p, s1, s2, opt, grad_scale)
 
     def _fused(self, p, state, group, grad_scale) -> bool:
         return False

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
+from ...numerics import kernel as _kernel
 from ...numerics.formats import FP32, Format
 from ...numerics.storage import compact, format_of_dtype, storage_dtype
+from .base import LowPrecisionOptimizer, run_fused
 from .protocol import PolicyOptimizer
 from .writeback import Storage, kahan_write, round_to, write
 
 __all__ = ["FormatOptimizer"]
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as torch hands a Python scalar to a float32 kernel."""
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
@@ -123,6 +131,8 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                 p.grad.mul_(grad_scale)
             if st.update == "kahan" and p.grad is not None:
                 old[p] = p.float().clone()
+        if closure is None and self._sgd_fuses():
+            return None
         loss = self.optimizer.step(closure)
         for p in self.model_params:
             if p.grad is None:
@@ -142,6 +152,54 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                         v32 = val.float()  # (val itself when fp32: rounded in place)
                         write(val, v32, st.now(sf, p, key, v32), "nearest", None)
         return loss
+
+    def _sgd_fuses(self) -> bool:
+        """A wrapped ``torch.optim.SGD`` without momentum, stepping float32 carriers: its update
+        and the write-back in one pass of the fused kernel (lp_opt_step), which computes
+        torch's ``grad.add(param, alpha=wd)`` and ``param.add_(grad, alpha=-lr)`` as its CPU
+        kernels do (one fused multiply-add each: :class:`~.sgd.SGD`'s definition, momentum 0),
+        then rounds as :func:`.writeback.write` does; torch's separate passes took twice as long
+        (benchmarks/RESULTS.md, "Issue 37, twelfth session"). Done (True) only where every
+        parameter with a gradient qualifies; else nothing is done and torch's step runs.
+        Kept to what makes the two identical: no hooks on the step (they would not run),
+        no maximize, differentiable or fused (torch's own kernel) groups, a number for the
+        rate. A learning-rate scheduler built on the wrapped optimizer is told it stepped."""
+        o, st = self.optimizer, self.storage
+        if type(o) is not torch.optim.SGD or st.update == "kahan" or \
+                torch.compiler.is_compiling() or not _kernel.available() or \
+                o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks or \
+                _torch_optimizer._global_optimizer_pre_hooks or \
+                _torch_optimizer._global_optimizer_post_hooks:
+            return False
+        step = vars(o).get("step")
+        if step is not None and not hasattr(step, "_wrapped_by_lr_sched"):
+            return False  # a step the user replaced
+        todo = []
+        for group in o.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            if group["momentum"] != 0 or group.get("maximize") or group.get("differentiable") \
+                    or group.get("fused") or not isinstance(lr, (int, float)) or \
+                    isinstance(lr, bool) or not isinstance(wd, (int, float)) or \
+                    (wd != 0 and _f32(wd) == 0):  # (torch adds 0 * w: NaN where w is Inf)
+                return False
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                pf = st.pformat(p)
+                if p.dtype != torch.float32 or p.grad.dtype != torch.float32 or \
+                        p.grad.is_sparse or pf == FP32 or \
+                        not LowPrecisionOptimizer._fusable_formats(p, pf, FP32) or \
+                        not LowPrecisionOptimizer._alike(p, {}, st.update == "stochastic"):
+                    return False
+                todo.append((p, group))
+        for p, group in todo:
+            opt = _kernel.LPOpt(kind=0, nesterov=0, first=0, has_momentum=0,
+                                neg_lr=-float(group["lr"]), momentum=0.0, damp_c=1.0,
+                                wd=float(group["weight_decay"]))
+            run_fused(st, p, None, None, opt, None, sformat=FP32)
+        if step is not None:
+            o._opt_called = True  # what the scheduler's wrapper of o.step records
+        return True
 
     def state_layout(self, p) -> dict[str, Format]:
         """Format of every state tensor kept for the model parameter ``p``, each with one value
