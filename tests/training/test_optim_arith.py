@@ -373,13 +373,14 @@ def test_fused_step_with_nonfinite_gradients_equals_torch_path(name, storage):
 
 
 def _wrapped_sgd_run(pf, update, fuse, groups, *, layout=torch.contiguous_format, steps=3,
-                     grad_scale=0.37, sched=False):
+                     grad_scale=0.37, sched=False, sf=None):
     """Three steps of a FormatOptimizer around torch.optim.SGD; ``fuse``: its fused path
     allowed, else forced onto torch's step. Returns the weights and how many fused steps ran."""
     ws = [quantize(torch.randn((16, 6, 5, 5), generator=torch.Generator().manual_seed(7 + i)),
                    pf).contiguous(memory_format=layout) for i in range(len(groups))]
     inner = torch.optim.SGD([dict(params=[w], **g) for w, g in zip(ws, groups)], lr=0.1)
     opt = FormatOptimizer(inner, param_format=parse_format(pf), update=update,
+                          state_format=parse_format(sf or pf),
                           generator=torch.Generator().manual_seed(11))
     ran = []
     if not fuse:
@@ -395,37 +396,50 @@ def _wrapped_sgd_run(pf, update, fuse, groups, *, layout=torch.contiguous_format
         opt.step(grad_scale=grad_scale)
         if scheduler is not None:
             scheduler.step()
-    return ws, sum(ran)
+    state = [inner.state[w] for w in ws]
+    return ws + [s["momentum_buffer"] for s in state if "momentum_buffer" in s], sum(ran)
+
+
+WRAPPED_SGD = {
+    "plain": [dict(weight_decay=1e-3), dict(lr=1, weight_decay=0)],
+    "momentum": [dict(momentum=0.9, weight_decay=1e-3), dict(momentum=0.5, dampening=0.3)],
+    "nesterov": [dict(momentum=0.9, nesterov=True, weight_decay=1e-4), dict(lr=2)],
+}
 
 
 @pytest.mark.skipif(not kernel.available(), reason="kernel not built")
 @pytest.mark.parametrize("update", ["nearest", "stochastic"])
-@pytest.mark.parametrize("pf", ["fp16", "bf16", "e5m2", "q6.10"])
-def test_a_wrapped_torch_sgd_steps_fused_with_torch_steps_bits(pf, update):
-    """FormatOptimizer around torch.optim.SGD without momentum steps each float32 carrier by
-    the fused kernel (update and write-back in one pass): the bits of torch's step and the
-    rounding after it, with weight decay or none, two groups of their own rates, a
-    channels-last weight, a grad_scale, an integer rate, and a scheduler changing the rate."""
-    groups = [dict(weight_decay=1e-3), dict(lr=1, weight_decay=0)]
+@pytest.mark.parametrize("kind", list(WRAPPED_SGD))
+@pytest.mark.parametrize("pf, sf", [("fp16", None), ("bf16", None), ("e5m2", "fp32"),
+                                    ("q6.10", "bf16"), ("fp32", "bf16")])
+def test_a_wrapped_torch_sgd_steps_fused_with_torch_steps_bits(pf, sf, kind, update):
+    """FormatOptimizer around torch.optim.SGD steps each float32 carrier by the fused kernel
+    (update and write-back in one pass): the bits of torch's step and the roundings after it,
+    parameters and momentum buffers, with weight decay or none, momentum, dampening, Nesterov,
+    two groups of their own settings, a channels-last weight, a grad_scale, an integer rate,
+    and a scheduler changing the rate."""
     for layout in (torch.contiguous_format, torch.channels_last):
         if update == "stochastic" and layout == torch.channels_last:
             continue  # (stochastic bits follow logical indices: the torch path, as for SGD)
         for sched in (False, True):
-            fused, ran = _wrapped_sgd_run(pf, update, True, groups, layout=layout, sched=sched)
-            plain, _ = _wrapped_sgd_run(pf, update, False, groups, layout=layout, sched=sched)
+            args = (pf, update)
+            kw = dict(layout=layout, sched=sched, sf=sf)
+            fused, ran = _wrapped_sgd_run(*args, True, WRAPPED_SGD[kind], **kw)
+            plain, _ = _wrapped_sgd_run(*args, False, WRAPPED_SGD[kind], **kw)
             assert ran == 3, "the fused step did not run"
+            assert len(fused) == len(plain) == 2 + (kind != "plain") + (kind == "momentum")
             for a, b in zip(fused, plain):
-                assert_same_bits(a, b, f"{pf} {update} {layout} {sched}")
+                assert a.stride() == b.stride()
+                assert_same_bits(a, b, f"{pf} {sf} {kind} {update} {layout} {sched}")
 
 
 @pytest.mark.skipif(not kernel.available(), reason="kernel not built")
 def test_a_wrapped_torch_sgd_steps_as_torch_does_what_the_kernel_does_not_compute():
-    """Momentum, maximize, a step hook, a closure, a tensor rate, native fp16 parameters: the
-    wrapped optimizer's own step runs (its hooks with it)."""
+    """Maximize, a step hook, a closure, a tensor rate, a weight decay float32 has no value
+    for, native fp16 parameters: the wrapped optimizer's own step runs (its hooks with it)."""
     import warnings
 
-    for group in (dict(momentum=0.9), dict(maximize=True), dict(lr=torch.tensor(0.1)),
-                  dict(weight_decay=1e-60)):
+    for group in (dict(maximize=True), dict(lr=torch.tensor(0.1)), dict(weight_decay=1e-60)):
         _, ran = _wrapped_sgd_run("fp16", "nearest", True, [group])
         assert ran == 0, group
     w = torch.randn(8, 8).half()

@@ -6,7 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-int lp_abi_version(void) { return 5; }
+int lp_abi_version(void) { return 6; }
 
 static struct PyModuleDef lp_module = {PyModuleDef_HEAD_INIT, "_qkernel",
                                        "lowprec quantization kernel (called through ctypes)", -1,

@@ -34,6 +34,10 @@ typedef struct {
     float bc2_sqrt;   /* sqrt(1 - beta2**step) */
     float grad_scale;
     int32_t p_is_bf16, s_is_bf16; /* the format is exactly IEEE bfloat16 (round by bit trick) */
+    /* SGD: the update reads the new momentum before it is rounded for storage (a torch.optim.SGD
+     * stepping float32 carriers, whose state FormatOptimizer rounds after the step); 0: the
+     * stored, rounded one (lowprec's SGD, as a 16-bit buffer holds it) */
+    int32_t raw_state;
 } lp_opt;
 
 /* float16 <-> float32 by integer operations, so that every clone vectorizes (no AVX512-FP16 or
@@ -238,10 +242,11 @@ LP_OPT_CLONES static void opt_range(const lp_opt_job *j, int64_t begin, int64_t 
                 }
                 round_state(a, q1, n, &si, o.s_is_bf16, ne, sfast, sq);
                 store_tile(j->s1, q1, o.s_dtype, t0, n, f16c);
+                const uint32_t *b = o.raw_state ? a : q1; /* the momentum the update reads */
                 if (o.nesterov) {
-                    for (int l = 0; l < n; ++l) g[l] = fmaf(u2f(q1[l]), o.momentum, g[l]);
+                    for (int l = 0; l < n; ++l) g[l] = fmaf(u2f(b[l]), o.momentum, g[l]);
                 } else {
-                    for (int l = 0; l < n; ++l) g[l] = u2f(q1[l]);
+                    for (int l = 0; l < n; ++l) g[l] = u2f(b[l]);
                 }
             }
             for (int l = 0; l < n; ++l) a[l] = f2u(fmaf(g[l], o.neg_lr, w[l]));

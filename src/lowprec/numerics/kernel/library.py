@@ -18,7 +18,7 @@ from ..params import ElementParams
 __all__ = ["ABI_VERSION", "LPParams", "LPOpt", "LPAccFmt", "LPAccGemm", "available", "lib",
            "open_kernel", "params", "prepare", "with_keys"]
 
-ABI_VERSION = 5  # lp_abi_version() in csrc/module.c
+ABI_VERSION = 6  # lp_abi_version() in csrc/module.c
 
 
 class LPParams(ctypes.Structure):
@@ -49,8 +49,8 @@ class LPOpt(ctypes.Structure):
         "kind", "p_dtype", "g_dtype", "s_dtype", "nesterov", "first", "decoupled",
         "sqrt_storage", "has_momentum")] + [(name, ctypes.c_float) for name in (
         "neg_lr", "momentum", "damp_c", "wd", "decay", "lerp_w", "beta2", "beta2_c", "eps",
-        "neg_step", "bc2_sqrt", "grad_scale")] + [("p_is_bf16", ctypes.c_int32),
-                                                   ("s_is_bf16", ctypes.c_int32)]
+        "neg_step", "bc2_sqrt", "grad_scale")] + [(name, ctypes.c_int32) for name in (
+        "p_is_bf16", "s_is_bf16", "raw_state")]
 
 
 class LPAccFmt(ctypes.Structure):

@@ -31,11 +31,12 @@ def sqrt_rn(x32: torch.Tensor) -> torch.Tensor:
 
 def run_fused(st: Storage, p, s1, s2, opt, grad_scale, sformat: Format | None = None) -> None:
     """One parameter's step by the fused kernel (``opt``: the update's :class:`LPOpt`), with
-    ``st``'s formats and write-back mode; ``sformat``: the state's format if not ``st``'s."""
+    ``st``'s formats and write-back mode; ``sformat``: the state's format if not ``st``'s. The
+    state is read and written in its tensors' dtype (``s1``; without state, the format's)."""
     sf = st.sformat(p) if sformat is None else sformat
     opt.p_dtype = _kernel.opt_dtype_code(p.dtype)
     opt.g_dtype = _kernel.opt_dtype_code(p.grad.dtype)
-    opt.s_dtype = _kernel.opt_dtype_code(storage_dtype(sf))
+    opt.s_dtype = _kernel.opt_dtype_code(s1.dtype if s1 is not None else storage_dtype(sf))
     opt.grad_scale = 1.0 if grad_scale is None else float(grad_scale)
     opt.p_is_bf16 = int(st.pformat(p) == BF16)
     opt.s_is_bf16 = int(sf == BF16)

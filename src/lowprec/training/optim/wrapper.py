@@ -154,16 +154,19 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         return loss
 
     def _sgd_fuses(self) -> bool:
-        """A wrapped ``torch.optim.SGD`` without momentum, stepping float32 carriers: its update
-        and the write-back in one pass of the fused kernel (lp_opt_step), which computes
-        torch's ``grad.add(param, alpha=wd)`` and ``param.add_(grad, alpha=-lr)`` as its CPU
-        kernels do (one fused multiply-add each: :class:`~.sgd.SGD`'s definition, momentum 0),
-        then rounds as :func:`.writeback.write` does; torch's separate passes took twice as long
-        (benchmarks/RESULTS.md, "Issue 37, twelfth session"). Done (True) only where every
-        parameter with a gradient qualifies; else nothing is done and torch's step runs.
-        Kept to what makes the two identical: no hooks on the step (they would not run),
-        no maximize, differentiable or fused (torch's own kernel) groups, a number for the
-        rate. A learning-rate scheduler built on the wrapped optimizer is told it stepped."""
+        """A wrapped ``torch.optim.SGD`` stepping float32 carriers: its update and the
+        write-back in one pass of the fused kernel (lp_opt_step), which computes torch's
+        single-tensor step as its CPU kernels do (:class:`~.sgd.SGD`'s definition: one fused
+        multiply-add for each ``add`` with ``alpha``, ``buf.mul_(momentum)`` rounded to float32
+        first), the update reading the momentum before it is rounded to the state format
+        (``raw_state``: torch's step, then this wrapper's rounding of the state), then rounds
+        parameter and state as :func:`.writeback.write` does; torch's separate passes took
+        about twice as long (benchmarks/RESULTS.md, "Issue 37, twelfth session"). Done (True)
+        only where every parameter with a gradient qualifies; else nothing is done and torch's
+        step runs. Kept to what makes the two identical: no hooks on the step (they would not
+        run), no maximize, differentiable or fused (torch's own kernel) groups, numbers for the
+        rate and weight decay, float32 state laid out as its parameter. A learning-rate
+        scheduler built on the wrapped optimizer is told it stepped."""
         o, st = self.optimizer, self.storage
         if type(o) is not torch.optim.SGD or st.update == "kahan" or \
                 torch.compiler.is_compiling() or not _kernel.available() or \
@@ -177,7 +180,7 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         todo = []
         for group in o.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
-            if group["momentum"] != 0 or group.get("maximize") or group.get("differentiable") \
+            if group.get("maximize") or group.get("differentiable") \
                     or group.get("fused") or not isinstance(lr, (int, float)) or \
                     isinstance(lr, bool) or not isinstance(wd, (int, float)) or \
                     (wd != 0 and _f32(wd) == 0):  # (torch adds 0 * w: NaN where w is Inf)
@@ -185,18 +188,26 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                pf = st.pformat(p)
+                pf, sf = st.pformat(p), st.sformat(p)
+                state = o.state.get(p, {})
+                buf = state.get("momentum_buffer")
                 if p.dtype != torch.float32 or p.grad.dtype != torch.float32 or \
-                        p.grad.is_sparse or pf == FP32 or \
-                        not LowPrecisionOptimizer._fusable_formats(p, pf, FP32) or \
-                        not LowPrecisionOptimizer._alike(p, {}, st.update == "stochastic"):
+                        p.grad.is_sparse or (pf == FP32 and sf == FP32) or \
+                        (buf is not None and buf.dtype != torch.float32) or \
+                        not LowPrecisionOptimizer._fusable_formats(p, pf, sf) or \
+                        not LowPrecisionOptimizer._alike(p, state, st.update == "stochastic"):
                     return False
-                todo.append((p, group))
-        for p, group in todo:
-            opt = _kernel.LPOpt(kind=0, nesterov=0, first=0, has_momentum=0,
-                                neg_lr=-float(group["lr"]), momentum=0.0, damp_c=1.0,
-                                wd=float(group["weight_decay"]))
-            run_fused(st, p, None, None, opt, None, sformat=FP32)
+                todo.append((p, group, buf))
+        for p, group, buf in todo:
+            mom = group["momentum"]
+            first = bool(mom) and buf is None
+            if first:  # (torch's clone of the gradient, laid out as it)
+                buf = o.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            opt = _kernel.LPOpt(kind=0, nesterov=int(group["nesterov"]), first=int(first),
+                                has_momentum=int(bool(mom)), neg_lr=-float(group["lr"]),
+                                momentum=mom, damp_c=1 - group["dampening"],
+                                wd=float(group["weight_decay"]), raw_state=1)
+            run_fused(st, p, buf if mom else None, None, opt, None)
         if step is not None:
             o._opt_called = True  # what the scheduler's wrapper of o.step records
         return True
