@@ -297,6 +297,22 @@ def test_a_gradient_its_one_consumer_rounded_is_not_rounded_again(policy, monkey
                                (autograd_fns, "rounded_already", lambda g, fmt: False))
 
 
+@pytest.mark.parametrize("policy", ["16-true", "16-mixed", "fixed16-sr",
+                                    "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated"])
+def test_a_linear_on_3d_input_has_its_output_rounded_in_place(policy, monkeypatch):
+    """F.linear on a 3-d input returns a view of its addmm output: that output is rounded in
+    place and viewed again (owned_base), not copied; the bits of the copy, stochastic rounding's
+    included (the same keys, the same element indices)."""
+    from lowprec.training.emulation import engine
+    from lowprec.training.emulation.autograd_fns import owned
+
+    def net():
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Linear(16, 4))
+
+    _same_bits_fewer_roundings(monkeypatch, policy, net, (4, 6, 8),
+                               (engine, "owned_base", lambda t: t if owned(t) else None))
+
+
 def _same_bits_fewer_roundings(monkeypatch, policy, build, shape, patch):
     """3 SGD steps of ``build()`` under ``policy``, as it is and with ``patch`` (module, name,
     value: a skip turned off): the same gradients and parameters bit for bit, and fewer kernel

@@ -61,7 +61,7 @@ from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
 from .autograd_fns import (ROUNDABLE, Broadcast, Consumed, GradSum, Round, RoundInplace,
-                           Stream, Upcast, consumer_sum, fresh, owned)
+                           Stream, Upcast, consumer_sum, fresh, owned, owned_base)
 from .gradmarks import pass_through
 from .rules import TARGETS, Rule, check_target, group_key, parse_override
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
@@ -596,8 +596,19 @@ class Emulation:
         with torch._C.DisableTorchFunction():
             fwd, bwd = self._fmts(rule, key, t, axis, grads)
             if t.requires_grad and torch.is_grad_enabled():
-                out = (RoundInplace if own and IN_PLACE and owned(t) else Round).apply(
-                    t, fwd, bwd, rule.rounding, rule.grad_rounding, self._keys())
+                base = owned_base(t) if own and IN_PLACE else None
+                if base is t:
+                    out = RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                                             self._keys())
+                elif base is not None:
+                    # a view of all of an op's fresh output (linear on a 3-d input): that
+                    # output rounded in place, and viewed again (t's own node would be
+                    # replayed by as_strided, a pass more in backward)
+                    out = RoundInplace.apply(base, fwd, bwd, rule.rounding,
+                                             rule.grad_rounding, self._keys()).view(t.shape)
+                else:
+                    out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                                      self._keys())
             else:
                 out = fresh(autograd_fns.quantize_keyed(t, fwd, rule.rounding, self._keys()))
         if axis is None:
