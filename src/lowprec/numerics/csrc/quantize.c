@@ -345,13 +345,11 @@ __attribute__((target("avx2,f16c"))) static void fp16_ne_f16c(const uint32_t *in
     if (i < n) loop_ne(in + i, out + i, n - i, 0, 0, p); /* the tail: the integer loop */
 }
 
+/* No cache: the answer is read from libgcc's CPU model, which its constructor filled when the
+ * library loaded (__builtin_cpu_init is needed only before constructors run), so the threads of
+ * a parallel region may ask at once. */
 int lp_has_f16c(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    }
-    return known;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
 
 LP_INLINE int lp_is_fp16_ne(const lp_params *p) {

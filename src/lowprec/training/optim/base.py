@@ -41,9 +41,16 @@ def run_fused(st: Storage, p, s1, s2, opt, grad_scale, sformat: Format | None = 
     opt.p_is_bf16 = int(st.pformat(p) == BF16)
     opt.s_is_bf16 = int(sf == BF16)
     mode = Rounding.STOCHASTIC if st.update == "stochastic" else Rounding.NEAREST_EVEN
-    seed = draw_seed(st.generator) if st.update == "stochastic" else (0, 0)
+    # a seed drawn where the torch path's write-back draws one: not for an fp32 parameter
+    # (round_to returns it) nor an empty one (quantize returns first), so that the parameters
+    # after it get the same draws
+    draws = st.update == "stochastic" and st.pformat(p) != FP32 and p.numel() > 0
+    seed = draw_seed(st.generator) if draws else (0, 0)
     _kernel.opt_step(p, p.grad, s1, s2, opt, element_params(st.pformat(p)),
                      ROUNDING_CODES[mode], seed, element_params(sf))
+    # written through their memory: their version counters move, as an in-place op's do (a
+    # graph that saved them before the step is refused, as after torch's step)
+    torch.autograd.graph.increment_version([t for t in (p, s1, s2) if t is not None])
 
 
 class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
@@ -193,9 +200,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         or (a deterministic write-back) one other dense layout they share, such as a
         channels-last convolution weight's, whose gradient and state torch lays out as the
         weight (stochastic rounding counts logical indices, which only contiguous memory
-        follows). A state tensor of another layout (loaded from a checkpoint of another
-        layout) sends the parameter to the torch path."""
+        follows). A state tensor of another layout or shape (loaded from a checkpoint of
+        another layout or model) or a sparse gradient sends the parameter to the torch path."""
         g = p.grad
+        if g.layout != torch.strided or g.shape != p.shape or g.device != p.device:
+            return False
+        for t in state.values():  # (state of another shape: a checkpoint of another model)
+            if isinstance(t, torch.Tensor) and t.dim() and (
+                    t.shape != p.shape or t.device != p.device or t.layout != torch.strided):
+                return False
         if p.is_contiguous():  # (the common case, first: a few C calls a parameter)
             if not g.is_contiguous():
                 return False

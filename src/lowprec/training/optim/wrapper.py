@@ -15,6 +15,12 @@ from .writeback import Storage, kahan_write, round_to, write
 __all__ = ["FormatOptimizer"]
 
 
+def _number(x) -> bool:
+    """A Python int or float (not a bool, not a tensor): what the kernel's float32 fields take
+    as torch takes a Python scalar."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _f32(x: float) -> float:
     """``x`` rounded to float32, as torch hands a Python scalar to a float32 kernel."""
     return torch.tensor(x, dtype=torch.float32).item()
@@ -163,10 +169,12 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         parameter and state as :func:`.writeback.write` does; torch's separate passes took
         about twice as long (benchmarks/RESULTS.md, "Issue 37, twelfth session"). Done (True)
         only where every parameter with a gradient qualifies; else nothing is done and torch's
-        step runs. Kept to what makes the two identical: no hooks on the step (they would not
-        run), no maximize, differentiable or fused (torch's own kernel) groups, numbers for the
-        rate and weight decay, float32 state laid out as its parameter. A learning-rate
-        scheduler built on the wrapped optimizer is told it stepped."""
+        step runs. Kept to what makes the two identical, gradients after the step included:
+        no hooks on the step (they would not run), a step nobody replaced, no maximize,
+        differentiable, fused (torch's own kernel) or foreach groups (the for-each Nesterov
+        step adds the momentum into the gradients), numbers for the hyperparameters, parameters
+        this wrapper rounds, float32 state of their shape and layout and no other state. A
+        learning-rate scheduler built on the wrapped optimizer is told it stepped."""
         o, st = self.optimizer, self.storage
         if type(o) is not torch.optim.SGD or st.update == "kahan" or \
                 torch.compiler.is_compiling() or not _kernel.available() or \
@@ -175,15 +183,22 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                 _torch_optimizer._global_optimizer_post_hooks:
             return False
         step = vars(o).get("step")
-        if step is not None and not hasattr(step, "_wrapped_by_lr_sched"):
-            return False  # a step the user replaced
+        # (a scheduler's wrapper of the class's step; not of a step the user put in its place)
+        if step is not None and not (hasattr(step, "_wrapped_by_lr_sched") and
+                                     getattr(step, "__wrapped__", None) is type(o).step):
+            return False
+        ours = self.__dict__.get("_model_ids")
+        if ours is None or len(ours) != len(self.model_params):
+            ours = self._model_ids = {id(p) for p in self.model_params}
         todo = []
         for group in o.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            if group.get("maximize") or group.get("differentiable") \
-                    or group.get("fused") or not isinstance(lr, (int, float)) or \
-                    isinstance(lr, bool) or not isinstance(wd, (int, float)) or \
-                    (wd != 0 and _f32(wd) == 0):  # (torch adds 0 * w: NaN where w is Inf)
+            if group.get("maximize") or group.get("differentiable") or group.get("fused") or \
+                    group.get("foreach") or \
+                    not all(_number(group[k]) for k in ("lr", "momentum", "dampening",
+                                                         "weight_decay")):
+                return False
+            wd = group["weight_decay"]
+            if wd != 0 and _f32(wd) == 0:  # (torch adds 0 * w: NaN where w is Inf)
                 return False
             for p in group["params"]:
                 if p.grad is None:
@@ -191,9 +206,12 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                 pf, sf = st.pformat(p), st.sformat(p)
                 state = o.state.get(p, {})
                 buf = state.get("momentum_buffer")
-                if p.dtype != torch.float32 or p.grad.dtype != torch.float32 or \
-                        p.grad.is_sparse or (pf == FP32 and sf == FP32) or \
-                        (buf is not None and buf.dtype != torch.float32) or \
+                if id(p) not in ours or p.dtype != torch.float32 or \
+                        p.grad.dtype != torch.float32 or (pf == FP32 and sf == FP32) or \
+                        any(k != "momentum_buffer" for k in state) or \
+                        (buf is not None and (not group["momentum"] or
+                                              not isinstance(buf, torch.Tensor) or
+                                              buf.dtype != torch.float32)) or \
                         not LowPrecisionOptimizer._fusable_formats(p, pf, sf) or \
                         not LowPrecisionOptimizer._alike(p, state, st.update == "stochastic"):
                     return False
@@ -202,7 +220,7 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
             mom = group["momentum"]
             first = bool(mom) and buf is None
             if first:  # (torch's clone of the gradient, laid out as it)
-                buf = o.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                buf = o.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
             opt = _kernel.LPOpt(kind=0, nesterov=int(group["nesterov"]), first=int(first),
                                 has_momentum=int(bool(mom)), neg_lr=-float(group["lr"]),
                                 momentum=mom, damp_c=1 - group["dampening"],
