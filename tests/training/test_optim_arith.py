@@ -411,7 +411,7 @@ WRAPPED_SGD = {
 @pytest.mark.parametrize("update", ["nearest", "stochastic"])
 @pytest.mark.parametrize("kind", list(WRAPPED_SGD))
 @pytest.mark.parametrize("pf, sf", [("fp16", None), ("bf16", None), ("e5m2", "fp32"),
-                                    ("q6.10", "bf16"), ("fp32", "bf16")])
+                                    ("q6.10", "bf16"), ("fp32", "bf16"), ("fp32", None)])
 def test_a_wrapped_torch_sgd_steps_fused_with_torch_steps_bits(pf, sf, kind, update):
     """FormatOptimizer around torch.optim.SGD steps each float32 carrier by the fused kernel
     (update and write-back in one pass): the bits of torch's step and the roundings after it,
@@ -457,6 +457,11 @@ def test_a_wrapped_torch_sgd_steps_as_torch_does_what_the_kernel_does_not_comput
     handle.remove()
     assert opt._sgd_fuses()  # (stepped)
     assert opt.step(closure=lambda: torch.tensor(2.0)) == 2.0  # the closure's loss, torch's step
+    from torch.profiler import profile
+
+    with profile() as prof:  # the scope torch's own step opens
+        opt.step()
+    assert "Optimizer.step#SGD.step" in [e.name for e in prof.events()]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
         sched = torch.optim.lr_scheduler.StepLR(inner, 1)

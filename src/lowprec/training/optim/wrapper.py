@@ -174,7 +174,10 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         differentiable, fused (torch's own kernel) or foreach groups (the for-each Nesterov
         step adds the momentum into the gradients), numbers for the hyperparameters, parameters
         this wrapper rounds, float32 state of their shape and layout and no other state. A
-        learning-rate scheduler built on the wrapped optimizer is told it stepped."""
+        learning-rate scheduler built on the wrapped optimizer is told it stepped, and torch's
+        profiler sees the scope torch's step opens. fp32 parameters with fp32 state go
+        through the kernel too (its arithmetic is torch's; rounding to fp32 changes nothing),
+        so that a policy keeping some layers in fp32 keeps the fused step."""
         o, st = self.optimizer, self.storage
         if type(o) is not torch.optim.SGD or st.update == "kahan" or \
                 torch.compiler.is_compiling() or not _kernel.available() or \
@@ -207,28 +210,34 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                 state = o.state.get(p, {})
                 buf = state.get("momentum_buffer")
                 if id(p) not in ours or p.dtype != torch.float32 or \
-                        p.grad.dtype != torch.float32 or (pf == FP32 and sf == FP32) or \
+                        p.grad.dtype != torch.float32 or \
                         any(k != "momentum_buffer" for k in state) or \
                         (buf is not None and (not group["momentum"] or
                                               not isinstance(buf, torch.Tensor) or
                                               buf.dtype != torch.float32)) or \
-                        not LowPrecisionOptimizer._fusable_formats(p, pf, sf) or \
+                        not (LowPrecisionOptimizer._fusable_formats(p, pf, sf) or
+                             (pf == FP32 and sf == FP32 and p.device.type == "cpu")) or \
                         not LowPrecisionOptimizer._alike(p, state, st.update == "stochastic"):
                     return False
                 todo.append((p, group, buf))
-        for p, group, buf in todo:
-            mom = group["momentum"]
-            first = bool(mom) and buf is None
-            if first:  # (torch's clone of the gradient, laid out as it)
-                buf = o.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-            opt = _kernel.LPOpt(kind=0, nesterov=int(group["nesterov"]), first=int(first),
-                                has_momentum=int(bool(mom)), neg_lr=-float(group["lr"]),
-                                momentum=mom, damp_c=1 - group["dampening"],
-                                wd=float(group["weight_decay"]), raw_state=1)
-            run_fused(st, p, buf if mom else None, None, opt, None)
+        with torch.autograd.profiler.record_function("Optimizer.step#SGD.step"):  # (torch's)
+            for p, group, buf in todo:
+                self._sgd_one(p, group, buf)
         if step is not None:
             o._opt_called = True  # what the scheduler's wrapper of o.step records
         return True
+
+    def _sgd_one(self, p, group: dict, buf) -> None:
+        """One parameter of :meth:`_sgd_fuses`'s step."""
+        mom = group["momentum"]
+        first = bool(mom) and buf is None
+        if first:  # (torch's clone of the gradient, laid out as it)
+            buf = self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        opt = _kernel.LPOpt(kind=0, nesterov=int(group["nesterov"]), first=int(first),
+                            has_momentum=int(bool(mom)), neg_lr=-float(group["lr"]),
+                            momentum=mom, damp_c=1 - group["dampening"],
+                            wd=float(group["weight_decay"]), raw_state=1)
+        run_fused(self.storage, p, buf if mom else None, None, opt, None)
 
     def state_layout(self, p) -> dict[str, Format]:
         """Format of every state tensor kept for the model parameter ``p``, each with one value
