@@ -436,12 +436,16 @@ def test_a_wrapped_torch_sgd_steps_fused_with_torch_steps_bits(pf, sf, kind, upd
 @pytest.mark.skipif(not kernel.available(), reason="kernel not built")
 def test_a_wrapped_torch_sgd_steps_as_torch_does_what_the_kernel_does_not_compute():
     """Maximize, a step hook, a closure, a tensor rate, a weight decay float32 has no value
-    for, native fp16 parameters: the wrapped optimizer's own step runs (its hooks with it)."""
+    for, a NaN rate, a rate beyond float32 (torch raises), native fp16 parameters: the wrapped
+    optimizer's own step runs (its hooks with it)."""
     import warnings
 
-    for group in (dict(maximize=True), dict(lr=torch.tensor(0.1)), dict(weight_decay=1e-60)):
+    for group in (dict(maximize=True), dict(lr=torch.tensor(0.1)), dict(weight_decay=1e-60),
+                  dict(lr=float("nan"))):
         _, ran = _wrapped_sgd_run("fp16", "nearest", True, [group])
         assert ran == 0, group
+    with pytest.raises(RuntimeError, match="overflow"):  # torch's step refuses the rate
+        _wrapped_sgd_run("fp16", "nearest", True, [dict(lr=1e39)])
     w = torch.randn(8, 8).half()
     opt = FormatOptimizer(torch.optim.SGD([w], lr=0.1), param_format=parse_format("fp16"))
     w.grad = torch.randn(8, 8).half()

@@ -603,9 +603,13 @@ class Emulation:
                 elif base is not None:
                     # a view of all of an op's fresh output (linear on a 3-d input): that
                     # output rounded in place, and viewed again (t's own node would be
-                    # replayed by as_strided, a pass more in backward)
+                    # replayed by as_strided, a pass more in backward); the view's backward
+                    # passes a gradient's note on (a reshape keeps its grid), so that the
+                    # rounding node behind it skips a gradient rounded already
                     out = RoundInplace.apply(base, fwd, bwd, rule.rounding,
                                              rule.grad_rounding, self._keys()).view(t.shape)
+                    if bwd is not None:
+                        pass_through(out)
                 else:
                     out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                       self._keys())

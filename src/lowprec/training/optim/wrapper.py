@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
@@ -16,9 +18,12 @@ __all__ = ["FormatOptimizer"]
 
 
 def _number(x) -> bool:
-    """A Python int or float (not a bool, not a tensor): what the kernel's float32 fields take
-    as torch takes a Python scalar."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A Python int or float (not a bool, not a tensor, not NaN) that float32 holds as torch
+    converts it (a finite value beyond float32's range: torch's step raises): what the
+    kernel's float32 fields take as torch takes a Python scalar."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or math.isnan(x):
+        return False
+    return math.isinf(x) or not math.isinf(_f32(x))
 
 
 def _f32(x: float) -> float:
