@@ -181,8 +181,10 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         this wrapper rounds, float32 state of their shape and layout and no other state. A
         learning-rate scheduler built on the wrapped optimizer is told it stepped, and torch's
         profiler sees the scope torch's step opens. fp32 parameters with fp32 state go
-        through the kernel too (its arithmetic is torch's; rounding to fp32 changes nothing),
-        so that a policy keeping some layers in fp32 keeps the fused step."""
+        through the kernel too (its arithmetic is torch's; rounding to fp32 changes nothing):
+        a policy with fp32 state (``o=fp32``) whose overrides keep some layers' parameters in
+        fp32 keeps the fused step (with a 16-bit state format those layers' state is 16-bit,
+        and fused as before)."""
         o, st = self.optimizer, self.storage
         if type(o) is not torch.optim.SGD or st.update == "kahan" or \
                 torch.compiler.is_compiling() or not _kernel.available() or \
