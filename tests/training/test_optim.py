@@ -12,6 +12,14 @@ from lowprec import Precision, quantize
 from lowprec.training.optim import SGD, Adam, AdamW, FormatOptimizer
 
 
+def _step_each(pairs, x, y) -> None:
+    """One cross-entropy training step of each (model, optimizer) pair on (x, y)."""
+    for m, o in pairs:
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+
+
 @pytest.mark.parametrize("ours,theirs,kw", [
     (SGD, torch.optim.SGD, dict(lr=0.1)),
     (SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
@@ -24,10 +32,7 @@ def test_fp32_optimizers_equal_torch_bit_for_bit(ours, theirs, kw, device):
     oa, ob = ours(a.parameters(), **kw), theirs(b.parameters(), **kw)
     x, y = torch.randn(32, 20).to(device), torch.randint(0, 5, (32,)).to(device)
     for _ in range(5):
-        for m, o in ((a, oa), (b, ob)):
-            o.zero_grad()
-            nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
+        _step_each(((a, oa), (b, ob)), x, y)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 
@@ -191,10 +196,7 @@ def test_a_wrapped_torch_optimizer_keeps_its_state_on_the_state_format():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 20, generator=g), torch.tensor([0, 1, 2, 3])
     for _ in range(3):
-        for m, o in ((model, fo), (ref, topt)):
-            o.zero_grad()
-            nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
+        _step_each(((model, fo), (ref, topt)), x, y)
         for p, q in zip(model.parameters(), ref.parameters()):
             b = topt.state[q]["momentum_buffer"]
             b.copy_(b.to(torch.bfloat16).float())  # the reference's buffer, as stored

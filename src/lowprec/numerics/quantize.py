@@ -561,19 +561,27 @@ def _written(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _prepared_in_place(x: torch.Tensor, fmt, rounding):
+    """The kernel's parameters for rounding ``x`` in place as a first call prepared them (a
+    deterministic rounding), where ``x`` is a non-empty float32 CPU tensor and no graph is
+    traced; None else: :func:`quantize_`'s fast path and :func:`quantize_counting_`."""
+    if type(x) not in _PLAIN or x.dtype != torch.float32 or x.device.type != "cpu" or \
+            not x.numel():
+        return None
+    prm = _prepared(_PREPARED, fmt, rounding)
+    return None if prm is None or emits_graph_ops() else prm
+
+
 def quantize_counting_(x: torch.Tensor, fmt, rounding="nearest") -> int | None:
     """``quantize_(x, fmt, rounding)`` for a deterministic rounding that an earlier call
     prepared, counting the Inf and NaN values it leaves in ``x``, in one pass (the kernel counts
     each chunk while it is in cache): the number, or None without rounding anything where that
     pass does not apply (not a contiguous float32 CPU tensor, no kernel, inside a trace, a
     rounding no call prepared); the caller then rounds and checks as before."""
-    if type(x) not in _PLAIN or x.dtype != torch.float32 or x.device.type != "cpu" or \
-            not x.is_contiguous() or not x.numel() or not _kernel.nonfinite_available():
+    if not x.is_contiguous() or not _kernel.nonfinite_available():
         return None
-    prm = _prepared(_PREPARED, fmt, rounding)
-    if prm is None or emits_graph_ops():
-        return None
-    return _kernel.quantize_prepared_nonfinite(x, x, prm)
+    prm = _prepared_in_place(x, fmt, rounding)
+    return None if prm is None else _kernel.quantize_prepared_nonfinite(x, x, prm)
 
 
 def quantize_(
@@ -587,15 +595,14 @@ def quantize_(
 ) -> torch.Tensor:
     """In-place :func:`quantize`; returns ``x``. Float32 contiguous CPU tensors need no copy.
     Inside ``torch.compile``: the op's result copied into ``x``."""
-    if random_bits is None and seed is None and type(x) in _PLAIN and \
-            (generator is None or isinstance(generator, torch.Generator)) and \
-            x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+    if random_bits is None and seed is None and \
+            (generator is None or isinstance(generator, torch.Generator)):
         # a deterministic rounding a first call prepared (:func:`quantize`'s fast path, in
         # place: a parameter's gradient rounded at every step, a kernel's fresh output; a
         # generator, which it does not draw from, as quantize takes it); a dense tensor of
         # another layout (channels-last) over its memory as it lies
-        prm = _prepared(_PREPARED, fmt, rounding)
-        if prm is not None and not emits_graph_ops():
+        prm = _prepared_in_place(x, fmt, rounding)
+        if prm is not None:
             if x.is_contiguous():
                 _kernel.quantize_prepared(x, x, prm)
                 return x

@@ -190,7 +190,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         known = self.__dict__.setdefault("_fusable", {})  # id(p) -> (key, verdict)
         seen = known.get(id(p))
         if seen is None or seen[0] != key:  # (the same objects: compared by identity first)
-            seen = known[id(p)] = (key, self._fusable_formats(p, pf, sf))
+            # (every format fp32: the torch path is torch.optim's own op sequence)
+            seen = known[id(p)] = (key, (pf != FP32 or sf != FP32) and
+                                   self._fusable_formats(p, pf, sf))
         return seen[1]
 
     @staticmethod
@@ -224,11 +226,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer, PolicyOptimizer):
 
     @staticmethod
     def _fusable_formats(p, pf, sf) -> bool:
-        """The kernel takes these formats and dtypes (fp32 storage keeps torch's exact op
-        sequence)."""
+        """The kernel takes these formats and dtypes."""
         return (
             p.device.type == "cpu"
-            and (pf != FP32 or sf != FP32)
             and isinstance(pf, (FloatFormat, FixedFormat)) and isinstance(sf, (FloatFormat,
                                                                                FixedFormat))
             and _kernel.opt_dtype_code(p.dtype) is not None

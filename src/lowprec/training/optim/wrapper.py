@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -23,12 +24,17 @@ def _number(x) -> bool:
     kernel's float32 fields take as torch takes a Python scalar."""
     if not isinstance(x, (int, float)) or isinstance(x, bool) or math.isnan(x):
         return False
-    return math.isinf(x) or not math.isinf(_f32(x))
+    try:
+        _f32(x)
+    except OverflowError:
+        return False
+    return True
 
 
 def _f32(x: float) -> float:
-    """``x`` rounded to float32, as torch hands a Python scalar to a float32 kernel."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    """``x`` rounded to float32, as torch hands a Python scalar to a float32 kernel
+    (OverflowError for a finite value beyond float32's range; run at every step: no tensor)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
@@ -222,8 +228,7 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
                         (buf is not None and (not group["momentum"] or
                                               not isinstance(buf, torch.Tensor) or
                                               buf.dtype != torch.float32)) or \
-                        not (LowPrecisionOptimizer._fusable_formats(p, pf, sf) or
-                             (pf == FP32 and sf == FP32 and p.device.type == "cpu")) or \
+                        not LowPrecisionOptimizer._fusable_formats(p, pf, sf) or \
                         not LowPrecisionOptimizer._alike(p, state, st.update == "stochastic"):
                     return False
                 todo.append((p, group, buf))
