@@ -187,8 +187,8 @@ LP_CLONES static void round_tile_bf16(const uint32_t *a, uint32_t *q, int n) {
 
 /* ne: quantize.c's nearest-even tile loop; fast: rounding to IEEE float16 (the format p) by
  * quantize.c's F16C shortcut instead, the same bits (two conversions a vector instead of the
- * general rule's range checks: a float16 SGD step 1.3-1.6x faster, benchmarks/RESULTS.md,
- * "Issue 37, twelfth session"). bfloat16 keeps round_tile_bf16, which quiets a NaN so that
+ * general rule's range checks: a float16 SGD step 1.3-1.6x faster on an Intel Xeon,
+ * benchmarks/RESULTS.md, "Issue 37, twelfth session"). bfloat16 keeps round_tile_bf16, which quiets a NaN so that
  * store_tile's narrowing cannot turn it into an infinity. */
 static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si, int is_bf16,
                         tile_fn ne, int fast, const lp_params *p) {

@@ -154,8 +154,8 @@ def owned_base(t: torch.Tensor) -> torch.Tensor | None:
     op output ``t`` views where ``t`` is all of it, in its order, and that output is owned
     (``F.linear`` on a 3-d input views its ``addmm`` output with the input's leading shape: the
     caller views the rounded output again, and ``t`` is dropped); else None. One buffer and one
-    pass instead of a copy: the transformer's 16-mixed step 2% faster, 16-true 1%
-    (benchmarks/RESULTS.md, "Issue 37, twelfth session")."""
+    pass instead of a copy: the transformer's 16-mixed step 2.6% faster, 16-true 3.6%, on an
+    Intel Xeon (benchmarks/RESULTS.md, "Issue 37, twelfth session")."""
     if owned(t):
         return t
     b = t._base

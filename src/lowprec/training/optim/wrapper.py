@@ -178,10 +178,11 @@ class FormatOptimizer(torch.optim.Optimizer, PolicyOptimizer):
         first), the update reading the momentum before it is rounded to the state format
         (``raw_state``: torch's step, then this wrapper's rounding of the state), then rounds
         parameter and state as :func:`.writeback.write` does; torch's separate passes took
-        about twice as long (benchmarks/RESULTS.md, "Issue 37, twelfth session"). Done (True)
-        only where every parameter with a gradient qualifies; else nothing is done and torch's
-        step runs. Kept to what makes the two identical, gradients after the step included:
-        no hooks on the step (they would not run), a step nobody replaced, no maximize,
+        about twice as long on an Intel Xeon (benchmarks/RESULTS.md, "Issue 37, twelfth
+        session"). Done (True) only where every parameter with a gradient qualifies; else
+        nothing is done and torch's step runs. Kept to what makes the two identical,
+        gradients after the step included: no hooks on the step (they would not run), a step
+        nobody replaced, no maximize,
         differentiable, fused (torch's own kernel) or foreach groups (the for-each Nesterov
         step adds the momentum into the gradients), numbers for the hyperparameters, parameters
         this wrapper rounds, float32 state of their shape and layout and no other state. A
