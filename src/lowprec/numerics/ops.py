@@ -26,7 +26,7 @@ import torch
 from . import kernel
 from .quantize import quantize
 
-__all__ = ["quantize_op", "quantize_fused_op", "channel_sums_op"]
+__all__ = ["quantize_op", "quantize_fused_op", "channel_sums_op", "define_op"]
 
 
 # needs_fixed_stride_order: Inductor hands the op its input in the order of the traced strides
@@ -36,8 +36,6 @@ __all__ = ["quantize_op", "quantize_fused_op", "channel_sums_op"]
 # emulation once lowered the op with contiguous inputs: ResNet-20's channels-last gradients
 # were transposed for each rounding and back; benchmarks/RESULTS.md, "Issue 37, fifth
 # session".) The layout changes no bit: stochastic rounding counts logical indices.
-@torch.library.custom_op("lowprec::quantize", mutates_args=(), device_types=None,
-                         tags=(torch.Tag.needs_fixed_stride_order,))
 def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
               seed: torch.Tensor | None = None) -> torch.Tensor:
     # (graphs pass random_bits 0 but for limited stochastic rounding: quantize._spelled)
@@ -53,11 +51,32 @@ def _quantize(x: torch.Tensor, fmt: str, rounding: str, random_bits: int,
     return y
 
 
-@_quantize.register_fake
-def _(x, fmt, rounding, random_bits, seed=None):
+def _quantize_fake(x, fmt, rounding, random_bits, seed=None):
     return torch.empty_like(x)
 
 
+# Defined with torch.library.Library rather than torch.library.custom_op (the same schema,
+# inferred from the annotations as custom_op infers it): a compiled graph calls the op through
+# the dispatcher, and custom_op's Python wrappers cost about 6.5 us a call more on an Intel
+# Xeon (benchmarks/RESULTS.md, "Issue 37, thirteenth session"). No autograd formula: compiled
+# graphs are traced at the ATen level, forward and backward, before they call it.
+_LIB = torch.library.Library("lowprec", "DEF")
+
+
+def define_op(lib: torch.library.Library, name: str, fn, tags=()) -> str:
+    """Define ``<lib's namespace>::<name>`` in ``lib``, a functional op that runs ``fn`` on
+    every device, its schema inferred from ``fn``'s annotations as ``torch.library.custom_op``
+    infers it; returns the op's qualified name (for ``torch.library.register_fake``)."""
+    lib.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
+    lib.impl(name, fn, "CompositeExplicitAutograd")
+    return f"{lib.ns}::{name}"
+
+
+def _define(name: str, fn, fake, tags=()) -> None:
+    torch.library.register_fake(define_op(_LIB, name, fn, tags), fake, lib=_LIB)
+
+
+_define("quantize", _quantize, _quantize_fake, tags=(torch.Tag.needs_fixed_stride_order,))
 _OP = torch.ops.lowprec.quantize.default
 
 
@@ -66,7 +85,6 @@ _OP = torch.ops.lowprec.quantize.default
 # tracing into the ctypes call fails on fake tensors (the model then ran eagerly). ``kind``:
 # "channel" (rows x channels, ``arg`` parts: kernel.channel_sums) or "plane" (batch x channels
 # x plane, ``arg`` lanes: kernel.plane_sums).
-@torch.library.custom_op("lowprec::channel_sums", mutates_args=())
 def _channel_sums(x: torch.Tensor, kind: str, arg: int, mean: torch.Tensor | None
                   ) -> torch.Tensor:
     out = kernel.sums(kind, x, arg, mean)
@@ -76,9 +94,11 @@ def _channel_sums(x: torch.Tensor, kind: str, arg: int, mean: torch.Tensor | Non
     return out
 
 
-@_channel_sums.register_fake
-def _(x, kind, arg, mean):
+def _channel_sums_fake(x, kind, arg, mean):
     return x.new_empty((x.shape[1],))
+
+
+_define("channel_sums", _channel_sums, _channel_sums_fake)
 
 
 def channel_sums_op():
@@ -96,7 +116,6 @@ def quantize_op():
 # and countable), and AOTAutograd replaces it by its implementation, plain int32 torch ops that
 # Inductor fuses into the neighbouring kernels. Its arguments are those of lowprec::quantize; the
 # strings are parsed while tracing, so the format and mode are constants of the generated code.
-_LIB = torch.library.Library("lowprec", "FRAGMENT")
 _LIB.define("quantize_fused(Tensor x, str fmt, str rounding, int random_bits, "
             "Tensor? seed=None, str source=\"\") -> Tensor")
 

@@ -52,7 +52,7 @@ from torch import nn
 
 from ...numerics import fused as _fused
 from ...numerics.formats import BlockFormat
-from ...numerics.ops import quantize_op
+from ...numerics.ops import define_op, quantize_op
 from ...numerics.quantize import seed_tensor, tracing_graph
 from ..tree import tensors_in
 from .dtypes import LOGICAL, format_dtype
@@ -96,6 +96,40 @@ _OPAQUE: dict = {}  # ATen op -> (its lowprec_compiled op, how to pass its argum
 _TRANSCENDENTAL = ("exp", "expm1", "log", "log1p", "tanh", "erf", "sigmoid", "sin", "cos")
 
 
+
+_LIB = None  # the lowprec_compiled library, defined on first use (:func:`_opaque_op`)
+
+
+class _OpaqueOp:
+    """What :func:`_opaque_op` gives: ``register_fake``, as a ``torch.library.custom_op``'s."""
+
+    def __init__(self, qualname: str) -> None:
+        self.qualname = qualname
+
+    def register_fake(self, fn):
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+
+def _opaque_op(name: str):
+    """``lowprec_compiled::<name>``, a functional op running ``fn`` (its schema inferred from
+    its annotations, as ``torch.library.custom_op`` infers it) on every device. Defined with
+    ``torch.library.Library`` rather than ``custom_op``: one Python call a use, where
+    ``custom_op``'s Python dispatch wrappers cost 6.5 us more a call (a 4 x 4 ``mm``: 9.7 us
+    against 3.2, ATen's own 1.9, on an Intel Xeon), and a compiled step calls these ops often
+    (the MLP's: eleven times; benchmarks/RESULTS.md, "Issue 37, thirteenth session"). No
+    autograd: they run inside compiled graphs, whose forward and backward are
+    traced already."""
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library("lowprec_compiled", "DEF")
+
+    def define(fn):
+        return _OpaqueOp(define_op(_LIB, name, fn))
+
+    return define
+
+
 def _opaque_ops() -> dict:
     """Opaque custom ops running ATen's kernels, registered on first use, for the ops whose
     Inductor code differs from ATen's in its last bits (and then, now and then, in a rounding
@@ -118,28 +152,28 @@ def _register_gemms_and_reductions() -> None:
     """lowprec_compiled::sum, mean, var_mean, mm, bmm, addmm (:func:`_opaque_ops`)."""
     aten = torch.ops.aten
 
-    @torch.library.custom_op("lowprec_compiled::sum", mutates_args=())
+    @_opaque_op("sum")
     def sum_(x: torch.Tensor, dim: list[int] | None, keepdim: bool) -> torch.Tensor:
         return aten.sum.dim_IntList(x, dim, keepdim)
 
-    @torch.library.custom_op("lowprec_compiled::mean", mutates_args=())
+    @_opaque_op("mean")
     def mean_(x: torch.Tensor, dim: list[int] | None, keepdim: bool) -> torch.Tensor:
         return aten.mean.dim(x, dim, keepdim)
 
-    @torch.library.custom_op("lowprec_compiled::var_mean", mutates_args=())
+    @_opaque_op("var_mean")
     def var_mean_(x: torch.Tensor, dim: list[int] | None, correction: float | None,
                   keepdim: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return aten.var_mean.correction(x, dim, correction=correction, keepdim=keepdim)
 
-    @torch.library.custom_op("lowprec_compiled::mm", mutates_args=())
+    @_opaque_op("mm")
     def mm_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return aten.mm.default(a, b)
 
-    @torch.library.custom_op("lowprec_compiled::bmm", mutates_args=())
+    @_opaque_op("bmm")
     def bmm_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return aten.bmm.default(a, b)
 
-    @torch.library.custom_op("lowprec_compiled::addmm", mutates_args=())
+    @_opaque_op("addmm")
     def addmm_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return aten.addmm.default(c, a, b)
 
@@ -158,7 +192,7 @@ def _register_pointwise() -> None:
     here too (:func:`_opaque_ops`)."""
     aten = torch.ops.aten
 
-    @torch.library.custom_op("lowprec_compiled::unary", mutates_args=())
+    @_opaque_op("unary")
     def unary_(x: torch.Tensor, name: str) -> torch.Tensor:
         return getattr(aten, name).default(x)
 
@@ -167,11 +201,11 @@ def _register_pointwise() -> None:
     # activations whose decompositions compute another formula than ATen's kernels (silu:
     # x * sigmoid(x) for x / (1 + exp(-x))) or another erf: 1-ulp fp32 differences that now
     # and then move a 16-bit rounding (the zoo's dict-input, GELU, under 16-true)
-    @torch.library.custom_op("lowprec_compiled::activation", mutates_args=())
+    @_opaque_op("activation")
     def activation_(x: torch.Tensor, name: str, approximate: str) -> torch.Tensor:
         return _activation(name, x, approximate)
 
-    @torch.library.custom_op("lowprec_compiled::activation_backward", mutates_args=())
+    @_opaque_op("activation_backward")
     def activation_bw_(g: torch.Tensor, x: torch.Tensor, name: str,
                        approximate: str) -> torch.Tensor:
         return _activation(name + "_backward", g, x, approximate)
@@ -184,7 +218,7 @@ def _register_pointwise() -> None:
     # product first: 18% of a batch-norm output's fp32 values (the engine's y = x * a + b')
     # differ by an ulp, and now and then a rounding to the format with them (ResNet-20 under
     # stochastic gradients: the outputs of its second step)
-    @torch.library.custom_op("lowprec_compiled::addcmul", mutates_args=())
+    @_opaque_op("addcmul")
     def addcmul_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return aten.addcmul.default(c, a, b)
 
@@ -194,7 +228,7 @@ def _register_pointwise() -> None:
     # Inductor lowers it with its own window sums, in another order than ATen's kernel (5,162
     # of 23,040 outputs differed, 8 x 16 x 7 x 7 to 3 x 3, twenty draws); Inductor runs its
     # backward on ATen's kernel already
-    @torch.library.custom_op("lowprec_compiled::adaptive_avg_pool2d", mutates_args=())
+    @_opaque_op("adaptive_avg_pool2d")
     def adaptive_avg_pool_(x: torch.Tensor, size: list[int]) -> torch.Tensor:
         return aten._adaptive_avg_pool2d.default(x, size)
 
@@ -204,7 +238,7 @@ def _register_pointwise() -> None:
     # bernoulli_(1 - p) from torch's generator, divided by 1 - p in float32, times the input),
     # where the trace holds native_dropout (x * mask * (1 / (1 - p)) in double): the same
     # masks, but the scale an ulp apart for some p (15 of p = 0.01 ... 0.99)
-    @torch.library.custom_op("lowprec_compiled::dropout", mutates_args=())
+    @_opaque_op("dropout")
     def dropout_(x: torch.Tensor, p: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not train or p == 0 or x.numel() == 0:
             return x.clone(), torch.ones_like(x, dtype=torch.bool)
@@ -214,7 +248,7 @@ def _register_pointwise() -> None:
         mask = noise.bool()
         return x * noise.div_(1 - p), mask
 
-    @torch.library.custom_op("lowprec_compiled::dropout_backward", mutates_args=())
+    @_opaque_op("dropout_backward")
     def dropout_bw_(g: torch.Tensor, mask: torch.Tensor, keep: float) -> torch.Tensor:
         # keep = 1 - p (from native_dropout_backward's scale 1 / (1 - p), which gives back
         # 1 - p in float32 for every p of 0.01 ... 0.99): the gradient times eager's noise
@@ -226,11 +260,11 @@ def _register_pointwise() -> None:
                                                 torch.empty_like(x, dtype=torch.bool)))
     dropout_bw_.register_fake(lambda g, mask, keep: torch.empty_like(g))
 
-    @torch.library.custom_op("lowprec_compiled::softmax", mutates_args=())
+    @_opaque_op("softmax")
     def softmax_(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         return (aten._log_softmax if log else aten._softmax).default(x, dim, False)
 
-    @torch.library.custom_op("lowprec_compiled::softmax_backward", mutates_args=())
+    @_opaque_op("softmax_backward")
     def softmax_bw_(g: torch.Tensor, out: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
         op = aten._log_softmax_backward_data if log else aten._softmax_backward_data
         return op.default(g, out, dim, torch.float32)
@@ -244,14 +278,14 @@ def _register_norms() -> None:
     (:func:`_opaque_ops`)."""
     aten = torch.ops.aten
 
-    @torch.library.custom_op("lowprec_compiled::layer_norm", mutates_args=())
+    @_opaque_op("layer_norm")
     def layer_norm_(x: torch.Tensor, shape: list[int], w: torch.Tensor | None,
                     b: torch.Tensor | None, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(t.clone() if t is x else t
                      for t in aten.native_layer_norm.default(x, shape, w, b, eps))
 
-    @torch.library.custom_op("lowprec_compiled::layer_norm_backward", mutates_args=())
+    @_opaque_op("layer_norm_backward")
     def layer_norm_bw_(g: torch.Tensor, x: torch.Tensor, shape: list[int], mean: torch.Tensor,
                        rstd: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                        mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,7 +297,7 @@ def _register_norms() -> None:
     # batch norm: the engine's 16-bit replay takes its statistics and backward from these fp32
     # kernels (kernels.batch_norm), and fp32 islands run them; Inductor's decompositions sum in
     # another order
-    @torch.library.custom_op("lowprec_compiled::batch_norm", mutates_args=())
+    @_opaque_op("batch_norm")
     def batch_norm_(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                     rm: torch.Tensor, rv: torch.Tensor, training: bool, momentum: float,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -271,20 +305,20 @@ def _register_norms() -> None:
         return aten._native_batch_norm_legit_functional.default(x, w, b, rm, rv, training,
                                                                 momentum, eps)
 
-    @torch.library.custom_op("lowprec_compiled::batch_norm_no_stats", mutates_args=())
+    @_opaque_op("batch_norm_no_stats")
     def batch_norm_ns_(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                        training: bool, momentum: float, eps: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return aten._native_batch_norm_legit.no_stats(x, w, b, training, momentum, eps)
 
-    @torch.library.custom_op("lowprec_compiled::batch_norm_eval", mutates_args=())
+    @_opaque_op("batch_norm_eval")
     def batch_norm_ev_(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                        rm: torch.Tensor, rv: torch.Tensor, momentum: float, eps: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum,
                                                                  eps)
 
-    @torch.library.custom_op("lowprec_compiled::batch_norm_backward", mutates_args=())
+    @_opaque_op("batch_norm_backward")
     def batch_norm_bw_(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
                        rm: torch.Tensor | None, rv: torch.Tensor | None,
                        save_mean: torch.Tensor | None, save_invstd: torch.Tensor | None,
@@ -324,12 +358,12 @@ def _register_pooling_and_embedding() -> None:
     # max pooling: Inductor's loop over windows with indices is scalar code, and a bf16 cast
     # round trip fused into it is c10's scalar conversion (benchmarks/RESULTS.md, "Issue 37,
     # second session"); ATen's kernel is vectorised and exact (kept undecomposed for it)
-    @torch.library.custom_op("lowprec_compiled::max_pool2d", mutates_args=())
+    @_opaque_op("max_pool2d")
     def max_pool_(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
                   dilation: list[int], ceil: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return aten.max_pool2d_with_indices.default(x, kernel, stride, padding, dilation, ceil)
 
-    @torch.library.custom_op("lowprec_compiled::max_pool2d_backward", mutates_args=())
+    @_opaque_op("max_pool2d_backward")
     def max_pool_bw_(g: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
                      padding: list[int], dilation: list[int], ceil: bool,
                      idx: torch.Tensor) -> torch.Tensor:
@@ -342,7 +376,7 @@ def _register_pooling_and_embedding() -> None:
                                aten.max_pool2d_with_indices_backward.default(g, x, k, s, p, d,
                                                                              c, i))
 
-    @torch.library.custom_op("lowprec_compiled::embedding_backward", mutates_args=())
+    @_opaque_op("embedding_backward")
     def embedding_bw_(g: torch.Tensor, idx: torch.Tensor, n: int, pad: int,
                       by_freq: bool) -> torch.Tensor:
         return aten.embedding_dense_backward.default(g, idx, n, pad, by_freq)
