@@ -12,6 +12,7 @@ import sys
 import warnings
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -944,3 +945,65 @@ def test_eval_mode_reads_running_statistics_as_16_bit_buffers_hold_them(policy, 
         assert on_grid(bn.running_mean, dtype) and on_grid(bn.running_var, dtype)
     for a, b in zip(*outs):
         assert_same_bits(a, b, policy)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0, 1, 1, 2, 3]), max_size=4), min_size=2, max_size=3))
+def test_the_engines_broadcast_of_sizes_is_torchs(sizes):
+    # the engine broadcasts plain int sizes itself (torch's function is slow): it must agree
+    # with torch.broadcast_shapes, None where torch raises
+    from lowprec.training.emulation.engine import _broadcast
+
+    shapes = [torch.Size(s) for s in sizes]
+    try:
+        want = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        want = None
+    got = _broadcast(shapes)
+    assert got == want
+    assert want is None or type(got) is torch.Size
+
+
+def test_a_broadcast_operands_gradient_is_rounded_at_the_outputs_size():
+    # (the engine's own broadcast decides where a Broadcast node goes: a weight-like operand of
+    # a mul is expanded, its gradient's full-size product rounded to 16 bits and then summed
+    # down, as native fp16 computes it)
+    torch.manual_seed(0)
+    x = (torch.randn(64, 32) * 3).requires_grad_()
+    b = torch.randn(32).requires_grad_()
+    c = torch.randn(64, 32)
+    with emulated("16-true"):
+        y = torch.exp(x * 0.1)  # an activation (rounded)
+        z = (y * b * c).sum()
+    z.backward()
+    xh, bh = x.detach().half().requires_grad_(), b.detach().half().requires_grad_()
+    (torch.exp(xh * 0.1) * bh * c.half()).float().sum().backward()
+    assert_same_bits(b.grad, bh.grad.float())
+    assert_same_bits(x.grad, xh.grad.float())
+
+
+def test_the_engines_fast_apply_is_torchs_apply_under_a_functorch_transform():
+    # the engine calls its autograd functions' C apply directly, except under a functorch
+    # transform, where torch's Function.apply runs (a function that supports transforms)
+    from lowprec.training.emulation.autograd_fns import fast_apply
+
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * x * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g
+
+    x = torch.randn(8, dtype=torch.float64)
+    cube = fast_apply(Cube)
+    assert torch.equal(torch.func.grad(lambda t: cube(t).sum())(x), 3 * x * x)
+    y = x.clone().requires_grad_()
+    cube(y).sum().backward()  # (no transform: the C apply)
+    assert torch.equal(y.grad, 3 * x * x)

@@ -60,8 +60,9 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
-from .autograd_fns import (ROUNDABLE, Broadcast, Consumed, GradSum, Round, RoundInplace,
-                           Stream, Upcast, consumer_sum, fresh, owned, owned_base)
+from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed_apply,
+                           consumer_sum, fresh, owned, owned_base, round_apply,
+                           round_inplace_apply, upcast_apply)
 from .gradmarks import pass_through
 from .rules import TARGETS, Rule, check_target, group_key, parse_override
 from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
@@ -109,6 +110,10 @@ def _eager_only(hook):
 
 
 def _is_param(t) -> bool:
+    # (a plain tensor is a Parameter's when torch marks it ``_is_param``: what Parameter's
+    # metaclass checks, in Python, for ``isinstance``)
+    if type(t) is torch.Tensor:
+        return getattr(t, "_is_param", False) or getattr(t, PARAM, None) is not None
     return isinstance(t, nn.Parameter) or getattr(t, PARAM, None) is not None
 
 
@@ -200,6 +205,28 @@ def _bound_ok(b, fmt: Format) -> bool:
 
 def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in ROUNDABLE
+
+
+def _broadcast(shapes: list) -> torch.Size | None:
+    """``torch.broadcast_shapes(*shapes)``, None where they do not broadcast. Sizes of plain
+    ints (eager) are broadcast here: torch's function goes through its symbolic-shape checks,
+    39 us a call, half the time the engine took for a (32, 64) ``add`` on an Intel Xeon
+    (benchmarks/RESULTS.md, "Issue 37, thirteenth session")."""
+    if not all(type(d) is int for s in shapes for d in s):  # (symbolic sizes of a trace)
+        try:
+            return torch.broadcast_shapes(*shapes)
+        except RuntimeError:
+            return None
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        for i, d in enumerate(s, n - len(s)):
+            if d != 1:
+                if out[i] == 1:
+                    out[i] = d
+                elif out[i] != d:
+                    return None
+    return torch.Size(out)
 
 
 def _each_output(fn, out, inputs):
@@ -598,7 +625,7 @@ class Emulation:
             if t.requires_grad and torch.is_grad_enabled():
                 base = owned_base(t) if own and IN_PLACE else None
                 if base is t:
-                    out = RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                    out = round_inplace_apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                              self._keys())
                 elif base is not None:
                     # a view of all of an op's fresh output (linear on a 3-d input): that
@@ -606,12 +633,12 @@ class Emulation:
                     # replayed by as_strided, a pass more in backward); the view's backward
                     # passes a gradient's note on (a reshape keeps its grid), so that the
                     # rounding node behind it skips a gradient rounded already
-                    out = RoundInplace.apply(base, fwd, bwd, rule.rounding,
+                    out = round_inplace_apply(base, fwd, bwd, rule.rounding,
                                              rule.grad_rounding, self._keys()).view(t.shape)
                     if bwd is not None:
                         pass_through(out)
                 else:
-                    out = Round.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                    out = round_apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                       self._keys())
             else:
                 out = fresh(autograd_fns.quantize_keyed(t, fwd, rule.rounding, self._keys()))
@@ -626,7 +653,7 @@ class Emulation:
             done = False
             if t.requires_grad and torch.is_grad_enabled() and not t.is_leaf:
                 try:
-                    RoundInplace.apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
+                    round_inplace_apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                         self._keys())
                     done = True
                 except RuntimeError:  # a view autograd cannot rebase: round the values only
@@ -671,7 +698,7 @@ class Emulation:
             acc = self._param_sums[_pid(p)] = GradSum()
         acc.n += 1
         with torch._C.DisableTorchFunction():
-            out = Consumed.apply(p, rule.params, Rounding.NEAREST_EVEN, self._keys(), acc)
+            out = consumed_apply(p, rule.params, Rounding.NEAREST_EVEN, self._keys(), acc)
         _mark(out, rule.compute)
         return out
 
@@ -744,7 +771,7 @@ class Emulation:
                 _, bwd = self._fmts(r, key, x, None, True)
                 acc = consumer_sum(x) if x.grad_fn is not None and bwd is not None and \
                     format_dtype(r.grads) is not None else None
-                y = Upcast.apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
+                y = upcast_apply(x, sfmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
             else:
                 y = x.clone()
             if target != torch.float32:
@@ -777,7 +804,7 @@ class Emulation:
                 return t
             acc = consumer_sum(t) if t.grad_fn is not None and \
                 format_dtype(r.grads) is not None else None
-            return Upcast.apply(t, fmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
+            return upcast_apply(t, fmt, bwd, r.rounding, r.grad_rounding, self._keys(), acc)
 
     @staticmethod
     def _island(name: str, args, inplace: bool, inputs) -> bool:
@@ -878,10 +905,7 @@ class Emulation:
         native_grads = format_dtype(rule.grads) is not None and torch.is_grad_enabled()
         if name in BROADCAST_OPS and native_grads:
             fl = [t.shape for t in tensors_in(args, []) if _floating(t)]
-            try:
-                shape = torch.broadcast_shapes(*fl) if len(fl) > 1 else None
-            except RuntimeError:
-                shape = None
+            shape = _broadcast(fl) if len(fl) > 1 else None
 
         consumed = native_grads and not inplace
 
@@ -893,7 +917,7 @@ class Emulation:
                     and not _is_param(t):
                 with torch._C.DisableTorchFunction():
                     _, bwd = self._fmts(rule, okey, t, None, True)
-                    t2 = Consumed.apply(t, bwd, rule.grad_rounding, self._keys(),
+                    t2 = consumed_apply(t, bwd, rule.grad_rounding, self._keys(),
                                         consumer_sum(t))
                 if getattr(t, MARK, None) is not None:
                     _mark(t2, getattr(t, MARK))
@@ -902,7 +926,7 @@ class Emulation:
                     t.shape != shape and t.dim():
                 with torch._C.DisableTorchFunction():
                     _, bwd = self._fmts(rule, okey, t, None, True)
-                    t = Broadcast.apply(t, shape, bwd, rule.grad_rounding, self._keys())
+                    t = broadcast_apply(t, shape, bwd, rule.grad_rounding, self._keys())
                 _mark(t, rule.compute)
             return t
 
