@@ -464,6 +464,20 @@ def _grouped(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=-3)
 
 
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where ``torch.matmul`` can fold its batch dimensions into one by a view, else the
+    contiguous copy matmul's reshape would make of it, once (a head-split view (B, H, L, D) of
+    a (B, L, H * D) projection is copied at every product otherwise: seven copies a layer in
+    the backward). The same operand, laid out as matmul would lay it out: the same bits."""
+    if t.dim() < 3:
+        return t
+    try:
+        t.view(-1, t.shape[-2], t.shape[-1])
+        return t
+    except RuntimeError:
+        return t.contiguous()
+
+
 class _FlashAttention(torch.autograd.Function):
     """Forward: :func:`attention`'s values, the output rounded to ``act`` here (its backward
     reads the rounded output, as the kernel reads the 16-bit ``out``). Backward as
@@ -488,6 +502,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad, fuse=True):
+        q, k, v = _batched(q), _batched(k), _batched(v)  # (copied once, if at all)
         rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
         K, V = _grouped(k, rep), _grouped(v, rep)
         fused = fuse and type(q) is torch.Tensor and attn_mask is None and \
@@ -516,6 +531,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, attn_mask, out, lse = ctx.saved_tensors
         is_causal, sc, act, grad, rep, fused = ctx.spec
+        do = _batched(do)
         K, V = _grouped(k, rep), _grouped(v, rep)
         dsum = (do * out).sum(-1, keepdim=True)
         if fused:  # as below, the masked keys' exp(-inf) not computed (slow in ATen: F44)
