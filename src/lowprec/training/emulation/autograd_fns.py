@@ -11,6 +11,8 @@ keys come from a :class:`Site` of the forward's :class:`Stream` (or a generator)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -21,7 +23,7 @@ from .gradmarks import note_rounded, rounded_already
 
 __all__ = ["ROUNDABLE", "fresh", "Site", "Stream", "round_grad", "quantize_keyed",
            "quantize_keyed_", "Round", "GradSum", "SUM", "consumer_sum", "Upcast", "Consumed",
-           "Broadcast", "RoundInplace", "OWNED_NODES", "owned", "owned_base", "fast_apply"]
+           "Broadcast", "RoundInplace", "OWNED_NODES", "owned", "owned_base", "fast_apply", "once"]
 
 ROUNDABLE = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the engine rounds
 
@@ -111,6 +113,22 @@ def quantize_keyed_(x, fmt, mode, keys):
     return quantize_(x, fmt, mode, **_keyword(mode, keys))
 
 
+def once(fn):
+    """torch's ``once_differentiable`` for a backward, which returns ``fn``'s result as it is
+    where grad mode is off (a backward run without ``create_graph``, the usual case), after a
+    ``no_grad`` block and checks that cost about 3 us a node: here ``fn`` is called directly
+    then; with grad mode on, ``once_differentiable`` runs (a second order raises)."""
+    wrapped = once_differentiable(fn)
+
+    @functools.wraps(fn)
+    def backward(ctx, *args):
+        if torch.is_grad_enabled():
+            return wrapped(ctx, *args)
+        return fn(ctx, *args)
+
+    return backward
+
+
 class Round(torch.autograd.Function):
     """Values to ``fwd``; the gradient reaching the output to ``bwd`` (None: unchanged)."""
 
@@ -120,7 +138,7 @@ class Round(torch.autograd.Function):
         return fresh(quantize_keyed(x, fwd, mode, gen))
 
     @staticmethod
-    @once_differentiable  # (its roundings have no derivative: a second order raises)
+    @once  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen = ctx.spec
         if bwd is not None and g is not None and g.dtype in ROUNDABLE:
@@ -253,7 +271,7 @@ class Upcast(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
-    @once_differentiable  # (its roundings have no derivative: a second order raises)
+    @once  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if bwd is not None and g is not None and g.dtype in ROUNDABLE:
@@ -272,7 +290,7 @@ class Consumed(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    @once_differentiable  # (its roundings have no derivative: a second order raises)
+    @once  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen, acc = ctx.spec
         if g is not None and g.dtype in ROUNDABLE:
@@ -291,7 +309,7 @@ class Broadcast(torch.autograd.Function):
         return x.expand(shape)
 
     @staticmethod
-    @once_differentiable  # (its roundings have no derivative: a second order raises)
+    @once  # (its roundings have no derivative: a second order raises)
     def backward(ctx, g):
         bwd, bmode, gen, shape = ctx.spec
         if g is not None and g.dtype in ROUNDABLE:
