@@ -255,3 +255,17 @@ def test_inductor_hands_the_op_a_channels_last_producer_as_it_was_traced():
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert_same_bits(y, f(x, keys), "channels-last")
     assert torch.Tag.needs_fixed_stride_order in quantize_op().tags
+
+
+def test_the_ops_are_pt2_compliant_as_custom_ops_would_be():
+    # lowprec's ops are defined with torch.library.Library (cheaper calls than custom_op's
+    # wrappers): they carry the tag custom_op gives, so that Dynamo's
+    # only_allow_pt2_compliant_ops accepts them, and compiled emulation's opaque ops too
+    from lowprec.training.emulation.compiled import _opaque_ops
+
+    _opaque_ops()
+    ops = [torch.ops.lowprec.quantize.default, torch.ops.lowprec.channel_sums.default,
+           torch.ops.lowprec_compiled.mm.default, torch.ops.lowprec_compiled.layer_norm.default]
+    for op in ops:
+        assert torch.Tag.pt2_compliant_tag in op.tags, op
+    assert torch.Tag.needs_fixed_stride_order in torch.ops.lowprec.quantize.default.tags

@@ -1007,3 +1007,57 @@ def test_the_engines_fast_apply_is_torchs_apply_under_a_functorch_transform():
     y = x.clone().requires_grad_()
     cube(y).sum().backward()  # (no transform: the C apply)
     assert torch.equal(y.grad, 3 * x * x)
+
+
+@pytest.mark.parametrize("L", [1, 2, 16])
+@pytest.mark.parametrize("layout", ["split", "gqa", "expand"])
+def test_the_emulated_attentions_copies_made_once_change_no_bit(monkeypatch, L, layout):
+    # the emulated flash attention copies a head-split query (and the output's gradient) once
+    # instead of letting torch.matmul copy it at every product: the bits must be those of
+    # matmul on the operands as given (its own copies), which the attention gives with the
+    # copy-once step switched off. (Copying k or v once would not do: matmul copies their
+    # transposes row-major, another GEMM for one or two queries.)
+    import torch.nn.functional as F
+    from lowprec.training.emulation import kernels
+
+    def run():
+        g = torch.Generator().manual_seed(1)
+        B, H, S, D = 2, 8, 77, 64
+        hk = 2 if layout == "gqa" else H
+        xq = torch.randn(B, L, H * D, generator=g).requires_grad_()
+        xk = torch.randn(B, S, hk * D, generator=g).requires_grad_()
+        xv = torch.randn(B, S, hk * D, generator=g).requires_grad_()
+        with emulated("16-true"):
+            q = xq.view(B, L, H, D).transpose(1, 2)
+            if layout == "expand":
+                k = xk[..., :D].view(B, 1, S, D).expand(B, H, S, D)
+                v = xv[..., :D].view(B, 1, S, D).expand(B, H, S, D)
+            else:
+                k = xk.view(B, S, hk, D).transpose(1, 2)
+                v = xv.view(B, S, hk, D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=hk != H)
+        o.backward(torch.full_like(o, 0.37))
+        return [o.detach(), xq.grad, xk.grad, xv.grad]
+
+    got = run()
+    monkeypatch.setattr(kernels, "_batched", lambda t: t)
+    want = run()
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+
+
+def test_changing_the_attentions_inputs_after_its_forward_still_raises():
+    # (the emulated attention saves the query as given beside its copy: autograd's version
+    # check sees an in-place change of it, as it does for torch's attention)
+    import torch.nn.functional as F
+
+    B, H, L, D = 2, 4, 16, 32
+    x = torch.randn(B, L, H * D).requires_grad_()
+    kv = torch.randn(B, H, L, D).requires_grad_()
+    with emulated("16-true"):
+        base = x * 1.0
+        q = base.view(B, L, H, D).transpose(1, 2)  # (copied inside: a head-split view)
+        o = F.scaled_dot_product_attention(q, kv * 1.0, kv * 1.0)
+        base.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        o.sum().backward()

@@ -60,14 +60,16 @@ def _quantize_fake(x, fmt, rounding, random_bits, seed=None):
 # the dispatcher, and custom_op's Python wrappers cost about 6.5 us a call more on an Intel
 # Xeon (benchmarks/RESULTS.md, "Issue 37, thirteenth session"). No autograd formula: compiled
 # graphs are traced at the ATen level, forward and backward, before they call it.
-_LIB = torch.library.Library("lowprec", "DEF")
+_LIB = torch.library.Library("lowprec", "FRAGMENT")  # (not "DEF": a reload may define again)
 
 
 def define_op(lib: torch.library.Library, name: str, fn, tags=()) -> str:
     """Define ``<lib's namespace>::<name>`` in ``lib``, a functional op that runs ``fn`` on
     every device, its schema inferred from ``fn``'s annotations as ``torch.library.custom_op``
     infers it; returns the op's qualified name (for ``torch.library.register_fake``)."""
-    lib.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
+    # (pt2_compliant_tag: as custom_op tags its ops, for Dynamo's only_allow_pt2_compliant_ops)
+    lib.define(name + torch.library.infer_schema(fn, mutates_args=()),
+               tags=(*tags, torch.Tag.pt2_compliant_tag))
     lib.impl(name, fn, "CompositeExplicitAutograd")
     return f"{lib.ns}::{name}"
 

@@ -122,7 +122,7 @@ def _opaque_op(name: str):
     traced already."""
     global _LIB
     if _LIB is None:
-        _LIB = torch.library.Library("lowprec_compiled", "DEF")
+        _LIB = torch.library.Library("lowprec_compiled", "FRAGMENT")
 
     def define(fn):
         return _OpaqueOp(define_op(_LIB, name, fn))

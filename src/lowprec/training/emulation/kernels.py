@@ -467,8 +467,10 @@ def _grouped(t: torch.Tensor, rep: int) -> torch.Tensor:
 def _batched(t: torch.Tensor) -> torch.Tensor:
     """``t`` where ``torch.matmul`` can fold its batch dimensions into one by a view, else the
     contiguous copy matmul's reshape would make of it, once (a head-split view (B, H, L, D) of
-    a (B, L, H * D) projection is copied at every product otherwise: seven copies a layer in
-    the backward). The same operand, laid out as matmul would lay it out: the same bits."""
+    a (B, L, H * D) projection is copied at every product otherwise). The same operand, laid
+    out as matmul would lay it out: the same bits, for an operand matmul gets as it is. Not for
+    one it gets transposed (``k.transpose(-2, -1)``): matmul copies the transpose row-major, a
+    copy of ``k`` transposed is column-major, another GEMM, other bits for one or two queries."""
     if t.dim() < 3:
         return t
     try:
@@ -502,7 +504,8 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad, fuse=True):
-        q, k, v = _batched(q), _batched(k), _batched(v)  # (copied once, if at all)
+        given = q  # (saved too: an in-place change of it after the forward still raises)
+        q = _batched(q)  # the query copied once, if at all (k and v go transposed: as given)
         rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
         K, V = _grouped(k, rep), _grouped(v, rep)
         fused = fuse and type(q) is torch.Tensor and attn_mask is None and \
@@ -522,16 +525,16 @@ class _FlashAttention(torch.autograd.Function):
         total = e.sum(-1, keepdim=True)
         total = torch.where(total == 0, torch.ones_like(total), total)
         out = act((act(e) @ V).mul_(1 / total))
-        ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total))
+        ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total), given)
         ctx.spec = (is_causal, sc, act, grad, rep, fused)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
-        q, k, v, attn_mask, out, lse = ctx.saved_tensors
+        q, k, v, attn_mask, out, lse, _ = ctx.saved_tensors
         is_causal, sc, act, grad, rep, fused = ctx.spec
-        do = _batched(do)
+        do = _batched(do)  # (used as it is, not transposed)
         K, V = _grouped(k, rep), _grouped(v, rep)
         dsum = (do * out).sum(-1, keepdim=True)
         if fused:  # as below, the masked keys' exp(-inf) not computed (slow in ATen: F44)
