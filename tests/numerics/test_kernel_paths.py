@@ -16,6 +16,7 @@ reason; CI machines with AVX-512 run it.
 from __future__ import annotations
 
 import importlib.util
+import math
 import platform
 import shutil
 import subprocess
@@ -419,6 +420,41 @@ def test_the_rounded_sum_of_two_gives_the_torch_ops_bits(on_path, fmt):
                    impl="torch")
     assert_same_bits(kernel.round_add2(a, b, prm), ref, fmt)
     assert kernel.round_add2(a, b[:-1].contiguous(), prm) is None  # shapes differ: torch ops
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, layout", [((7, 5, 9, 11), "contiguous"),
+                                           ((7, 5, 9, 11), "channels_last"),
+                                           ((3, 6, 1000), "contiguous"), ((300, 17), "contiguous"),
+                                           ((2, 1, 40, 40), "channels_last"),
+                                           ((8, 64, 1, 1), "contiguous")])
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
+def test_the_rounded_batch_norm_output_gives_the_torch_ops_bits(on_path, fmt, shape, layout,
+                                                                threads, monkeypatch):
+    # a batch norm's y = addcmul(b, x, a) over the channels, rounded, in one pass
+    # (lp_affine_round): ATen's addcmul contracts its multiply and add (one rounding)
+    from lowprec.numerics.params import element_params
+    from lowprec.numerics.formats import parse_format
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(4)
+    # activations (where the fused multiply-add's one rounding matters: x * a near -b), and
+    # every seventh value a bit pattern (every exponent, subnormals, Inf, NaN, 0)
+    x = torch.randn(n, generator=g)
+    x[::7] = bit_patterns(n, seed=3)[-n:][::7]
+    x = x.view(shape)
+    x = x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+    a = torch.randn(shape[1], generator=g) * 3  # (finite: a NaN's payload is x's)
+    b = torch.randn(shape[1], generator=g)
+    a[0] = 2.0 ** -130  # a subnormal scale: products underflow
+    prm = kernel.prepare(element_params(parse_format(fmt)), 0, 0)
+    view = [1, -1] + [1] * (len(shape) - 2)
+    ref = quantize(torch.addcmul(b.view(view), x, a.view(view)), fmt, impl="torch")
+    got = kernel.affine_round(x, a, b, prm)
+    assert got.stride() == x.stride()
+    assert_same_bits(got, ref, fmt)
+    assert kernel.affine_round(x, a[:-1].contiguous(), b, prm) is None  # not x's channels
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2"])

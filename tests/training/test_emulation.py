@@ -1061,3 +1061,41 @@ def test_changing_the_attentions_inputs_after_its_forward_still_raises():
         base.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified inplace"):
         o.sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["16-true", "p=bf16,c=bf16,g=bf16,o=bf16,b=emulated"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_batch_norms_output_rounded_as_it_is_computed_changes_no_bit(monkeypatch, policy,
+                                                                       layout):
+    # the batch-norm replay writes its output rounded (one pass: lp_affine_round) and the
+    # engine's rounding of it then skips it: the bits of the two passes, and one pass fewer
+    from lowprec.numerics import kernel as knl
+    from lowprec.training.emulation import autograd_fns
+
+    def run():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
+                            nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8))
+        x = torch.randn(8, 3, 12, 12)
+        if layout == "channels_last":
+            net, x = net.to(memory_format=torch.channels_last), \
+                x.contiguous(memory_format=torch.channels_last)
+        prec = Precision(policy, seed=0)
+        model, _ = prec.setup(net)
+        with prec.autocast():
+            y = model(x)
+        y.float().pow(2).sum().backward()
+        return [y.detach(), *[p.grad for p in net.parameters()],
+                *[b.clone() for b in net.buffers()]]
+
+    passes = []
+    real = autograd_fns.quantize_keyed_
+    monkeypatch.setattr(autograd_fns, "quantize_keyed_",
+                        lambda x, *a: passes.append(x.shape) or real(x, *a))
+    got, fused = run(), len(passes)
+    passes.clear()
+    monkeypatch.setattr(knl, "affine_round", lambda *a: None)  # the two passes, as before
+    want = run()
+    assert fused == len(passes) - 2  # the two batch norms' output roundings skipped
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)

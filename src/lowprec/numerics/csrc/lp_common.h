@@ -28,7 +28,8 @@
  *   optimizer.c   the fused optimizer step (SGD, Adam) on low-precision storage
  *   recurrent.c   the LSTM cell of ATen's 16-bit CPU composite, the op-by-op LSTM step of any
  *                 elementwise format (stochastic rounding at each site), 16-bit sums of
- *                 gradients (two; one arrival; an embedding's rows in index order)
+ *                 gradients (two; one arrival; an embedding's rows in index order), a
+ *                 batch norm's affine output rounded in the same pass
  *   fexp.c        ATen's vectorised exp (fexp_u20) of the 16-bit flash attention
  *   module.c      the CPython module shell (so that setuptools builds it) and the ABI version
  * Only the lp_* entry points are exported; what one file lends another is LP_INTERNAL (hidden).

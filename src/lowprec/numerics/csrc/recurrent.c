@@ -1,8 +1,8 @@
 /*
  * recurrent.c: the fused LSTM cell (lp_lstm_*), the 16-bit sum of two gradients
- * (lp_round_add2), one arrival at a 16-bit sum of gradients (lp_round_sum_delta) and an
- * embedding's 16-bit gradient sums (lp_index_add_rounded), every operation rounded by
- * quantize.c's run_range.
+ * (lp_round_add2), one arrival at a 16-bit sum of gradients (lp_round_sum_delta), an
+ * embedding's 16-bit gradient sums (lp_index_add_rounded) and a batch norm's output rounded
+ * (lp_affine_round), every operation rounded by quantize.c's run_range.
  */
 #include "lp_common.h"
 
@@ -78,6 +78,46 @@ void lp_index_add_rounded(float *acc, const int64_t *ids, const float *g, int64_
             run_range((const uint32_t *)u, (uint32_t *)a, 0, len, p);
         }
     }
+}
+
+/* ---- A batch norm's output rounded (lp_affine_round) ------------------------------------------
+ * y = x * a[c] + b[c] over x's n values in memory order, the channel of value i being
+ * (i / inner) % C (inner: the channel dimension's stride of a dense layout: H * W contiguous, 1
+ * channels-last or (N, C)), as ATen's CPU addcmul(b, x, a) computes it (its multiply and add
+ * contracted to one fused multiply-add: fmaf, one rounding), then rounded to `p` (a
+ * deterministic mode) while in cache: the engine's batch-norm replay and its output's rounding
+ * in one pass instead of two over a large activation. */
+LP_OPT_CLONES static void affine_tile(const float *x, const float *a, const float *b, float *u,
+                                      int64_t s, int64_t len, int64_t C, int64_t inner) {
+    int64_t k = 0;
+    if (inner == 1) { /* channels-last: runs of channels */
+        int64_t c = s % C;
+        while (k < len) {
+            const int64_t m = C - c < len - k ? C - c : len - k;
+            for (int64_t j = 0; j < m; ++j) u[k + j] = fmaf(x[k + j], a[c + j], b[c + j]);
+            k += m;
+            c = 0;
+        }
+        return;
+    }
+    int64_t c = (s / inner) % C, r = s % inner; /* runs of one channel's plane */
+    while (k < len) {
+        const int64_t m = inner - r < len - k ? inner - r : len - k;
+        const float av = a[c], bv = b[c];
+        for (int64_t j = 0; j < m; ++j) u[k + j] = fmaf(x[k + j], av, bv);
+        k += m;
+        r = 0;
+        if (++c == C) c = 0;
+    }
+}
+
+void lp_affine_round(const float *x, const float *a, const float *b, float *out, int64_t n,
+                     int64_t C, int64_t inner, const lp_params *p, int nthreads) {
+    LP_OVER_TILES(n, nthreads, s, len, {
+        float u[LP_ADD_TILE];
+        affine_tile(x + s, a, b, u, s, len, C, inner);
+        run_at((const uint32_t *)u, (uint32_t *)(out + s), len, (uint64_t)s, p);
+    });
 }
 
 /* ---- The LSTM cell of ATen's CPU composite run in a 16-bit dtype (RNN.cpp's LSTMCell), each

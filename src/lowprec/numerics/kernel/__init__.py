@@ -27,7 +27,7 @@ from .library import (LPAccFmt, LPAccGemm, LPOpt, LPParams, available, open_kern
 from .optimizer import opt_dtype_code, opt_step
 from .quantize import (nonfinite_available, quantize_f32, quantize_prepared,
                        quantize_prepared_nonfinite, quantize_transposed, transposed_available)
-from .recurrent import (lstm_available, lstm_backward, lstm_forward, lstm_forward2, lstm_gates,
+from .recurrent import (affine_round, lstm_available, lstm_backward, lstm_forward, lstm_forward2, lstm_gates,
                         index_add_rounded, lstm_op_available, lstm_op_backward, lstm_op_cell,
                         lstm_op_gates, lstm_op_out, round_add2, round_sum_delta, site_params)
 
@@ -46,7 +46,7 @@ __all__ = [
     "opt_dtype_code", "opt_step",
     # recurrent.c
     "lstm_available", "lstm_gates", "lstm_forward", "lstm_forward2", "lstm_backward", "round_add2",
-    "round_sum_delta", "index_add_rounded", "lstm_op_available", "site_params", "lstm_op_gates",
+    "round_sum_delta", "index_add_rounded", "affine_round", "lstm_op_available", "site_params", "lstm_op_gates",
     "lstm_op_cell", "lstm_op_out", "lstm_op_backward",
     # fexp.c
     "fexp_available", "fexp_u20", "attention_rows_available", "attn_fwd_rows", "attn_bwd_p",

@@ -122,6 +122,7 @@ def open_kernel(path: str):
         "lp_round_add2": [p, p, p, i64, lpp, ci],
         "lp_round_sum_delta": [p, p, p, p, i64, lpp, ci],
         "lp_index_add_rounded": [p, p, p, i64, i64, lpp, ci],
+        "lp_affine_round": [p, p, p, p, i64, i64, i64, lpp, ci],
         "lp_lstm_gates": [p, p, i64, p, i64, i64, lpp, ci],
         "lp_lstm_fwd": [p, p, p, p, i64, p, i64, p, p, i64, i64, lpp, ci],
         "lp_lstm_fwd2": [p, p, p, i64, i64, lpp, ci],

@@ -1,6 +1,7 @@
-"""The LSTM cell of ATen's CPU composite in a 16-bit dtype (csrc/recurrent.c, ``lp_lstm_*``)
-and 16-bit sums of gradients (``lp_round_add2``, ``lp_round_sum_delta``, an embedding's
-``lp_index_add_rounded``)."""
+"""The LSTM cell of ATen's CPU composite in a 16-bit dtype (csrc/recurrent.c, ``lp_lstm_*``),
+16-bit sums of gradients (``lp_round_add2``, ``lp_round_sum_delta``, an embedding's
+``lp_index_add_rounded``) and a batch norm's output rounded as it is computed
+(``lp_affine_round``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from . import library
 from .library import LPParams
 
 __all__ = ["lstm_available", "lstm_backward", "lstm_forward", "lstm_forward2", "lstm_gates",
-           "round_add2", "round_sum_delta", "index_add_rounded", "lstm_op_available",
+           "round_add2", "round_sum_delta", "index_add_rounded", "affine_round",
+           "lstm_op_available",
            "site_params", "lstm_op_gates", "lstm_op_cell", "lstm_op_out", "lstm_op_backward"]
 
 
@@ -76,6 +78,27 @@ def index_add_rounded(acc: torch.Tensor, ids: torch.Tensor, g: torch.Tensor,
     lib.lp_index_add_rounded(acc.data_ptr(), ids.data_ptr(), g.data_ptr(), ids.numel(),
                              g.shape[1], ctypes.byref(prm), torch.get_num_threads())
     return True
+
+
+def affine_round(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prm: LPParams
+                 ) -> torch.Tensor | None:
+    """``addcmul(b, x, a)`` over the channels (dimension 1) of ``x``, rounded by ``prm`` (a
+    deterministic rounding from :func:`~.library.prepare`), in one pass (lp_affine_round): a
+    new tensor in ``x``'s layout. None where the build lacks the function or the arguments do
+    not fit it (``x`` a float32 CPU tensor of 2 or more dimensions, contiguous or channels-last;
+    ``a`` and ``b`` contiguous float32 vectors of its channels): the caller then uses torch."""
+    lib = library.lib()
+    if lib is None or not hasattr(lib, "lp_affine_round") or not (
+            x.dtype == a.dtype == b.dtype == torch.float32 and x.dim() >= 2 and
+            x.device.type == a.device.type == b.device.type == "cpu" and _dense(x) and
+            a.shape == b.shape == (x.shape[1],) and a.is_contiguous() and b.is_contiguous()
+            and x.numel()):
+        return None
+    out = torch.empty_like(x)  # (x's dense layout)
+    inner = x.stride(1) if x.shape[1] > 1 else 1  # (a size-1 dimension's stride is free)
+    lib.lp_affine_round(x.data_ptr(), a.data_ptr(), b.data_ptr(), out.data_ptr(), x.numel(),
+                        x.shape[1], inner, ctypes.byref(prm), torch.get_num_threads())
+    return out
 
 
 def _dense(t: torch.Tensor) -> bool:

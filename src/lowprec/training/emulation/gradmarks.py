@@ -6,7 +6,9 @@ replayed 16-bit kernel (batch norm, layer norm, attention, activations) rounds t
 gradient it writes itself. Where the same tensor, unchanged, meets a second rounding to the
 same element format, that rounding is the identity in any mode. A rounding records the fact
 on the tensor (the format and the tensor's version counter, which moves if autograd
-accumulates into it in place) and the next one skips the pass.
+accumulates into it in place) and the next one skips the pass. The same holds for a forward
+value a kernel rounded as it wrote it (the batch-norm replay's output, which ``RoundInplace``
+then leaves as it is).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class _BatchNorm(torch.autograd.Function):
     figure F1)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, grad, stat, cuda=False):
+    def forward(ctx, x, weight, bias, mean, invstd, grad, stat, cuda=False, out_fmt=None):
         shape = [1, -1] + [1] * (x.dim() - 2)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.spec = (grad, stat, bias is not None)
@@ -112,6 +112,15 @@ class _BatchNorm(torch.autograd.Function):
         b = -mean * a if bias is None else bias - mean * a
         # the kernel's x * a + b' is contracted to a fused multiply-add (one rounding), as
         # addcmul computes it; two roundings put 1 of 300 fp16 outputs one unit off
+        if out_fmt is not None and (prm := prepared_params(out_fmt, Rounding.NEAREST_EVEN)):
+            # the output rounded to nearest ``out_fmt`` (what the engine rounds it to next) in
+            # the same pass, and noted so that that rounding skips it (:mod:`.gradmarks`): one
+            # pass over a large activation less (benchmarks/RESULTS.md, "Issue 37, thirteenth
+            # session")
+            y = _kernel.affine_round(x, a.contiguous(), b.contiguous(), prm)
+            if y is not None:
+                note_rounded(y, out_fmt)
+                return y
         return torch.addcmul(b.view(shape), x, a.view(shape))
 
     @staticmethod
@@ -130,7 +139,7 @@ class _BatchNorm(torch.autograd.Function):
         dx = grad(dx) if dx is not None else None
         dw = stat(dw) if want_dw else None
         db = stat(db) if want_db else None
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _same(t):
@@ -226,7 +235,7 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
             inv_q = engine.round(invstd, rule, key + ".stats", grads=False)
 
     stat, grad = _kernel_roundings(rule)
-    return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, grad, stat)
+    return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, grad, stat, False, rule.compute)
 
 
 def _channels_last_stats(x: torch.Tensor) -> bool:
