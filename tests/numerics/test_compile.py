@@ -265,6 +265,7 @@ def test_the_ops_are_pt2_compliant_as_custom_ops_would_be():
 
     _opaque_ops()
     ops = [torch.ops.lowprec.quantize.default, torch.ops.lowprec.channel_sums.default,
+           torch.ops.lowprec.quantize_fused.default,
            torch.ops.lowprec_compiled.mm.default, torch.ops.lowprec_compiled.layer_norm.default]
     for op in ops:
         assert torch.Tag.pt2_compliant_tag in op.tags, op

@@ -435,7 +435,10 @@ def test_the_rounded_batch_norm_output_gives_the_torch_ops_bits(on_path, fmt, sh
     # (lp_affine_round): ATen's addcmul contracts its multiply and add (one rounding)
     from lowprec.numerics.params import element_params
     from lowprec.numerics.formats import parse_format
+    from lowprec.training.emulation.kernels import _addcmul_contracts
 
+    if not _addcmul_contracts():  # (torch's DEFAULT build: the replay keeps addcmul there)
+        pytest.skip("this torch's addcmul rounds its product before the add")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     n = math.prod(shape)
     g = torch.Generator().manual_seed(4)

@@ -1076,6 +1076,9 @@ def test_a_batch_norms_output_rounded_as_it_is_computed_changes_no_bit(monkeypat
         torch.manual_seed(0)
         net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
                             nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8))
+        for m in (net[1], net[4]):  # (a scale of 1 and a shift of 0 make the products exact)
+            nn.init.normal_(m.weight)
+            nn.init.normal_(m.bias)
         x = torch.randn(8, 3, 12, 12)
         if layout == "channels_last":
             net, x = net.to(memory_format=torch.channels_last), \
@@ -1099,3 +1102,38 @@ def test_a_batch_norms_output_rounded_as_it_is_computed_changes_no_bit(monkeypat
     assert fused == len(passes) - 2  # the two batch norms' output roundings skipped
     for a, b in zip(got, want):
         assert_same_bits(a, b)
+
+
+
+def test_a_batch_norms_output_keeps_atens_two_roundings_where_its_addcmul_has_them():
+    # torch's DEFAULT CPU build rounds addcmul's product before the add: the batch-norm replay
+    # then keeps addcmul (the fused pass computes one fused multiply-add), and its bits
+    script = """
+import torch
+from torch import nn
+from lowprec import Precision
+from lowprec.numerics import kernel as knl
+from lowprec.training.emulation.kernels import _addcmul_contracts
+
+def run():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16))
+    nn.init.normal_(net[1].weight)
+    nn.init.normal_(net[1].bias)
+    prec = Precision("16-true", seed=0)
+    model, _ = prec.setup(net)
+    with prec.autocast():
+        return model(torch.randn(16, 3, 30, 30)).detach()
+
+got = run()
+knl.affine_round = lambda *a: None
+want = run()
+print(_addcmul_contracts(), torch.equal(got.view(torch.int32), want.view(torch.int32)))
+"""
+    import os
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"]

@@ -119,7 +119,7 @@ def quantize_op():
 # Inductor fuses into the neighbouring kernels. Its arguments are those of lowprec::quantize; the
 # strings are parsed while tracing, so the format and mode are constants of the generated code.
 _LIB.define("quantize_fused(Tensor x, str fmt, str rounding, int random_bits, "
-            "Tensor? seed=None, str source=\"\") -> Tensor")
+            "Tensor? seed=None, str source=\"\") -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def _quantize_fused(x, fmt, rounding, random_bits, seed=None, source=""):

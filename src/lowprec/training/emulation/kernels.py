@@ -9,6 +9,8 @@ Recurrent layers, every op of their cells a 16-bit tensor, are in :mod:`.recurre
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -112,7 +114,8 @@ class _BatchNorm(torch.autograd.Function):
         b = -mean * a if bias is None else bias - mean * a
         # the kernel's x * a + b' is contracted to a fused multiply-add (one rounding), as
         # addcmul computes it; two roundings put 1 of 300 fp16 outputs one unit off
-        if out_fmt is not None and (prm := prepared_params(out_fmt, Rounding.NEAREST_EVEN)):
+        if out_fmt is not None and _addcmul_contracts() and \
+                (prm := prepared_params(out_fmt, Rounding.NEAREST_EVEN)):
             # the output rounded to nearest ``out_fmt`` (what the engine rounds it to next) in
             # the same pass, and noted so that that rounding skips it (:mod:`.gradmarks`): one
             # pass over a large activation less (benchmarks/RESULTS.md, "Issue 37, thirteenth
@@ -144,6 +147,20 @@ class _BatchNorm(torch.autograd.Function):
 
 def _same(t):
     return t
+
+
+@functools.lru_cache(maxsize=1)
+def _addcmul_contracts() -> bool:
+    """Whether ATen's CPU ``addcmul(b, x, a)`` rounds ``b + x * a`` once, its multiply and add
+    contracted to a fused multiply-add (as its AVX2 and AVX-512 builds are compiled), in its
+    vector lanes and its scalar tail: what ``lp_affine_round`` computes. Torch's DEFAULT build
+    (``ATEN_CPU_CAPABILITY=default``) rounds the product first; the batch-norm replay then keeps
+    ``addcmul`` and the engine's rounding. Probed once: (1 + 2^-23)(1 - 2^-23) - 1 is -2^-46
+    with one rounding, 0 with two."""
+    n = 67  # whole vectors and a tail
+    out = torch.addcmul(torch.full((n,), -1.0), torch.full((n,), 1 + 2.0 ** -23),
+                        torch.full((n,), 1 - 2.0 ** -23))
+    return bool((out == -2.0 ** -46).all())
 
 
 def _batch_stats(x, running_mean, running_var, momentum, eps):
