@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--policies", default=None,
                     help="comma-separated policies (default: every named policy)")
     ap.add_argument("--models", default="cnn,mlp,transformer",
-                    help="comma-separated: cnn, mlp, transformer, resnet20, mobilenet, lstm")
+                    help="comma-separated: cnn, mlp, transformer, resnet20, vgg, mobilenet, lstm")
     ap.add_argument("--layout", choices=("runner", "contiguous"), default="runner",
                     help="runner (default): models with 2-d convolutions channels-last, as "
                          "lowprec compare trains them; contiguous: as built")
@@ -137,6 +137,7 @@ def main() -> None:
     models = [m for m in [("LeNet-5 CNN", lenet, "cnn"), ("MLP 784-512-512-10", mlp, "mlp"),
                           ("Transformer 2x128, 64 tokens", Transformer, "transformer"),
                           ("ResNet-20", zoo("resnet20"), "resnet20"),
+                          ("VGG-style", zoo("vgg"), "vgg"),
                           ("MobileNetV2-style", zoo("mobilenet"), "mobilenet"),
                           ("LSTM 28x28 rows, hidden 128", LSTMNet, "lstm")]
               if m[2] in args.models.split(",")]

@@ -530,7 +530,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad, fuse=True):
-        given = q  # (saved too: an in-place change of it after the forward still raises)
+        given = q  # (saved as given: no copy held between forward and backward)
         q = _batched(q)  # the query copied once, if at all (k and v go transposed: as given)
         rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
         K, V = _grouped(k, rep), _grouped(v, rep)
@@ -551,16 +551,16 @@ class _FlashAttention(torch.autograd.Function):
         total = e.sum(-1, keepdim=True)
         total = torch.where(total == 0, torch.ones_like(total), total)
         out = act((act(e) @ V).mul_(1 / total))
-        ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total), given)
+        ctx.save_for_backward(given, k, v, attn_mask, out, m + torch.log(total))
         ctx.spec = (is_causal, sc, act, grad, rep, fused)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
-        q, k, v, attn_mask, out, lse, _ = ctx.saved_tensors
+        q, k, v, attn_mask, out, lse = ctx.saved_tensors
         is_causal, sc, act, grad, rep, fused = ctx.spec
-        do = _batched(do)  # (used as it is, not transposed)
+        q, do = _batched(q), _batched(do)  # (each used twice, as it is, not transposed)
         K, V = _grouped(k, rep), _grouped(v, rep)
         dsum = (do * out).sum(-1, keepdim=True)
         if fused:  # as below, the masked keys' exp(-inf) not computed (slow in ATen: F44)
