@@ -116,8 +116,9 @@ def quantize_keyed_(x, fmt, mode, keys):
 def once(fn):
     """torch's ``once_differentiable`` for a backward, which returns ``fn``'s result as it is
     where grad mode is off (a backward run without ``create_graph``, the usual case), after a
-    ``no_grad`` block and checks that cost about 3 us a node: here ``fn`` is called directly
-    then; with grad mode on, ``once_differentiable`` runs (a second order raises)."""
+    ``no_grad`` block and checks (1.7 us a call against 0.25 for this one, on an Intel Xeon):
+    here ``fn`` is called directly then; with grad mode on, ``once_differentiable`` runs (a
+    second order raises)."""
     wrapped = once_differentiable(fn)
 
     @functools.wraps(fn)
@@ -336,8 +337,9 @@ def fast_apply(cls):
     """``cls.apply`` for the engine's functions, whose first argument is their one tensor:
     where no functorch transform is active, torch's ``Function.apply`` unwraps dead functorch
     wrappers from every argument and calls the C ``apply``; this does the same for the tensor
-    and calls it directly (about 4 us less a call, three calls for an ``add`` of two
-    activations, on an Intel Xeon: benchmarks/RESULTS.md, "Issue 37, thirteenth session").
+    and calls it directly (``Consumed`` on a (32, 64) tensor: 3.6 us a call against 5.8, three
+    calls for an ``add`` of two activations, on an Intel Xeon: benchmarks/RESULTS.md, "Issue
+    37, thirteenth session").
     Under a transform, ``cls.apply`` itself."""
     c_apply = super(torch.autograd.Function, cls).apply
     unwrap = torch._C._functorch.unwrap_if_dead

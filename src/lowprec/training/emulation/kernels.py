@@ -530,8 +530,6 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, sc, act, grad, fuse=True):
-        given = q  # (saved as given: no copy held between forward and backward)
-        q = _batched(q)  # the query copied once, if at all (k and v go transposed: as given)
         rep = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
         K, V = _grouped(k, rep), _grouped(v, rep)
         fused = fuse and type(q) is torch.Tensor and attn_mask is None and \
@@ -551,7 +549,7 @@ class _FlashAttention(torch.autograd.Function):
         total = e.sum(-1, keepdim=True)
         total = torch.where(total == 0, torch.ones_like(total), total)
         out = act((act(e) @ V).mul_(1 / total))
-        ctx.save_for_backward(given, k, v, attn_mask, out, m + torch.log(total))
+        ctx.save_for_backward(q, k, v, attn_mask, out, m + torch.log(total))
         ctx.spec = (is_causal, sc, act, grad, rep, fused)
         return out
 
@@ -560,7 +558,9 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, attn_mask, out, lse = ctx.saved_tensors
         is_causal, sc, act, grad, rep, fused = ctx.spec
-        q, do = _batched(q), _batched(do)  # (each used twice, as it is, not transposed)
+        # (the query and the output's gradient serve two products each here, as they are:
+        # copied once, if at all; the forward's one product copies as matmul would)
+        q, do = _batched(q), _batched(do)
         K, V = _grouped(k, rep), _grouped(v, rep)
         dsum = (do * out).sum(-1, keepdim=True)
         if fused:  # as below, the masked keys' exp(-inf) not computed (slow in ATen: F44)
