@@ -203,6 +203,32 @@ def test_one_value_past_the_fast_rule_anywhere_in_a_block(on_path, fmt, mode):
                 assert_same_bits(x, want, f"{fmt} {mode} n={n} at {at}, in place")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt, rounding", [("q6.10", "stochastic"), ("fp16", "stochastic"),
+                                           ("bf16", "sr4"), ("e4m3fn", "stochastic")])
+def test_a_channels_last_tensors_stochastic_rounding_draws_by_logical_index(on_path, fmt,
+                                                                            rounding, threads):
+    """lp_quantize_f32_bt's tiles of whole memory rows (a power of two of channels: counters
+    computed; other counts below 256: read from a table; 256 and more: runs of a row) give the
+    bits of the row-major copy's rounding, whose random counters are its indices. Channel counts
+    around each bound, row blocks of 512 and a partial tile; values across and beyond the range."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for c, hw in [(1, 9), (3, 30), (6, 28), (7, 5), (16, 33), (24, 16), (37, 3), (100, 6),
+                      (255, 2), (256, 2), (300, 3)]:
+            g = torch.Generator().manual_seed(c)
+            x = torch.randn(3, c, hw, hw, generator=g) * torch.logspace(-9, 9, hw)
+            x.view(-1)[::97] = bit_patterns(x.numel() // 97 + 1)[:x[::1].view(-1)[::97].numel()]
+            cl = x.contiguous(memory_format=torch.channels_last)
+            got = quantize(cl, fmt, rounding, seed=(5, 9))
+            want = quantize(x, fmt, rounding, seed=(5, 9))
+            assert got.stride() == cl.stride()
+            assert_same_bits(got.contiguous(), want, f"{fmt} {rounding} {c} channels")
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("shape", [(64, 96), (50, 14), (30, 45)])  # whole blocks; rows shorter
 # than a block (a channels-last activation's W = 14) and than a chunk of 16; a last partial block
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "mxint8"])

@@ -70,10 +70,10 @@ def _args(rounding: str, keys) -> dict:
                                    (16, 128, 3, 3), (2, 8, 30, 30), (3, 2, 5, 7),
                                    (5, 4, 4, 4)])
 # stochastic rounding of a batched transpose (channels-last: C columns, H * W rows; the
-# transposed matrix: N rows, C * H * W columns): a power of two of columns below 256, 2-D tiles
-# of whole memory rows (16 and 8 channels: two row blocks of 512 rows; (5, 4, 4, 4) transposed:
-# 64 columns, 5 rows); other counts below 16, tiles of 16 columns x 512 rows gathered into
-# logical order (900 rows: two row blocks); else runs of the C values (300: one 256-element
+# transposed matrix: N rows, C * H * W columns): below 256 columns, 2-D tiles of whole memory
+# rows, their counters computed for a power of two (16 and 8 channels: two row blocks of 512
+# rows; (5, 4, 4, 4) transposed: 64 columns, 5 rows), read from a table for other counts (6
+# channels and 900 rows: two row blocks; 37); else runs of the C values (300: one 256-element
 # tile and a tail)
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "q6.10", "e4m3fn"])
@@ -103,7 +103,7 @@ def test_a_dense_tensor_in_any_layout_is_rounded_as_its_contiguous_copy(fmt, rou
 
 def test_a_channels_last_tensor_is_rounded_stochastically_without_a_copy(monkeypatch):
     """Stochastic rounding of a channels-last tensor goes to the batched-transpose kernel
-    (tiles gathered into logical order), not to a row-major copy."""
+    (tiles of whole memory rows in memory order), not to a row-major copy."""
     if not kernel.transposed_available():
         pytest.skip("the loaded kernel has no lp_quantize_f32_bt")
     calls = []

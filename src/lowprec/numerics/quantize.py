@@ -271,9 +271,9 @@ def _in_layout(x: torch.Tensor, out: torch.Tensor | None, prm, stochastic: bool
     where the layout needs one. A deterministic rounding runs over the memory in its order; a
     stochastic one draws each element's random bits from its row-major index, so only a
     batched transpose (channels-last, a transposed matrix) is rounded in place of its layout,
-    in memory order, each element's random counter computed from its logical index (a power
-    of two of channels below 256 in 2-D tiles of whole memory rows; other counts below 16 in tiles
-    gathered into logical order; ``lp_quantize_f32_bt``)."""
+    in memory order, each element's random counter computed from its logical index (below 256
+    channels in 2-D tiles of whole memory rows, the counters of a tile computed for a power of
+    two, read from a table otherwise; ``lp_quantize_f32_bt``)."""
     if not stochastic and out is None and x.dim() == 4 and \
             x.is_contiguous(memory_format=torch.channels_last):
         # (the commonest case, a channels-last activation, without the general layout

@@ -154,6 +154,8 @@ typedef struct {
                                    * float32 arithmetic (fixed_sr_one) */
     float srq, srm, srt;          /* fixed_sr: 2**qsub, 2**(qsub + 23), 2**(32 - qsub) */
     uint32_t cs;                  /* the 2-D tiles' (quantize.c) columns per memory row, log2 */
+    const uint32_t *ctab;         /* ... or, for other column counts, each tile position's
+                                   * counter offset (quantize.c, LP_CTR3) */
 } lp_inv;
 
 LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
@@ -161,6 +163,7 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
     const float scale = u2f(pow2_bits(imin(imax(sh, -127), 127)));
     v.man = p->man;
     v.cs = 0;
+    v.ctab = NULL;
     v.bemin = p->bemin + sh;
     v.qsub = p->qsub + sh;
     v.signed_zero = p->signed_zero;

@@ -144,6 +144,9 @@ LP_INLINE uint32_t fast_one(uint32_t u, uint32_t r, const lp_inv *p, const int m
 /* ... of a 2-D tile (lp_quantize_f32_bt): memory rows of 2**p.cs values, each value of a row a
  * column whose logical index steps by st, each next row by 1 */
 #define LP_CTR2(j) (lo0 + ((uint32_t)(j) >> p.cs) + ((uint32_t)(j) & ((1u << p.cs) - 1u)) * st)
+/* ... of a 2-D tile of any other column count cols: position j's offset j / cols + (j % cols) *
+ * rows from the call's table p.ctab (st unused: it is in the table) */
+#define LP_CTR3(j) (lo0 + p.ctab[j] + 0u * st)
 
 #define LP_DEFINE_LOOP(NAME, MODE)                                                               \
     LP_DEFINE_TILE(NAME##_tile, MODE, LP_CTR)                                                    \
@@ -222,6 +225,8 @@ LP_DEFINE_LOOP(loop_sr, R_STOCHASTIC)
 LP_DEFINE_LOOP(loop_sr_fixed, R_SRFX)
 LP_DEFINE_TILE(loop_sr_tile2, R_STOCHASTIC, LP_CTR2)
 LP_DEFINE_TILE(loop_sr_fixed_tile2, R_SRFX, LP_CTR2)
+LP_DEFINE_TILE(loop_sr_tile3, R_STOCHASTIC, LP_CTR3)
+LP_DEFINE_TILE(loop_sr_fixed_tile3, R_SRFX, LP_CTR3)
 
 /* Blocks of a scale each (MX), the format shifted by the block's scale exponent sh, rounded by
  * the fast rule of the unshifted format: x * 2**-sh is x's pattern with sh taken from its exponent
@@ -503,16 +508,19 @@ void run_parallel(lp_job base, int64_t units, int64_t unit_elems, int nthreads) 
  * each memory row (the C values of one position) is one run of the mode's tile whose random
  * counter starts at its first value's logical index and steps by `rows`. The caller keeps the
  * logical size below 2**32 (one high word of the counter). */
-/* Stochastic rounding with a power of two of columns below LP_TILE (the channels of most CNNs)
- * takes 2-D tiles: one tile call rounds LP_TILE / cols whole memory rows in memory order, the
- * counter of a value stepping by rows along its memory row and by 1 to the next (LP_CTR2). On an
- * AMD EPYC with AVX512-BF16, at 16 channels that is 1.03-1.05x the contiguous rounding, where a call per memory row cost 1.38x
- * and the gathered tiles below 1.92x; at 8, 4 and 2 channels 1.02-1.15x against the gathered
- * tiles' 1.52-2.08x (benchmarks/RESULTS.md, "Issue 37, fifth session").
- * Other column counts below LP_BT_RUNS make runs too short for a tile call: tiles of LP_BT_C
- * columns x LP_BT_R rows are gathered into logical order on the stack instead, each logical row
- * rounded with its own indices, then scattered back; from LP_BT_RUNS columns on, runs are
- * faster (benchmarks/RESULTS.md, figure F15). */
+/* Stochastic rounding with fewer columns than LP_TILE (the channels of most CNNs) takes 2-D
+ * tiles: one tile call rounds LP_TILE / cols whole memory rows in memory order, the counter of a
+ * value stepping by rows along its memory row and by 1 to the next: computed from the position
+ * for a power of two of columns (LP_CTR2), read from a table of the tile's offsets, built once a
+ * call, for other counts (LP_CTR3). On an AMD EPYC with AVX512-BF16, at 16 channels the
+ * power-of-two tiles were 1.03-1.05x the contiguous rounding, where a call per memory row cost
+ * 1.38x and the gathered tiles below 1.92x; at 8, 4 and 2 channels 1.02-1.15x against the
+ * gathered tiles' 1.52-2.08x (benchmarks/RESULTS.md, "Issue 37, fifth session"); the table's
+ * figures: "Issue 37, fourteenth session".
+ * A deterministic rounding (no counters: lowprec rounds it in memory order, never here) gathers
+ * tiles of LP_BT_C columns x LP_BT_R rows into logical order on the stack below LP_BT_RUNS columns, each
+ * logical row rounded with its own indices, then scattered back; from LP_BT_RUNS columns on,
+ * runs of a memory row are faster (benchmarks/RESULTS.md, figure F15). */
 #ifndef LP_BT_RUNS
 #define LP_BT_RUNS 16
 #endif
@@ -538,10 +546,11 @@ static void bt_unit(const uint32_t *in, uint32_t *out, int64_t rows, int64_t col
 void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
                         int64_t cols, const lp_params *p, int nthreads) {
     const loop_fn lf = loop_for(p);
-    const tile_fn t2 = lf == loop_sr ? loop_sr_tile2 : lf == loop_sr_fixed ? loop_sr_fixed_tile2
-                                                                            : NULL;
-    const int pow2 = t2 != NULL && cols > 0 && (cols & (cols - 1)) == 0;
-    if (cols < LP_BT_RUNS && !pow2) {
+    const int pow2 = cols > 0 && (cols & (cols - 1)) == 0;
+    const tile_fn t2 = lf == loop_sr       ? (pow2 ? loop_sr_tile2 : loop_sr_tile3)
+                       : lf == loop_sr_fixed ? (pow2 ? loop_sr_fixed_tile2 : loop_sr_fixed_tile3)
+                                             : NULL;
+    if (cols < LP_BT_RUNS && t2 == NULL) {
         const loop_fn f = lf;
         const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
         const int nt = lp_threads_over(batch * rows * cols, units, nthreads);
@@ -555,10 +564,17 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     const tile_fn t = tile_of(lf);
     lp_inv inv = make_inv(p, 0);
     const uint32_t k0 = p->k0, k1 = p->k1; /* high word 0: the key's mix32(0) is 0 */
-    if (pow2 && cols < LP_TILE) {
-        /* a power of two of columns below a tile: 2-D tiles of whole memory rows (above) */
-        inv.cs = (uint32_t)__builtin_ctzll((unsigned long long)cols);
+    if (t2 != NULL && cols > 0 && cols < LP_TILE) {
+        /* fewer columns than a tile: 2-D tiles of whole memory rows (above) */
         const int64_t per = LP_TILE / cols;
+        uint32_t ctab[LP_TILE];
+        if (pow2) {
+            inv.cs = (uint32_t)__builtin_ctzll((unsigned long long)cols);
+        } else {
+            for (int64_t j = 0; j < per * cols; ++j)
+                ctab[j] = (uint32_t)(j / cols) + (uint32_t)(j % cols) * (uint32_t)rows;
+            inv.ctab = ctab;
+        }
         int64_t rb = LP_BT_R; /* rows a parallel unit; fewer where the batch is small */
         if (nthreads > 1 && batch * ((rows + rb - 1) / rb) < nthreads) {
             rb = (rows + nthreads - 1) / nthreads;
