@@ -453,14 +453,18 @@ def test_the_rounded_sum_of_two_gives_the_torch_ops_bits(on_path, fmt):
                                            ((7, 5, 9, 11), "channels_last"),
                                            ((3, 6, 1000), "contiguous"), ((300, 17), "contiguous"),
                                            ((2, 1, 40, 40), "channels_last"),
-                                           ((8, 64, 1, 1), "contiguous")])
+                                           ((8, 64, 1, 1), "contiguous"),
+                                           ((2, 16, 5, 7), "channels_last"),
+                                           ((2, 300, 3, 3), "channels_last")])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "sr4"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "e5m2", "q6.10"])
 def test_the_rounded_batch_norm_output_gives_the_torch_ops_bits(on_path, fmt, shape, layout,
-                                                                threads, monkeypatch):
+                                                                threads, rounding, monkeypatch):
     # a batch norm's y = addcmul(b, x, a) over the channels, rounded, in one pass
-    # (lp_affine_round): ATen's addcmul contracts its multiply and add (one rounding)
-    from lowprec.numerics.params import element_params
-    from lowprec.numerics.formats import parse_format
+    # (lp_affine_round; a channels-last tensor rounded stochastically: lp_affine_round_bt, each
+    # value with its logical index's random word): ATen's addcmul contracts its multiply and
+    # add (one rounding)
+    from lowprec.numerics.quantize import prepared_params
     from lowprec.training.emulation.kernels import _addcmul_contracts
 
     if not _addcmul_contracts():  # (torch's DEFAULT build: the replay keeps addcmul there)
@@ -477,12 +481,16 @@ def test_the_rounded_batch_norm_output_gives_the_torch_ops_bits(on_path, fmt, sh
     a = torch.randn(shape[1], generator=g) * 3  # (finite: a NaN's payload is x's)
     b = torch.randn(shape[1], generator=g)
     a[0] = 2.0 ** -130  # a subnormal scale: products underflow
-    prm = kernel.prepare(element_params(parse_format(fmt)), 0, 0)
+    stochastic = rounding != "nearest"
+    keys = (0x9E3779B9, 12345) if stochastic else None
+    quantize(x, fmt, rounding, seed=keys)  # (quantize's fast path prepares the parameters)
+    prm = prepared_params(fmt, rounding, keys)
     view = [1, -1] + [1] * (len(shape) - 2)
-    ref = quantize(torch.addcmul(b.view(view), x, a.view(view)), fmt, impl="torch")
-    got = kernel.affine_round(x, a, b, prm)
+    ref = quantize(torch.addcmul(b.view(view), x, a.view(view)), fmt, rounding, seed=keys,
+                   impl="torch")
+    got = kernel.affine_round(x, a, b, prm, stochastic)
     assert got.stride() == x.stride()
-    assert_same_bits(got, ref, fmt)
+    assert_same_bits(got, ref, f"{fmt} {rounding}")
     assert kernel.affine_round(x, a[:-1].contiguous(), b, prm) is None  # not x's channels
 
 

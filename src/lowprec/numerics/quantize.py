@@ -76,15 +76,19 @@ def _prepared(table: dict, fmt, rounding):
         return None
 
 
-def prepared_params(fmt, rounding):
+def prepared_params(fmt, rounding, seed: tuple[int, int] | None = None):
     """The kernel's parameters of rounding to ``fmt`` by ``rounding`` (as given), as
     :func:`quantize`'s fast path prepared them at a first call with these arguments; None before
-    that call, without a kernel, or inside a trace (graph ops there). For kernels fusing a
-    rounding with other work (:func:`lowprec.numerics.kernel.round_sum_delta`), so that it gives
-    quantize's bits."""
+    that call, without a kernel, or inside a trace (graph ops there). ``seed``: stochastic
+    rounding's two keys as ints, set in a copy of the parameters a first call with keys
+    prepared. For kernels fusing a rounding with other work
+    (:func:`lowprec.numerics.kernel.round_sum_delta`), so that it gives quantize's bits."""
     if emits_graph_ops():
         return None
-    return _prepared(_PREPARED, fmt, rounding)
+    if seed is None:
+        return _prepared(_PREPARED, fmt, rounding)
+    prm = _prepared(_PREPARED_KEYED, fmt, rounding)
+    return None if prm is None else _kernel.with_keys(prm, *_keys_of(seed))
 
 
 def _keys_given(seed, generator) -> bool:

@@ -543,14 +543,26 @@ static void bt_unit(const uint32_t *in, uint32_t *out, int64_t rows, int64_t col
     }
 }
 
-void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
-                        int64_t cols, const lp_params *p, int nthreads) {
+/* y = x * a[c] + b[c] contracted to one fused multiply-add (fmaf, as ATen's CPU addcmul computes
+ * it: lp_affine_round in recurrent.c) over nrows memory rows of cols values, channel c the
+ * value's place in its row, into u. */
+LP_OPT_CLONES static void affine_rows(const float *x, const float *a, const float *b, float *u,
+                                      int64_t nrows, int64_t cols) {
+    for (int64_t i = 0; i < nrows; ++i)
+        for (int64_t c = 0; c < cols; ++c) u[i * cols + c] = fmaf(x[i * cols + c], a[c], b[c]);
+}
+
+/* lp_quantize_f32_bt's rounding; where a is not NULL, of x * a[c] + b[c] (affine_rows), each
+ * tile computed on the stack before it is rounded (lp_affine_round_bt). */
+static void bt_tiles(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
+                     int64_t cols, const lp_params *p, int nthreads, const float *a,
+                     const float *b) {
     const loop_fn lf = loop_for(p);
     const int pow2 = cols > 0 && (cols & (cols - 1)) == 0;
     const tile_fn t2 = lf == loop_sr       ? (pow2 ? loop_sr_tile2 : loop_sr_tile3)
                        : lf == loop_sr_fixed ? (pow2 ? loop_sr_fixed_tile2 : loop_sr_fixed_tile3)
                                              : NULL;
-    if (cols < LP_BT_RUNS && t2 == NULL) {
+    if (cols < LP_BT_RUNS && t2 == NULL) { /* (a is NULL: lp_affine_round_bt takes no such mode) */
         const loop_fn f = lf;
         const int64_t rblocks = (rows + LP_BT_R - 1) / LP_BT_R, units = batch * rblocks;
         const int nt = lp_threads_over(batch * rows * cols, units, nthreads);
@@ -588,11 +600,17 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
         for (int64_t u = 0; u < units2; ++u) {
             const int64_t n = u / rblocks, r0 = (u % rblocks) * rb;
             const int64_t r1 = r0 + rb < rows ? r0 + rb : rows;
+            float y[LP_TILE];
             for (int64_t r = r0; r < r1; r += per) {
                 const int64_t rn = r1 - r < per ? r1 - r : per;
                 const int64_t at = (n * rows + r) * cols;
-                t2(in + at, out + at, rn * cols, (uint32_t)(n * cols * rows + r),
-                   (uint32_t)rows, k0, k1, &inv);
+                const uint32_t *src = in + at;
+                if (a != NULL) {
+                    affine_rows((const float *)src, a, b, y, rn, cols);
+                    src = (const uint32_t *)y;
+                }
+                t2(src, out + at, rn * cols, (uint32_t)(n * cols * rows + r), (uint32_t)rows, k0,
+                   k1, &inv);
             }
         }
         return;
@@ -605,12 +623,38 @@ void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_
     for (int64_t u = 0; u < units; ++u) {
         const int64_t n = u / rows, r = u % rows;
         const uint32_t lo = (uint32_t)(n * cols * rows + r);
+        float y[LP_TILE];
         for (int64_t c0 = 0; c0 < cols; c0 += LP_TILE) {
             const int64_t len = cols - c0 < LP_TILE ? cols - c0 : LP_TILE;
-            t(in + u * cols + c0, out + u * cols + c0, len, lo + (uint32_t)(c0 * rows),
-              (uint32_t)rows, k0, k1, &inv);
+            const uint32_t *src = in + u * cols + c0;
+            if (a != NULL) {
+                affine_rows((const float *)src, a + c0, b + c0, y, 1, len);
+                src = (const uint32_t *)y;
+            }
+            t(src, out + u * cols + c0, len, lo + (uint32_t)(c0 * rows), (uint32_t)rows, k0, k1,
+              &inv);
         }
     }
+}
+
+void lp_quantize_f32_bt(const uint32_t *in, uint32_t *out, int64_t batch, int64_t rows,
+                        int64_t cols, const lp_params *p, int nthreads) {
+    bt_tiles(in, out, batch, rows, cols, p, nthreads, NULL, NULL);
+}
+
+/* A batch norm's channels-last output rounded stochastically as it is computed: y = x * a[c] +
+ * b[c] (lp_affine_round's fused multiply-add) over x laid out as lp_quantize_f32_bt's input
+ * (batch, rows = H * W, cols = C), rounded with each value's logical counter, tile by tile in
+ * cache: lp_quantize_f32_bt's bits for addcmul's output, in one pass instead of two. Stochastic
+ * rounding only (returns -1, writing nothing, for another mode: a deterministic rounding needs
+ * no logical order and takes lp_affine_round). */
+int lp_affine_round_bt(const float *x, const float *a, const float *b, float *out, int64_t batch,
+                       int64_t rows, int64_t cols, const lp_params *p, int nthreads) {
+    const loop_fn lf = loop_for(p);
+    if (lf != loop_sr && lf != loop_sr_fixed)
+        return -1;
+    bt_tiles((const uint32_t *)x, (uint32_t *)out, batch, rows, cols, p, nthreads, a, b);
+    return 0;
 }
 
 /* lp_quantize_f32 and the count of non-finite values (Inf, NaN) it wrote: chunks of

@@ -84,9 +84,10 @@ void lp_index_add_rounded(float *acc, const int64_t *ids, const float *g, int64_
  * y = x * a[c] + b[c] over x's n values in memory order, the channel of value i being
  * (i / inner) % C (inner: the channel dimension's stride of a dense layout: H * W contiguous, 1
  * channels-last or (N, C)), as ATen's CPU addcmul(b, x, a) computes it (its multiply and add
- * contracted to one fused multiply-add: fmaf, one rounding), then rounded to `p` (a
- * deterministic mode) while in cache: the engine's batch-norm replay and its output's rounding
- * in one pass instead of two over a large activation. */
+ * contracted to one fused multiply-add: fmaf, one rounding), then rounded to `p` while in
+ * cache: the engine's batch-norm replay and its output's rounding in one pass instead of two
+ * over a large activation. Stochastic rounding's counters are the memory indices, logical ones
+ * where x is contiguous; a channels-last x takes lp_affine_round_bt (quantize.c). */
 LP_OPT_CLONES static void affine_tile(const float *x, const float *a, const float *b, float *u,
                                       int64_t s, int64_t len, int64_t C, int64_t inner) {
     int64_t k = 0;

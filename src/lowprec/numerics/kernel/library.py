@@ -123,6 +123,7 @@ def open_kernel(path: str):
         "lp_round_sum_delta": [p, p, p, p, i64, lpp, ci],
         "lp_index_add_rounded": [p, p, p, i64, i64, lpp, ci],
         "lp_affine_round": [p, p, p, p, i64, i64, i64, lpp, ci],
+        "lp_affine_round_bt": [p, p, p, p, i64, i64, i64, lpp, ci],
         "lp_lstm_gates": [p, p, i64, p, i64, i64, lpp, ci],
         "lp_lstm_fwd": [p, p, p, p, i64, p, i64, p, p, i64, i64, lpp, ci],
         "lp_lstm_fwd2": [p, p, p, i64, i64, lpp, ci],
@@ -142,7 +143,7 @@ def open_kernel(path: str):
         if hasattr(handle, name):
             fn = getattr(handle, name)
             fn.argtypes = argtypes
-            fn.restype = {"lp_gemm_acc": ctypes.c_int,
+            fn.restype = {"lp_gemm_acc": ctypes.c_int, "lp_affine_round_bt": ctypes.c_int,
                           "lp_quantize_f32_nonfinite": ctypes.c_int64}.get(name)
     return handle
 

@@ -80,13 +80,17 @@ def index_add_rounded(acc: torch.Tensor, ids: torch.Tensor, g: torch.Tensor,
     return True
 
 
-def affine_round(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prm: LPParams
-                 ) -> torch.Tensor | None:
-    """``addcmul(b, x, a)`` over the channels (dimension 1) of ``x``, rounded by ``prm`` (a
-    deterministic rounding from :func:`~.library.prepare`), in one pass (lp_affine_round): a
-    new tensor in ``x``'s layout. None where the build lacks the function or the arguments do
-    not fit it (``x`` a float32 CPU tensor of 2 or more dimensions, contiguous or channels-last;
-    ``a`` and ``b`` contiguous float32 vectors of its channels): the caller then uses torch."""
+def affine_round(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prm: LPParams,
+                 stochastic: bool = False) -> torch.Tensor | None:
+    """``addcmul(b, x, a)`` over the channels (dimension 1) of ``x``, rounded by ``prm`` (from
+    :func:`~.library.prepare`; ``stochastic``: its keys set, :func:`~.library.with_keys`), in
+    one pass: a new tensor in ``x``'s layout, each value with the random counter of its
+    row-major index as :func:`~lowprec.numerics.quantize` draws it (lp_affine_round in memory
+    order; a channels-last ``x`` rounded stochastically by lp_affine_round_bt, counters of the
+    logical order). None where the build lacks the function or the arguments do not fit it
+    (``x`` a float32 CPU tensor of 2 or more dimensions, contiguous or channels-last, below
+    2**32 values when channels-last and stochastic; ``a`` and ``b`` contiguous float32 vectors
+    of its channels): the caller then uses torch."""
     lib = library.lib()
     if lib is None or not hasattr(lib, "lp_affine_round") or not (
             x.dtype == a.dtype == b.dtype == torch.float32 and x.dim() >= 2 and
@@ -94,6 +98,15 @@ def affine_round(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prm: LPParam
             a.shape == b.shape == (x.shape[1],) and a.is_contiguous() and b.is_contiguous()
             and x.numel()):
         return None
+    if stochastic and not x.is_contiguous():  # channels-last: memory order is not logical
+        if not hasattr(lib, "lp_affine_round_bt") or x.numel() >= 2**32:
+            return None
+        out = torch.empty_like(x)
+        n, c, h, w = x.shape
+        if lib.lp_affine_round_bt(x.data_ptr(), a.data_ptr(), b.data_ptr(), out.data_ptr(), n,
+                                  h * w, c, ctypes.byref(prm), torch.get_num_threads()) != 0:
+            return None
+        return out
     out = torch.empty_like(x)  # (x's dense layout)
     inner = x.stride(1) if x.shape[1] > 1 else 1  # (a size-1 dimension's stride is free)
     lib.lp_affine_round(x.data_ptr(), a.data_ptr(), b.data_ptr(), out.data_ptr(), x.numel(),

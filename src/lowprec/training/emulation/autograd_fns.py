@@ -71,6 +71,10 @@ class Stream:
         self.n += 1
         return Site(self.base, self.n - 1)
 
+    def peek(self):
+        """The keys the first rounding of the next site will take (the site not made)."""
+        return derive_keys(self.base, self.n)
+
 
 def _keyword(mode, keys) -> dict:
     """quantize's keyword for stochastic rounding's keys from ``keys``: a :class:`Site`'s

@@ -578,6 +578,16 @@ class Emulation:
         s = self._stream
         return self.generator if s is None else s.site()
 
+    def next_site_keys(self) -> tuple[int, int] | None:
+        """The stochastic keys of the next rounding site's first rounding, for a kernel that
+        rounds ahead what the engine rounds next (the batch norm's output: its rounding then
+        skips, :func:`autograd_fns._skips`, advancing the site as if it had rounded); None
+        outside a forward's stream or where its base keys are not ints (a trace)."""
+        s = self._stream
+        if s is None or type(s.base) is not tuple:
+            return None
+        return s.peek()
+
     def mode(self):
         """The engine's mode, to re-enter from inside it (an op it computes from ops)."""
         return self._mode

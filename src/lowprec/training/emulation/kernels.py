@@ -15,7 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ...numerics import kernel as _kernel
-from ...numerics.formats import BF16, BlockFormat
+from ...numerics.formats import BF16, BlockFormat, FixedFormat, FloatFormat
 from ...numerics.ops import channel_sums_op
 from ...numerics.quantize import emits_graph_ops, prepared_params, quantize
 from ...numerics.rounding import Rounding
@@ -102,7 +102,8 @@ class _BatchNorm(torch.autograd.Function):
     figure F1)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, grad, stat, cuda=False, out_fmt=None):
+    def forward(ctx, x, weight, bias, mean, invstd, grad, stat, cuda=False, out_fmt=None,
+                out_mode=None, out_keys=None):
         shape = [1, -1] + [1] * (x.dim() - 2)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.spec = (grad, stat, bias is not None)
@@ -114,13 +115,15 @@ class _BatchNorm(torch.autograd.Function):
         b = -mean * a if bias is None else bias - mean * a
         # the kernel's x * a + b' is contracted to a fused multiply-add (one rounding), as
         # addcmul computes it; two roundings put 1 of 300 fp16 outputs one unit off
-        if out_fmt is not None and _addcmul_contracts() and \
-                (prm := prepared_params(out_fmt, Rounding.NEAREST_EVEN)):
-            # the output rounded to nearest ``out_fmt`` (what the engine rounds it to next) in
-            # the same pass, and noted so that that rounding skips it (:mod:`.gradmarks`): one
-            # pass over a large activation less (benchmarks/RESULTS.md, "Issue 37, thirteenth
-            # session")
-            y = _kernel.affine_round(x, a.contiguous(), b.contiguous(), prm)
+        if out_fmt is not None and _addcmul_contracts() and (prm := prepared_params(
+                out_fmt, Rounding.NEAREST_EVEN if out_mode is None else out_mode, out_keys)):
+            # the output rounded to ``out_fmt`` (what the engine rounds it to next: to nearest,
+            # or stochastically with the keys that rounding will take, ``out_keys``) in the
+            # same pass, and noted so that that rounding skips it (:mod:`.gradmarks`): one pass
+            # over a large activation less (benchmarks/RESULTS.md, "Issue 37, thirteenth
+            # session"; stochastic: "fourteenth session")
+            y = _kernel.affine_round(x, a.contiguous(), b.contiguous(), prm,
+                                     out_keys is not None)
             if y is not None:
                 note_rounded(y, out_fmt)
                 return y
@@ -142,7 +145,7 @@ class _BatchNorm(torch.autograd.Function):
         dx = grad(dx) if dx is not None else None
         dw = stat(dw) if want_dw else None
         db = stat(db) if want_db else None
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _same(t):
@@ -237,7 +240,14 @@ def batch_norm(engine, rule, key: str, x, weight, bias, running_mean, running_va
             mean, invstd = _batch_stats(x, running_mean, running_var, momentum, eps)
         mean_q = engine.round(mean, rule, key + ".stats", grads=False)
         inv_q = engine.round(invstd, rule, key + ".stats", grads=False)
-        return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, _same, _same)
+        out = (None, None, None)
+        fmt = rule.compute
+        if rule.rounding.is_stochastic and isinstance(fmt, (FloatFormat, FixedFormat)) and \
+                not fmt.dynamic and (keys := engine.next_site_keys()) is not None:
+            # the output rounded stochastically as it is computed, with the keys of the
+            # rounding the engine makes next (the same bits: it then skips)
+            out = (fmt, rule.rounding, keys)
+        return _BatchNorm.apply(x, weight, bias, mean_q, inv_q, _same, _same, False, *out)
     with torch.no_grad():
         if rule.params == rule.compute == BF16:
             mean_q, inv_q = _bf16_stats(rule, x, running_mean, running_var, momentum, eps)
