@@ -241,6 +241,17 @@ class GradSum:
 SUM = "_lowprec_sum"  # attribute of an activation: its consumers' GradSum
 
 
+def new_version(t: torch.Tensor) -> None:
+    """``t`` was written in place: its later consumers read a new version, whose gradients
+    native autograd sums at the in-place op's node, apart from the old version's (which the
+    old consumers' :class:`GradSum` keeps summing)."""
+    if getattr(t, SUM, None) is not None:
+        try:
+            delattr(t, SUM)
+        except (AttributeError, RuntimeError):
+            pass
+
+
 def consumer_sum(t: torch.Tensor) -> GradSum:
     acc = getattr(t, SUM, None)
     if acc is None:

@@ -54,12 +54,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
-from ...numerics.quantize import draw_seed, quantize_
+from ...numerics.quantize import draw_seed, emits_graph_ops, quantize_
 from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
+from .backward_kernels import REPLAYED
 from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed_apply,
                            consumer_sum, fresh, owned, owned_base, round_apply,
                            round_inplace_apply, upcast_apply)
@@ -139,6 +140,30 @@ def _marked(t: torch.Tensor, fmt: Format) -> bool:
     m = getattr(t, MARK, None)
     return m is fmt or (m is not None and m == fmt)
 
+
+def _saves_output(t: torch.Tensor) -> bool:
+    """Whether the autograd node of the in-place op that wrote ``t`` saved its output (``t``
+    itself: ``sigmoid_``, ``tanh_``, ``exp_``, ``relu_``), so that rounding ``t`` in place as an
+    autograd op (which moves its version) would make that node refuse it in backward. Not
+    while a graph is traced (functionalised in-place ops)."""
+    node = t.grad_fn
+    return node is not None and hasattr(node, "_saved_result") and not emits_graph_ops()
+
+
+def _round_saved_output(t: torch.Tensor, fwd, bwd, rule, keys) -> None:
+    """Round ``t``, which an in-place op wrote and whose node saved it (:func:`_saves_output`),
+    as :class:`.autograd_fns.RoundInplace` would, without moving its version: its values
+    through ``t.data`` (the node's saved output becomes the rounded one, as native 16-bit
+    autograd saves the 16-bit result), and the gradient reaching ``t`` rounded by a hook, with
+    the same keys (one site: the values' rounding, then the gradient's)."""
+    mode = rule.rounding
+    if not autograd_fns._skips(t, fwd, mode, keys):
+        with torch.no_grad():
+            autograd_fns.quantize_keyed_(t.data, fwd, mode, keys)
+    if bwd is not None:
+        bmode = rule.grad_rounding
+        t.register_hook(lambda g: autograd_fns.round_grad(g, bwd, bmode, keys)
+                        if g.dtype in ROUNDABLE else g)
 
 def _mark(t: torch.Tensor, fmt: Format) -> None:
     try:
@@ -662,6 +687,10 @@ class Emulation:
             fwd, bwd = self._fmts(rule, key, t, None, True)
             done = False
             if t.requires_grad and torch.is_grad_enabled() and not t.is_leaf:
+                if _saves_output(t):
+                    _round_saved_output(t, fwd, bwd, rule, self._keys())
+                    _mark(t, rule.compute)
+                    return
                 try:
                     round_inplace_apply(t, fwd, bwd, rule.rounding, rule.grad_rounding,
                                         self._keys())
@@ -845,6 +874,17 @@ class Emulation:
         inplace = is_inplace(name)
         if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
             return self._run_empty(func, args, kwargs)
+        if inplace and name[:-1] in REPLAYED and args and _floating(args[0]) and \
+                (oop := getattr(torch.Tensor, name[:-1], None)) is not None:
+            # sigmoid_, tanh_, exp_...: the op (its 16-bit kernel's replay, whose backward
+            # reads the rounded output), then a copy into the target, as functionalisation
+            # runs an in-place op; run in place, the output autograd saves would be rounded
+            # after it was saved
+            t = args[0]
+            t.copy_(self.run_pure(oop, name[:-1], rule, args, kwargs))
+            _mark(t, fmt)
+            autograd_fns.new_version(t)
+            return t
         inputs = tensors_in(args, tensors_in(kwargs, []))
         if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
                 self._island(name, args, inplace, inputs):
@@ -863,6 +903,8 @@ class Emulation:
             self._round_buffers(args, rule)
         if inplace:
             t = args[0] if args else None
+            if _floating(t):
+                autograd_fns.new_version(t)
             if _floating(t) and not (grid and _marked(t, fmt)):
                 self.round_(t, rule, key)
             elif name in _MASKS and _floating(t) and t.requires_grad:
