@@ -141,6 +141,11 @@ def _marked(t: torch.Tensor, fmt: Format) -> bool:
     return m is fmt or (m is not None and m == fmt)
 
 
+# the replayed unary ops whose backward reads only their rounded output: their in-place forms
+# run as the op, then a copy (Engine.run_pure)
+_FROM_OUTPUT = frozenset(n for n, (saves, _) in REPLAYED.items() if saves == "y")
+
+
 def _saves_output(t: torch.Tensor) -> bool:
     """Whether the autograd node of the in-place op that wrote ``t`` saved its output (``t``
     itself: ``sigmoid_``, ``tanh_``, ``exp_``, ``relu_``), so that rounding ``t`` in place as an
@@ -874,21 +879,22 @@ class Emulation:
         inplace = is_inplace(name)
         if name in EMPTY_OPS:  # uninitialised memory: nothing to round until it is written
             return self._run_empty(func, args, kwargs)
-        if inplace and name[:-1] in REPLAYED and args and _floating(args[0]) and \
-                (oop := getattr(torch.Tensor, name[:-1], None)) is not None:
+        inputs = tensors_in(args, tensors_in(kwargs, []))
+        if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
+                self._island(name, args, inplace, inputs):
+            return self._run_island(func, rule, key, args, kwargs, inplace, inputs)
+        if inplace and name[:-1] in _FROM_OUTPUT and len(inputs) == 1 and \
+                _floating(args[0]) and (oop := getattr(torch.Tensor, name[:-1], None)):
             # sigmoid_, tanh_, exp_...: the op (its 16-bit kernel's replay, whose backward
-            # reads the rounded output), then a copy into the target, as functionalisation
-            # runs an in-place op; run in place, the output autograd saves would be rounded
-            # after it was saved
+            # reads the rounded output only), then a copy into the target, as
+            # functionalisation runs an in-place op; run in place, the output autograd saves
+            # would be rounded after it was saved. (An op whose backward reads its input,
+            # sin_, would lose that input to the copy: it stays in place.)
             t = args[0]
             t.copy_(self.run_pure(oop, name[:-1], rule, args, kwargs))
             _mark(t, fmt)
             autograd_fns.new_version(t)
             return t
-        inputs = tensors_in(args, tensors_in(kwargs, []))
-        if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
-                self._island(name, args, inplace, inputs):
-            return self._run_island(func, rule, key, args, kwargs, inplace, inputs)
         op = optable.OpCall(func, name, rule, key, args, kwargs)
         if not grid:
             op.args, op.kwargs = self._pure_inputs(name, rule, key, args, kwargs, inplace)
