@@ -115,8 +115,12 @@ class _BatchNorm(torch.autograd.Function):
         b = -mean * a if bias is None else bias - mean * a
         # the kernel's x * a + b' is contracted to a fused multiply-add (one rounding), as
         # addcmul computes it; two roundings put 1 of 300 fp16 outputs one unit off
-        if out_fmt is not None and _addcmul_contracts() and (prm := prepared_params(
-                out_fmt, Rounding.NEAREST_EVEN if out_mode is None else out_mode, out_keys)):
+        # (prepared_params first: None while a graph is traced, where the probe's comparison
+        # would be a data-dependent guard on fake tensors: compiled emulation fell back to
+        # eager where no eager step had run the probe before)
+        if out_fmt is not None and (prm := prepared_params(
+                out_fmt, Rounding.NEAREST_EVEN if out_mode is None else out_mode, out_keys)) \
+                and _addcmul_contracts():
             # the output rounded to ``out_fmt`` (what the engine rounds it to next: to nearest,
             # or stochastically with the keys that rounding will take, ``out_keys``) in the
             # same pass, and noted so that that rounding skips it (:mod:`.gradmarks`): one pass
