@@ -979,20 +979,27 @@ def test_in_place_ops_whose_node_saves_the_output_match_native_fp16(name):
         assert torch.equal(pe.grad.half(), pn.grad)
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["tensor", "view"])
 @pytest.mark.parametrize("op", ["relu_", "sigmoid_"])
 @pytest.mark.parametrize("policy, override", [("16-true", "bf16-true"), ("bf16-true", "16-true"),
                                               ("q6.10-sr", "16-true")])
 def test_an_in_place_op_on_another_formats_output_runs_as_its_out_of_place_op(op, policy,
-                                                                              override):
+                                                                              override, view):
     # an in-place op whose node saves its output, on a tensor another override rounded (a
-    # bf16 layer's output, ReLU(inplace=True) in an fp16 model) was rounded in place after the
-    # node saved it, and backward raised; now the values and gradients of the out-of-place op
+    # bf16 layer's output, ReLU(inplace=True) in an fp16 model), or on a view of it, was
+    # rounded in place after the node saved it, and backward raised; now the values and
+    # gradients of the out-of-place op
     def run(inplace):
         fn = getattr(torch.Tensor, op if inplace else op[:-1])
 
         class Act(nn.Module):
             def forward(self, x):
-                return fn(x)
+                if not view:
+                    return fn(x)
+                if inplace:
+                    fn(x[:, :5])
+                    return x
+                return torch.cat([fn(x[:, :5]), x[:, 5:]], 1)
 
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(12, 16), Act(), nn.Linear(16, 4))

@@ -146,6 +146,13 @@ def _marked(t: torch.Tensor, fmt: Format) -> bool:
 _FROM_OUTPUT = frozenset(n for n, (saves, _) in REPLAYED.items() if saves == "y")
 
 
+# in-place ops not run as a replay and a copy whose autograd node saves the result (torch's
+# derivatives.yaml: relu_'s threshold_backward(grad, result, 0), hardtanh_, elu_, leaky_relu_...)
+_SAVES_RESULT = frozenset({"relu_", "threshold_", "hardtanh_", "relu6_", "elu_", "celu_",
+                           "selu_", "leaky_relu_", "rrelu_", "hardsigmoid_", "hardswish_",
+                           "silu_", "mish_"})
+
+
 def _saves_output(t: torch.Tensor) -> bool:
     """Whether the autograd node of the in-place op that wrote ``t`` saved its output (``t``
     itself: ``sigmoid_``, ``tanh_``, ``exp_``, ``relu_``), so that rounding ``t`` in place as an
@@ -686,13 +693,15 @@ class Emulation:
             _mark(out, rule.compute)
         return out
 
-    def round_(self, t: torch.Tensor, rule: Rule, key: str) -> None:
-        """Round in place what an in-place op wrote into ``t``."""
+    def round_(self, t: torch.Tensor, rule: Rule, key: str, name: str = "") -> None:
+        """Round in place what an in-place op (``name``) wrote into ``t``."""
         with torch._C.DisableTorchFunction():
             fwd, bwd = self._fmts(rule, key, t, None, True)
             done = False
             if t.requires_grad and torch.is_grad_enabled() and not t.is_leaf:
-                if _saves_output(t):
+                # (a view's node after an in-place op is its view replay: the op's own node,
+                # wrapped in the base's CopySlices, is known by the op's name)
+                if _saves_output(t) or (name in _SAVES_RESULT and t._is_view()):
                     _round_saved_output(t, fwd, bwd, rule, self._keys())
                     _mark(t, rule.compute)
                     return
@@ -912,7 +921,7 @@ class Emulation:
             if _floating(t):
                 autograd_fns.new_version(t)
             if _floating(t) and not (grid and _marked(t, fmt)):
-                self.round_(t, rule, key)
+                self.round_(t, rule, key, name)
             elif name in _MASKS and _floating(t) and t.requires_grad:
                 pass_through(t)  # relu_, hardtanh_, clamp_: the node that wrote t
             return out
@@ -1066,7 +1075,7 @@ class Emulation:
         if inplace:
             t = args[0] if args else None
             if _floating(t) and _marked(t, fmt) and not _grid_op(name, args, kwargs, fmt):
-                self.round_(t, rule, okey)
+                self.round_(t, rule, okey, name)
             return out
         if not lowp:
             return out
