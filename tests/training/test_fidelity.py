@@ -956,7 +956,12 @@ class _InPlace(nn.Module):
 
 _IN_PLACE = {"sigmoid_": lambda y: y.sigmoid_(), "tanh_": lambda y: y.tanh_(),
              "exp_": lambda y: y.mul_(0.25).exp_(), "relu_": lambda y: y.relu_(),
-             "relu(inplace=True)": nn.ReLU(inplace=True)}
+             "relu(inplace=True)": nn.ReLU(inplace=True),
+             # on a view: the base's consumers after it sum apart too
+             "view.relu_": lambda y: y[:, :5].relu_(),
+             "view.sigmoid_": lambda y: y[:, :5].sigmoid_(),
+             "view.exp_": lambda y: y[2:].mul_(0.25).exp_(),
+             "view.mul_": lambda y: y[:, 3:].mul_(2)}
 
 
 @pytest.mark.parametrize("name", list(_IN_PLACE))

@@ -245,11 +245,12 @@ def new_version(t: torch.Tensor) -> None:
     """``t`` was written in place: its later consumers read a new version, whose gradients
     native autograd sums at the in-place op's node, apart from the old version's (which the
     old consumers' :class:`GradSum` keeps summing)."""
-    if getattr(t, SUM, None) is not None:
-        try:
-            delattr(t, SUM)
-        except (AttributeError, RuntimeError):
-            pass
+    for u in (t, t._base):  # (a view written in place writes its base too)
+        if u is not None and getattr(u, SUM, None) is not None:
+            try:
+                delattr(u, SUM)
+            except (AttributeError, RuntimeError):
+                pass
 
 
 def consumer_sum(t: torch.Tensor) -> GradSum:
