@@ -73,7 +73,7 @@ class Stream:
 
     def peek(self):
         """The keys the first rounding of the next site will take (the site not made)."""
-        return derive_keys(self.base, self.n)
+        return Site(self.base, self.n).next()
 
 
 def _keyword(mode, keys) -> dict:

@@ -177,6 +177,7 @@ def _round_saved_output(t: torch.Tensor, fwd, bwd, rule, keys) -> None:
         t.register_hook(lambda g: autograd_fns.round_grad(g, bwd, bmode, keys)
                         if g.dtype in ROUNDABLE else g)
 
+
 def _mark(t: torch.Tensor, fmt: Format) -> None:
     try:
         setattr(t, MARK, fmt)
