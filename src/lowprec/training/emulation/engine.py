@@ -60,6 +60,7 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
+from .scalars import NARROWING, narrow_scalars
 from .backward_kernels import REPLAYED
 from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed_apply,
                            consumer_sum, fresh, owned, owned_base, round_apply,
@@ -335,6 +336,8 @@ class _Mode(TorchFunctionMode):
                 return self.engine.reported_dtype(args[0])  # x.dtype: its logical dtype
             if name == "element_size" and args:
                 return self.engine.reported_dtype(args[0]).itemsize
+            if name in NARROWING:  # x > 0.3 on fp16 compares with fp16(0.3)
+                args, kwargs = self.engine.narrow_compared(name, args, kwargs)
             return func(*args, **kwargs)
         em = self.engine
         if returns_its_input(name, args, kwargs):  # (its compiled decomposition copies it)
@@ -788,6 +791,17 @@ class Emulation:
             return t.dtype if d is None else d
         return self.logical_dtype(t)
 
+    def narrow_compared(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A comparison of a 16-bit tensor with a number: the number cast to its dtype, as the
+        16-bit kernel compares (:mod:`.scalars`)."""
+        t = next((a for a in args if torch.is_tensor(a)), None)
+        rule = self.rule()
+        if t is None or not rule.active or not _floating(t):
+            return args, kwargs
+        dt = self.logical_dtype(t) if rule.scope == "all" else \
+            format_dtype(rule.compute) if _marked(t, rule.compute) else None
+        return narrow_scalars(name, args, kwargs, dt)
+
     def _cast_rule(self, rule: Rule, fmt: Format) -> Rule:
         """The rule a cast (or a ``dtype=`` result) to ``fmt`` rounds with: the module's own when
         ``fmt`` is its compute format, else ``fmt`` everywhere with round-to-nearest-even."""
@@ -905,6 +919,8 @@ class Emulation:
             _mark(t, fmt)
             autograd_fns.new_version(t)
             return t
+        if name in NARROWING:  # x + 0.3 adds fp16(0.3), as the 16-bit kernel does
+            args, kwargs = narrow_scalars(name, args, kwargs, format_dtype(fmt))
         op = optable.OpCall(func, name, rule, key, args, kwargs)
         if not grid:
             op.args, op.kwargs = self._pure_inputs(name, rule, key, args, kwargs, inplace)
@@ -1072,6 +1088,8 @@ class Emulation:
             inputs = tensors_in(args, tensors_in(kwargs, []))
             fl = [a for a in inputs if _floating(a) and (a.dim() > 0 or len(inputs) == 1)]
             lowp = bool(fl) and all(_marked(a, fmt) for a in fl)
+            if lowp and name in NARROWING:  # a 16-bit op: x + 0.3 adds fp16(0.3)
+                args, kwargs = narrow_scalars(name, args, kwargs, format_dtype(fmt))
         out = func(*args, **kwargs)
         if inplace:
             t = args[0] if args else None
