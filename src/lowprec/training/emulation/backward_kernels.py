@@ -28,6 +28,7 @@ from ...numerics.formats import BF16, FP16
 from ...numerics.quantize import quantize
 from . import kernels
 from .gradmarks import rounded_grad
+from .scalars import narrowed
 
 __all__ = ["REPLAYED", "replayable", "replayed"]
 
@@ -42,6 +43,13 @@ def _pow16(x, e, a, bf16: bool):
     if e == 0:
         return torch.ones_like(x)
     return a(x ** e)
+
+
+def _exponent(e, kind: str):
+    """A number exponent as the 16-bit pow kernel reads it: cast to the dtype (:mod:`.scalars`;
+    x ** 1.7 raises to fp16(1.7) = 1.7001953)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
+    return e if dtype is None else narrowed(e, dtype)
 
 
 def _dims(x, dim):
@@ -132,8 +140,10 @@ REPLAYED = {
     "log1p": _unary(lambda g, x, y, a, q, k: q(g / a(x + 1)), "x"),
     "log_sigmoid": _unary(lambda g, x, y, a, q, k: _log_sigmoid(g, x, a, q), "x"),
     # x ** e: grad * (e * x ** (e - 1)), each op in 16 bits (pow_backward)
+    # (the pow kernel reads e - 1 cast to the 16-bit dtype; the product reads e in float32)
     "pow": ("x", lambda g, xs, y, e, a, q, k: (
-        q(g * a(e * _pow16(xs[0], e - 1, a, k == "bf16"))) if e else torch.zeros_like(g),)),
+        q(g * a(e * _pow16(xs[0], _exponent(e - 1, k), a, k == "bf16"))) if e
+        else torch.zeros_like(g),)),
     # x / p: grad / p and -grad * ((x / p) / p) (div_tensor_other_backward)
     "div": ("x", lambda g, xs, y, o, a, q, k: (
         q(g / xs[1]), q(-g * a(a(xs[0] / xs[1]) / xs[1])))),
@@ -236,7 +246,7 @@ _CUDA_ONE_ROUNDING = ("softmax", "log_softmax")
 # forwards that are not one rounding of the fp32 op
 _FORWARDS = {
     "softmax": _softmax,
-    "pow": lambda x, e, a, kind: _pow16(x, e, a, kind == "bf16"),
+    "pow": lambda x, e, a, kind: _pow16(x, _exponent(e, kind), a, kind == "bf16"),
     "log_softmax": _log_softmax,
     "logsumexp": _logsumexp,
 }

@@ -145,6 +145,9 @@ def _marked(t: torch.Tensor, fmt: Format) -> bool:
 # the replayed unary ops whose backward reads only their rounded output: their in-place forms
 # run as the op, then a copy (Engine.run_pure)
 _FROM_OUTPUT = frozenset(n for n, (saves, _) in REPLAYED.items() if saves == "y")
+# those whose backward reads their input (sin, log1p, erf, pow): with gradients, their in-place
+# forms run as the op on a copy of the input (which the replay saves), then a copy back
+_FROM_INPUT = frozenset(n for n, (saves, _) in REPLAYED.items() if saves == "x")
 
 
 # in-place ops not run as a replay and a copy whose autograd node saves the result (torch's
@@ -793,14 +796,21 @@ class Emulation:
 
     def narrow_compared(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A comparison of a 16-bit tensor with a number: the number cast to its dtype, as the
-        16-bit kernel compares (:mod:`.scalars`)."""
-        t = next((a for a in args if torch.is_tensor(a)), None)
+        16-bit kernel compares (:mod:`.scalars`). The tensors' dtype by torch's promotion over
+        their logical dtypes (dimensioned tensors before 0-dim ones); none where they differ."""
         rule = self.rule()
-        if t is None or not rule.active or not _floating(t):
+        if not rule.active:
             return args, kwargs
-        dt = self.logical_dtype(t) if rule.scope == "all" else \
-            format_dtype(rule.compute) if _marked(t, rule.compute) else None
-        return narrow_scalars(name, args, kwargs, dt)
+        fl = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and _floating(a)]
+        dims = [t for t in fl if t.dim()] or fl
+        if rule.scope == "all":
+            dts = {self.logical_dtype(t) for t in dims}
+        else:
+            dts = {format_dtype(rule.compute) if _marked(t, rule.compute) else t.dtype
+                   for t in dims}
+        if len(dts) != 1:
+            return args, kwargs
+        return narrow_scalars(name, args, kwargs, dts.pop())
 
     def _cast_rule(self, rule: Rule, fmt: Format) -> Rule:
         """The rule a cast (or a ``dtype=`` result) to ``fmt`` rounds with: the module's own when
@@ -916,6 +926,22 @@ class Emulation:
             # sin_, would lose that input to the copy: it stays in place.)
             t = args[0]
             t.copy_(self.run_pure(oop, name[:-1], rule, args, kwargs))
+            _mark(t, fmt)
+            autograd_fns.new_version(t)
+            return t
+        if inplace and name[:-1] in _FROM_INPUT and len(inputs) == 1 and \
+                _floating(args[0]) and args[0].requires_grad and torch.is_grad_enabled() and \
+                (oop := getattr(torch.Tensor, name[:-1], None)):
+            # log1p_, sin_, erf_, pow_(e): the op's replay (its 16-bit backward; in place,
+            # autograd's float32 formula differentiated it: log1p_'s gradient off native) on a
+            # copy of the input, which it saves, then a copy back. The copy reads the input as
+            # any consumer does (its gradient rounded and summed with the others')
+            (x,), _ = self._pure_inputs(name[:-1], rule, key, args[:1], {}, False)
+            with torch._C.DisableTorchFunction():
+                c = x.clone()
+            _mark(c, fmt)
+            t = args[0]
+            t.copy_(self.run_pure(oop, name[:-1], rule, (c, *args[1:]), kwargs))
             _mark(t, fmt)
             autograd_fns.new_version(t)
             return t
