@@ -30,7 +30,7 @@ from . import kernels
 from .gradmarks import rounded_grad
 from .scalars import narrowed
 
-__all__ = ["REPLAYED", "replayable", "replayed"]
+__all__ = ["REPLAYED", "OWN_FORWARDS", "replayable", "replayed"]
 
 
 def _pow16(x, e, a, bf16: bool):
@@ -250,6 +250,7 @@ _FORWARDS = {
     "log_softmax": _log_softmax,
     "logsumexp": _logsumexp,
 }
+OWN_FORWARDS = frozenset(_FORWARDS)  # replayed with or without a gradient
 
 
 def _options(name: str, args, kwargs):

@@ -61,7 +61,7 @@ from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
 from .scalars import NARROWING, narrow_scalars
-from .backward_kernels import REPLAYED
+from .backward_kernels import OWN_FORWARDS, REPLAYED
 from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed_apply,
                            consumer_sum, fresh, owned, owned_base, round_apply,
                            round_inplace_apply, upcast_apply)
@@ -929,18 +929,22 @@ class Emulation:
             _mark(t, fmt)
             autograd_fns.new_version(t)
             return t
+        grads = inplace and bool(args) and torch.is_tensor(args[0]) and \
+            args[0].requires_grad and torch.is_grad_enabled()
         if inplace and name[:-1] in _FROM_INPUT and len(inputs) == 1 and \
-                _floating(args[0]) and args[0].requires_grad and torch.is_grad_enabled() and \
+                _floating(args[0]) and (grads or name[:-1] in OWN_FORWARDS) and \
                 (oop := getattr(torch.Tensor, name[:-1], None)):
             # log1p_, sin_, erf_, pow_(e): the op's replay (its 16-bit backward; in place,
             # autograd's float32 formula differentiated it: log1p_'s gradient off native) on a
             # copy of the input, which it saves, then a copy back. The copy reads the input as
-            # any consumer does (its gradient rounded and summed with the others')
-            (x,), _ = self._pure_inputs(name[:-1], rule, key, args[:1], {}, False)
-            with torch._C.DisableTorchFunction():
-                c = x.clone()
-            _mark(c, fmt)
-            t = args[0]
+            # any consumer does (its gradient rounded and summed with the others'). Without a
+            # gradient only pow_, whose replayed forward is not one rounding (bf16's x ** 3)
+            t = c = args[0]
+            if grads:
+                (x,), _ = self._pure_inputs(name[:-1], rule, key, args[:1], {}, False)
+                with torch._C.DisableTorchFunction():
+                    c = x.clone()
+                _mark(c, fmt)
             t.copy_(self.run_pure(oop, name[:-1], rule, (c, *args[1:]), kwargs))
             _mark(t, fmt)
             autograd_fns.new_version(t)
