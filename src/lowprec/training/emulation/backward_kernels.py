@@ -155,6 +155,10 @@ REPLAYED = {
     # logsumexp_backward: grad * (x - result).exp(), each op in 16 bits
     "logsumexp": ("xy", lambda g, xs, y, o, a, q, k: (
         q(_expand(g, xs[0], *o) * a(torch.exp(a(xs[0] - _expand(y, xs[0], *o))))),)),
+    # the 2-norm's norm_backward: grad * (x / norm).masked_fill_(norm == 0, 0), each op in 16
+    # bits (cosine_similarity, F.normalize)
+    "linalg_vector_norm": ("xy", lambda g, xs, y, o, a, q, k: (q(_expand(g, xs[0], *o) * a(
+        xs[0] / (n := _expand(y, xs[0], *o))).masked_fill_(n == 0, 0)),)),
     "var": ("x", lambda g, xs, y, o, a, q, k: (_var_backward(g, xs[0], *o, a, q),)),
     # std_backward: var_backward(grad / (2 * result))
     "std": ("xy", lambda g, xs, y, o, a, q, k: (
@@ -277,6 +281,12 @@ def _options(name: str, args, kwargs):
         return (dim, bool(keep))
     if name in ("var", "std"):
         return _var_options(args, kwargs)
+    if name == "linalg_vector_norm":  # (x, ord=2, dim=None, keepdim=False, *, dtype=None)
+        rest = dict(zip(("ord", "dim", "keepdim"), args[1:]), **kwargs)
+        if rest.get("ord", 2) != 2 or rest.get("dtype") is not None or set(rest) - {
+                "ord", "dim", "keepdim", "dtype"}:
+            return False
+        return rest.get("dim"), bool(rest.get("keepdim", False))
     return None if len(args) == 1 and not kwargs else False
 
 

@@ -60,6 +60,8 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
+from .composites import COMPOSITES
+from .kernels import plain_formats
 from .scalars import NARROWING, narrow_scalars
 from .backward_kernels import OWN_FORWARDS, REPLAYED
 from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed_apply,
@@ -363,6 +365,15 @@ class _Mode(TorchFunctionMode):
             finally:
                 self.expanding.discard(func)
         rule = em.rule()
+        if name in COMPOSITES and rule.active and rule.scope == "all" and \
+                rule.scaled is None and plain_formats(rule) and \
+                format_dtype(rule.compute) is not None:
+            # an ATen composite (cosine_similarity, instance_norm): its ops one by one, each
+            # emulated, as a native 16-bit run computes and differentiates them
+            with self:
+                out = COMPOSITES[name](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if rule.scaled is not None and name in scaled.UNCOVERED_OPS:  # (run as any other op)
             em.scaled_log.miss(em.module_name(), rule.scaled, name)
         dt = kwargs.get("dtype")

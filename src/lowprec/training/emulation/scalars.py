@@ -42,7 +42,9 @@ _NUMBERS = frozenset({
 # ops that cast a 0-dim tensor operand but read a number in float32 (``lerp``'s weight) or
 # have it cast elsewhere (``pow``'s exponent: by its replay)
 _TENSORS = frozenset({"lerp", "lerp_", "pow", "pow_", "__pow__", "__ipow__"})
-NARROWING = _NUMBERS | _TENSORS
+# nan_to_num's default replacements of +-inf are the largest finite values of the tensor's dtype
+_NAN_TO_NUM = frozenset({"nan_to_num", "nan_to_num_"})
+NARROWING = _NUMBERS | _TENSORS | _NAN_TO_NUM
 _KEYWORDS = ("other", "alpha", "input", "self", "exponent", "weight", "lambd")
 _INT64 = (-2 ** 63, 2 ** 63)
 
@@ -92,6 +94,8 @@ def narrow_scalars(name: str, args: tuple, kwargs: dict, dtype: torch.dtype | No
     cast only beside a dimensioned tensor (0-dim tensors alone promote among themselves)."""
     if name not in NARROWING or dtype not in (torch.float16, torch.bfloat16):
         return args, kwargs
+    if name in _NAN_TO_NUM:  # (fp32's defaults would round to +-inf)
+        return _inf_replacements(args, kwargs, dtype)
     # (pow's number base, 0.3 ** x, is cast: its replay takes a tensor base only)
     numbers = name in _NUMBERS or name == "pow" and args and not isinstance(args[0], torch.Tensor)
     dims = any(isinstance(a, torch.Tensor) and a.dim() for a in (*args, *kwargs.values()))
@@ -99,4 +103,18 @@ def narrow_scalars(name: str, args: tuple, kwargs: dict, dtype: torch.dtype | No
     if kwargs:
         kwargs = {k: _narrow(v, dtype, numbers, dims) if k in _KEYWORDS else v
                   for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _inf_replacements(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """``nan_to_num(input, nan=0.0, posinf=None, neginf=None)``'s arguments with the 16-bit
+    dtype's largest finite values where +-inf's replacements are left to the default."""
+    kwargs = dict(kwargs)
+    info = torch.finfo(dtype)
+    for pos, key, value in ((2, "posinf", info.max), (3, "neginf", info.min)):
+        if len(args) > pos:
+            if args[pos] is None:  # (positional None: the default, given by keyword)
+                args = args[:pos] + (value,) + args[pos + 1:]
+        elif kwargs.get(key) is None:
+            kwargs[key] = value
     return args, kwargs
