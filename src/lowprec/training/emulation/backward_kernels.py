@@ -52,6 +52,36 @@ def _exponent(e, kind: str):
     return e if dtype is None else narrowed(e, dtype)
 
 
+def _xlogy(x, y, a):
+    """xlogy as the 16-bit kernel computes it: x * log(y), the log and the product rounded; 0
+    where x is 0, NaN where y is (measured against torch's fp16 and bf16)."""
+    out = a(x * a(torch.log(y))).masked_fill_(x == 0, 0)
+    return torch.where(torch.isnan(y), y, out)
+
+
+def _logit_bounds(eps, a, kind):
+    # the kernel's lo = eps and hi = 1 - eps in its 16-bit dtype (each cast, the subtraction
+    # rounded)
+    lo = _exponent(eps, kind)
+    return lo, float(a(torch.tensor(1.0 - lo)))
+
+
+def _logit(x, eps, a, kind):
+    """logit as the 16-bit kernel computes it: log(x / (1 - x)), each operation rounded; with
+    ``eps``, x clamped to [eps, 1 - eps] first (measured against torch's fp16 and bf16)."""
+    if eps is not None:
+        x = x.clamp(*_logit_bounds(eps, a, kind))
+    return a(torch.log(a(x / a(1 - x))))
+
+
+def _logit_backward(g, x, eps, a, q, kind):
+    d = q(g / a(x * a(1 - x)))
+    if eps is not None:
+        lo, hi = _logit_bounds(eps, a, kind)
+        d = d.masked_fill((x < lo) | (x > hi), 0)
+    return d
+
+
 def _dims(x, dim):
     if dim is None:
         return tuple(range(x.dim()))
@@ -159,11 +189,17 @@ REPLAYED = {
     # bits (cosine_similarity, F.normalize)
     "linalg_vector_norm": ("xy", lambda g, xs, y, o, a, q, k: (q(_expand(g, xs[0], *o) * a(
         xs[0] / (n := _expand(y, xs[0], *o))).masked_fill_(n == 0, 0)),)),
+    # xlogy: grad * xlogy(x != 0, y) and grad * x / y, each op in 16 bits
+    "xlogy": ("x", lambda g, xs, y, o, a, q, k: (
+        q(g * _xlogy((xs[0] != 0).to(g.dtype), xs[1], a)), q(a(g * xs[0]) / xs[1]))),
+    # logit_backward: grad / (x * (1 - x)), each op in 16 bits; 0 outside [eps, 1 - eps]
+    "logit": ("x", lambda g, xs, y, o, a, q, k: (_logit_backward(g, xs[0], o[0], a, q, k),)),
     "var": ("x", lambda g, xs, y, o, a, q, k: (_var_backward(g, xs[0], *o, a, q),)),
     # std_backward: var_backward(grad / (2 * result))
     "std": ("xy", lambda g, xs, y, o, a, q, k: (
         _var_backward(q(g / (2 * y)), xs[0], *o, a, q),)),
 }
+REPLAYED["special_xlogy"] = REPLAYED["xlogy"]
 
 
 def _log_softmax(x, dim, a, kind):
@@ -253,7 +289,11 @@ _FORWARDS = {
     "pow": lambda x, e, a, kind: _pow16(x, _exponent(e, kind), a, kind == "bf16"),
     "log_softmax": _log_softmax,
     "logsumexp": _logsumexp,
+    "logit": lambda x, o, a, kind: _logit(x, o[0], a, kind),
+    "xlogy": lambda x, y, o, a, kind: _xlogy(x, y, a),
 }
+_FORWARDS["special_xlogy"] = _FORWARDS["xlogy"]
+_BINARY = ("div", "xlogy", "special_xlogy")  # replays of two tensors
 OWN_FORWARDS = frozenset(_FORWARDS)  # replayed with or without a gradient
 
 
@@ -281,6 +321,13 @@ def _options(name: str, args, kwargs):
         return (dim, bool(keep))
     if name in ("var", "std"):
         return _var_options(args, kwargs)
+    if name in ("xlogy", "special_xlogy"):  # two tensors of one shape (no number, no out=)
+        ok = len(args) == 2 and not kwargs and torch.is_tensor(args[1]) and \
+            args[1].shape == args[0].shape
+        return None if ok else False
+    if name == "logit":  # (x, eps=None)
+        rest = dict(zip(("eps",), args[1:]), **kwargs)
+        return (rest.get("eps"),) if set(rest) <= {"eps"} else False
     if name == "linalg_vector_norm":  # (x, ord=2, dim=None, keepdim=False, *, dtype=None)
         rest = dict(zip(("ord", "dim", "keepdim"), args[1:]), **kwargs)
         if rest.get("ord", 2) != 2 or rest.get("dtype") is not None or set(rest) - {
@@ -311,7 +358,7 @@ class _Replayed(torch.autograd.Function):
     def forward(ctx, spec, *xs):
         name, func, args, kwargs, opts, a, q, kind, cuda = spec
         forward = None if cuda and name in _CUDA_ONE_ROUNDING else _FORWARDS.get(name)
-        y = a(func(*args, **kwargs)) if forward is None else forward(xs[0], opts, a, kind)
+        y = a(func(*args, **kwargs)) if forward is None else forward(*xs, opts, a, kind)
         saves = REPLAYED[name][0]
         ctx.save_for_backward(*(xs if "x" in saves else ()), *((y,) if "y" in saves else ()))
         ctx.spec = (name, opts, a, q, kind, "x" in saves, "y" in saves, cuda)
@@ -344,6 +391,6 @@ def replayed(rule, name: str, func, args, kwargs, opts, *, cuda: bool = False):
     def q(t):
         return rounded_grad(t, grads)
 
-    xs = tuple(args[:2]) if name == "div" else (args[0],)
+    xs = tuple(args[:2]) if name in _BINARY else (args[0],)
     kind = "fp16" if compute == FP16 else "bf16" if compute == BF16 else "other"
     return _Replayed.apply((name, func, args, kwargs, opts, a, q, kind, cuda), *xs)
