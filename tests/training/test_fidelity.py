@@ -1284,24 +1284,23 @@ def test_compiled_instance_norm_updates_its_running_statistics():
         assert ulp_distance(got, want.float(), torch.float16) <= 1, name
 
 
-@pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
-@pytest.mark.parametrize("eps", [None, 1e-3, 0.05])
-def test_logit_is_the_16_bit_kernels(eps, policy):
-    # (the 16-bit logit computes log(x / (1 - x)) and its backward grad / (x * (1 - x)) each
-    # op rounded; one fp32 op rounded once gave 35% of fp16 outputs equal native, 71% of the
-    # input gradient)
+class _AfterLinear(nn.Module):
+    """``op`` of a linear layer's output."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.lin, self.op = nn.Linear(64, 64), op
+
+    def forward(self, x):
+        return self.op(self.lin(x))
+
+
+def _matches_native_after_a_linear(op, policy) -> None:
+    """The output and the linear layer's weight gradient (a random output gradient) of
+    ``op`` after a linear layer, bit-exact with the native 16-bit run."""
     dtype = torch.float16 if policy == "16-true" else torch.bfloat16
-
-    class Logit(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
-
-        def forward(self, x):
-            return torch.logit(torch.sigmoid(self.lin(x)).clamp(0.01, 0.99), eps)
-
     torch.manual_seed(0)
-    x, native = torch.randn(256, 64), Logit()
+    x, native = torch.randn(256, 64), _AfterLinear(op)
     model, _ = Precision(policy).setup(copy.deepcopy(native))
     native = native.to(dtype)
     want, got = native(x.to(dtype)), model(x)
@@ -1310,6 +1309,16 @@ def test_logit_is_the_16_bit_kernels(eps, policy):
     want.backward(g)
     got.backward(g.float())
     assert torch.equal(model.lin.weight.grad.to(dtype), native.lin.weight.grad)
+
+
+@pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
+@pytest.mark.parametrize("eps", [None, 1e-3, 0.05])
+def test_logit_is_the_16_bit_kernels(eps, policy):
+    # (the 16-bit logit computes log(x / (1 - x)) and its backward grad / (x * (1 - x)) each
+    # op rounded; one fp32 op rounded once gave 35% of fp16 outputs equal native, 71% of the
+    # input gradient)
+    _matches_native_after_a_linear(
+        lambda y: torch.logit(torch.sigmoid(y).clamp(0.01, 0.99), eps), policy)
 
 
 @pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
@@ -1318,25 +1327,6 @@ def test_xlogy_is_the_16_bit_kernels(name, policy):
     # (x * log(y): the log and the product each rounded; backward grad * xlogy(x != 0, y) and
     # grad * x / y, each op rounded; one fp32 op rounded once: 74% of fp16 outputs equal
     # native, 43% of the weight gradient)
-    dtype = torch.float16 if policy == "16-true" else torch.bfloat16
     fn = torch.xlogy if name == "xlogy" else torch.special.xlogy
-
-    class XLogY(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
-
-        def forward(self, x):
-            y = self.lin(x)
-            return fn(torch.relu(y), y.flip(0).abs() + 0.5)  # (x = 0 at about half)
-
-    torch.manual_seed(0)
-    x, native = torch.randn(256, 64), XLogY()
-    model, _ = Precision(policy).setup(copy.deepcopy(native))
-    native = native.to(dtype)
-    want, got = native(x.to(dtype)), model(x)
-    assert torch.equal(got, want.float())
-    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    want.backward(g)
-    got.backward(g.float())
-    assert torch.equal(model.lin.weight.grad.to(dtype), native.lin.weight.grad)
+    # (x = 0 at about half the elements)
+    _matches_native_after_a_linear(lambda y: fn(torch.relu(y), y.flip(0).abs() + 0.5), policy)
