@@ -1059,12 +1059,23 @@ def test_in_place_ops_reading_their_input_or_an_fp32_operand_match_native_fp16(n
     assert torch.equal(model.w1.grad.half(), native.w1.grad)
 
 
+def _exact_linear() -> nn.Linear:
+    """A 64 -> 64 linear layer with the identity for its weight: its output x + b, and its
+    input's gradient, are exact sums in any GEMM's order, so the native 16-bit run's equal the
+    emulation's on every CPU (a weight's gradient may differ by a unit where oneDNN or AMX
+    sums in another order)."""
+    lin = nn.Linear(64, 64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(64))
+    return lin
+
+
 class _ThenScalar(nn.Module):
     """A linear layer (16-bit output under each policy below), then ``op`` with a number."""
 
     def __init__(self, op):
         super().__init__()
-        self.lin, self.op = nn.Linear(64, 64), op
+        self.lin, self.op = _exact_linear(), op
 
     def forward(self, x):
         return self.op(self.lin(x)).float()
@@ -1180,7 +1191,7 @@ def test_compiled_emulation_casts_a_0_dim_tensor_as_eager_does():
     class Consts(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin = nn.Linear(64, 64)
+            self.lin = _exact_linear()
 
         def forward(self, x):
             y = self.lin(x)
@@ -1215,7 +1226,7 @@ class _Composite(nn.Module):
 
     def __init__(self, kind: str):
         super().__init__()
-        self.lin, self.kind = nn.Linear(64, 64), kind
+        self.lin, self.kind = _exact_linear(), kind
         self.norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
 
     def forward(self, x):
@@ -1227,7 +1238,8 @@ class _Composite(nn.Module):
         if self.kind == "instance_norm":
             return self.norm(y.view(-1, 4, 16)).flatten(1)
         # +-inf: the dtype's largest values, defaulted by keyword and by a positional None
-        return torch.nan_to_num(y / (y > 0), nan=0.25) + torch.nan_to_num(-y / (y > 0), 0.5, None)
+        return torch.stack([torch.nan_to_num(y / (y > 0), nan=0.25),
+                            torch.nan_to_num(-y / (y > 0), 0.5, None)])
 
 
 @pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
@@ -1238,22 +1250,18 @@ def test_composite_ops_run_op_by_op_as_natively(kind, policy):
     # 25% of the weight gradient (63% with the composite, before the 2-norm's backward was
     # replayed); instance_norm 65%, its weight gradient 0%; nan_to_num replaced -inf by fp32's
     # lowest, which rounds to -inf: 49%)
-    dtype = torch.float16 if policy == "16-true" else torch.bfloat16
-    torch.manual_seed(0)
-    x = torch.randn(256, 64)
-    native = _Composite(kind)
-    model, _ = Precision(policy).setup(copy.deepcopy(native))
-    native = native.to(dtype)
-    want, got = native(x.to(dtype)), model(x)
-    assert torch.equal(got, want.float())
-    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    want.backward(g)
-    got.backward(g.float())
-    # (fp16 instance_norm: the batch-norm kernel's fp32 sums of dy and (x - mean) dy run in
-    # another order, one unit off at times, as test_batch_norm_training_steps_... allows)
-    bound = 1 if kind == "instance_norm" and dtype == torch.float16 else 0
+    r = _run_both(lambda: _Composite(kind), policy)
+    dtype, native, model = r["dtype"], r["native"], r["model"]
+    pairs = [(r["got"].detach(), r["want"].detach().float())]
     if kind != "nan_to_num":
-        assert ulp_distance(model.lin.weight.grad, native.lin.weight.grad.float(), dtype) <= bound
+        pairs.append((r["xe"].grad, r["xn"].grad.float()))
+    for got, want in pairs:
+        # the composites' reductions (the norm's sum of squares, the row sum, the batch-norm
+        # kernel's statistics) sum in the 16-bit kernels' own order: at times one unit of
+        # the largest value off where terms cancel (fp16, over 60 seeds: at least 99.2% of
+        # outputs and input gradients equal, one unit at most; bf16 all but 1 in 10,000)
+        assert (got == want).float().mean() >= 0.98
+        assert scale_distance(got, want, dtype) <= 1
     for name, buf in native.named_buffers():
         if buf.is_floating_point():
             assert torch.equal(dict(model.named_buffers())[name].to(dtype), buf), name
@@ -1267,7 +1275,7 @@ def test_compiled_instance_norm_updates_its_running_statistics():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin = nn.Linear(64, 64)
+            self.lin = _exact_linear()
             self.norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
 
         def forward(self, x):
@@ -1289,26 +1297,37 @@ class _AfterLinear(nn.Module):
 
     def __init__(self, op):
         super().__init__()
-        self.lin, self.op = nn.Linear(64, 64), op
+        self.lin, self.op = _exact_linear(), op
 
     def forward(self, x):
         return self.op(self.lin(x))
 
 
-def _matches_native_after_a_linear(op, policy) -> None:
-    """The output and the linear layer's weight gradient (a random output gradient) of
-    ``op`` after a linear layer, bit-exact with the native 16-bit run."""
+def _run_both(make, policy: str) -> dict:
+    """The module ``make()`` builds, natively in the policy's 16-bit dtype and emulated, on one
+    input that takes a gradient, then backward from one random output gradient (fixed
+    seeds)."""
     dtype = torch.float16 if policy == "16-true" else torch.bfloat16
     torch.manual_seed(0)
-    x, native = torch.randn(256, 64), _AfterLinear(op)
-    model, _ = Precision(policy).setup(copy.deepcopy(native))
-    native = native.to(dtype)
-    want, got = native(x.to(dtype)), model(x)
-    assert torch.equal(got, want.float())
+    module = make()
+    x = torch.randn(256, 64).to(dtype)
+    model, _ = Precision(policy).setup(copy.deepcopy(module))
+    native = module.to(dtype)
+    xn, xe = x.clone().requires_grad_(), x.float().requires_grad_()
+    want, got = native(xn), model(xe)
     g = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     want.backward(g)
     got.backward(g.float())
-    assert torch.equal(model.lin.weight.grad.to(dtype), native.lin.weight.grad)
+    return dict(dtype=dtype, native=native, model=model, want=want, got=got, xn=xn, xe=xe)
+
+
+def _matches_native_after_a_linear(op, policy) -> None:
+    """The output and the input's gradient of ``op`` after an exact linear layer (the
+    gradient reaching the layer's output, through the identity), bit-exact with the native
+    16-bit run."""
+    r = _run_both(lambda: _AfterLinear(op), policy)
+    assert torch.equal(r["got"], r["want"].float())
+    assert torch.equal(r["xe"].grad, r["xn"].grad.float())
 
 
 @pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
