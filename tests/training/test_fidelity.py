@@ -1349,3 +1349,20 @@ def test_xlogy_is_the_16_bit_kernels(name, policy):
     fn = torch.xlogy if name == "xlogy" else torch.special.xlogy
     # (x = 0 at about half the elements)
     _matches_native_after_a_linear(lambda y: fn(torch.relu(y), y.flip(0).abs() + 0.5), policy)
+
+
+@pytest.mark.parametrize("policy", ["fixed16-rn", "e4m3fn"])
+def test_the_16_bit_kernels_replays_leave_other_formats_one_rounding(policy):
+    # (logit's replay rounds x / (1 - x) to the format: q6.10 clipped it at 32, logit(0.999)
+    # 3.47 for 6.91; e4m3 rounded 1 - eps to 1: NaN)
+    x = torch.tensor([0.999, 0.5, 0.01, 0.0005])
+    with emulated(policy):
+        y = torch.logit(x, 1e-3)
+    assert torch.isfinite(y).all()
+    assert (y - torch.logit(x, 1e-3)).abs().max() < 0.5
+
+
+def test_instance_norm_without_input_statistics_needs_running_ones():
+    with pytest.raises(RuntimeError, match="running_mean and running_var"):
+        with emulated("16-true"):
+            F.instance_norm(torch.randn(2, 3, 4), use_input_stats=False)

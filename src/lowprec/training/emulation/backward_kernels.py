@@ -30,7 +30,7 @@ from . import kernels
 from .gradmarks import rounded_grad
 from .scalars import narrowed
 
-__all__ = ["REPLAYED", "OWN_FORWARDS", "replayable", "replayed"]
+__all__ = ["REPLAYED", "OWN_FORWARDS", "DTYPE_KERNELS", "replayable", "replayed"]
 
 
 def _pow16(x, e, a, bf16: bool):
@@ -293,6 +293,10 @@ _FORWARDS = {
     "xlogy": lambda x, y, o, a, kind: _xlogy(x, y, a),
 }
 _FORWARDS["special_xlogy"] = _FORWARDS["xlogy"]
+# replays of what the fp16/bf16 kernels compute, each intermediate rounded: for formats with
+# no such kernel (fp8, fixed point) an intermediate in the format can leave its range (logit's
+# x / (1 - x) clipped at q6.10's 32; e4m3's 1 - eps rounded to 1): they keep one rounding
+DTYPE_KERNELS = frozenset({"logit", "xlogy", "special_xlogy", "linalg_vector_norm"})
 _BINARY = ("div", "xlogy", "special_xlogy")  # replays of two tensors
 OWN_FORWARDS = frozenset(_FORWARDS)  # replayed with or without a gradient
 

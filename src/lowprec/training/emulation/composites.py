@@ -44,6 +44,9 @@ def instance_norm(input, weight, bias, running_mean, running_var, use_input_stat
     runs whole) where a graph is traced and running statistics are updated: the traced batch
     norm does not write the repeated copies it is given, and the statistics stayed as they
     were."""
+    if not use_input_stats and (running_mean is None or running_var is None):
+        raise RuntimeError("Expected running_mean and running_var to be defined when "
+                           "use_input_stats is false")  # (ATen's check)
     if emits_graph_ops() and use_input_stats and running_mean is not None:
         return NotImplemented
     b, c = input.shape[0], input.shape[1]

@@ -62,7 +62,7 @@ from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
 from .composites import COMPOSITES
 from .kernels import plain_formats
-from .scalars import NARROWING, narrow_scalars
+from .scalars import NARROWING, may_narrow, narrow_scalars
 from .backward_kernels import OWN_FORWARDS, REPLAYED
 from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed_apply,
                            consumer_sum, fresh, owned, owned_base, round_apply,
@@ -341,7 +341,7 @@ class _Mode(TorchFunctionMode):
                 return self.engine.reported_dtype(args[0])  # x.dtype: its logical dtype
             if name == "element_size" and args:
                 return self.engine.reported_dtype(args[0]).itemsize
-            if name in NARROWING:  # x > 0.3 on fp16 compares with fp16(0.3)
+            if name in NARROWING and may_narrow(args, kwargs):  # x > 0.3: with fp16(0.3)
                 args, kwargs = self.engine.narrow_compared(name, args, kwargs)
             return func(*args, **kwargs)
         em = self.engine

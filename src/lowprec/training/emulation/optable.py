@@ -215,6 +215,8 @@ def replayed(em, op: OpCall):
     # does (exp, tanh, sigmoid, softmax...)
     if not kernels.plain_formats(op.rule):
         return DECLINE
+    if op.name in backward_kernels.DTYPE_KERNELS and format_dtype(op.rule.compute) is None:
+        return DECLINE  # (fp16/bf16 kernels' formulas: other formats keep one rounding)
     opts = backward_kernels.replayable(op.name, op.args, op.kwargs)
     if opts is False:
         return DECLINE

@@ -26,7 +26,7 @@ import torch
 
 from ...numerics.quantize import emits_graph_ops, quantize
 
-__all__ = ["NARROWING", "narrow_scalars", "narrowed"]
+__all__ = ["NARROWING", "narrow_scalars", "narrowed", "may_narrow"]
 
 # ops whose 16-bit CPU kernel reads a number (and ``alpha``) cast to the tensor's dtype
 _NUMBERS = frozenset({
@@ -69,6 +69,24 @@ def narrowed(v, dtype: torch.dtype):
     if t is int:
         return _cast(v, dtype) if _INT64[0] <= v < _INT64[1] else v
     return v
+
+
+def may_narrow(args: tuple, kwargs: dict) -> bool:
+    """Whether a call has an argument a 16-bit dtype might change: a float other than 0, an
+    int beyond 256 (bf16's exact integers), a numpy number, a 0-dim floating tensor (a quick
+    test before the comparisons' dtype inference: ``mask == 0`` needs none)."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        t = type(a)
+        if t is float:
+            if a != 0:
+                return True
+        elif t is int:
+            if not -256 <= a <= 256:
+                return True
+        elif isinstance(a, (np.floating, np.integer)) or \
+                (isinstance(a, torch.Tensor) and a.dim() == 0 and a.is_floating_point()):
+            return True
+    return False
 
 
 def _narrow(a, dtype: torch.dtype, numbers: bool, dims: bool):
