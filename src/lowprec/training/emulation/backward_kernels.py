@@ -45,9 +45,9 @@ def _pow16(x, e, a, bf16: bool):
     return a(x ** e)
 
 
-def _exponent(e, kind: str):
-    """A number exponent as the 16-bit pow kernel reads it: cast to the dtype (:mod:`.scalars`;
-    x ** 1.7 raises to fp16(1.7) = 1.7001953)."""
+def _as_read(e, kind: str):
+    """A number (pow's exponent, logit's eps) as the 16-bit kernel reads it: cast to the dtype
+    (:mod:`.scalars`; x ** 1.7 raises to fp16(1.7) = 1.7001953)."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(kind)
     return e if dtype is None else narrowed(e, dtype)
 
@@ -62,7 +62,7 @@ def _xlogy(x, y, a):
 def _logit_bounds(eps, a, kind):
     # the kernel's lo = eps and hi = 1 - eps in its 16-bit dtype (each cast, the subtraction
     # rounded)
-    lo = _exponent(eps, kind)
+    lo = _as_read(eps, kind)
     return lo, float(a(torch.tensor(1.0 - lo)))
 
 
@@ -172,7 +172,7 @@ REPLAYED = {
     # x ** e: grad * (e * x ** (e - 1)), each op in 16 bits (pow_backward)
     # (the pow kernel reads e - 1 cast to the 16-bit dtype; the product reads e in float32)
     "pow": ("x", lambda g, xs, y, e, a, q, k: (
-        q(g * a(e * _pow16(xs[0], _exponent(e - 1, k), a, k == "bf16"))) if e
+        q(g * a(e * _pow16(xs[0], _as_read(e - 1, k), a, k == "bf16"))) if e
         else torch.zeros_like(g),)),
     # x / p: grad / p and -grad * ((x / p) / p) (div_tensor_other_backward)
     "div": ("x", lambda g, xs, y, o, a, q, k: (
@@ -286,7 +286,7 @@ _CUDA_ONE_ROUNDING = ("softmax", "log_softmax")
 # forwards that are not one rounding of the fp32 op
 _FORWARDS = {
     "softmax": _softmax,
-    "pow": lambda x, e, a, kind: _pow16(x, _exponent(e, kind), a, kind == "bf16"),
+    "pow": lambda x, e, a, kind: _pow16(x, _as_read(e, kind), a, kind == "bf16"),
     "log_softmax": _log_softmax,
     "logsumexp": _logsumexp,
     "logit": lambda x, o, a, kind: _logit(x, o[0], a, kind),

@@ -150,6 +150,7 @@ _FROM_OUTPUT = frozenset(n for n, (saves, _) in REPLAYED.items() if saves == "y"
 # those whose backward reads their input (sin, log1p, erf, pow): with gradients, their in-place
 # forms run as the op on a copy of the input (which the replay saves), then a copy back
 _FROM_INPUT = frozenset(n for n, (saves, _) in REPLAYED.items() if saves == "x")
+_REPLAYED_IN_PLACE = _FROM_OUTPUT | _FROM_INPUT
 
 
 # in-place ops not run as a replay and a copy whose autograd node saves the result (torch's
@@ -928,38 +929,31 @@ class Emulation:
         if (kwargs.get("dtype") == torch.float32 if kwargs else False) or \
                 self._island(name, args, inplace, inputs):
             return self._run_island(func, rule, key, args, kwargs, inplace, inputs)
-        if inplace and name[:-1] in _FROM_OUTPUT and len(inputs) == 1 and \
-                _floating(args[0]) and (oop := getattr(torch.Tensor, name[:-1], None)):
-            # sigmoid_, tanh_, exp_...: the op (its 16-bit kernel's replay, whose backward
-            # reads the rounded output only), then a copy into the target, as
-            # functionalisation runs an in-place op; run in place, the output autograd saves
-            # would be rounded after it was saved. (An op whose backward reads its input,
-            # sin_, would lose that input to the copy: it stays in place.)
-            t = args[0]
-            t.copy_(self.run_pure(oop, name[:-1], rule, args, kwargs))
-            _mark(t, fmt)
-            autograd_fns.new_version(t)
-            return t
-        grads = inplace and bool(args) and torch.is_tensor(args[0]) and \
-            args[0].requires_grad and torch.is_grad_enabled()
-        if inplace and name[:-1] in _FROM_INPUT and len(inputs) == 1 and \
-                _floating(args[0]) and (grads or name[:-1] in OWN_FORWARDS) and \
-                (oop := getattr(torch.Tensor, name[:-1], None)):
-            # log1p_, sin_, erf_, pow_(e): the op's replay (its 16-bit backward; in place,
-            # autograd's float32 formula differentiated it: log1p_'s gradient off native) on a
-            # copy of the input, which it saves, then a copy back. The copy reads the input as
-            # any consumer does (its gradient rounded and summed with the others'). Without a
-            # gradient only pow_, whose replayed forward is not one rounding (bf16's x ** 3)
+        if inplace and (base := name[:-1]) in _REPLAYED_IN_PLACE and len(inputs) == 1 and \
+                _floating(args[0]) and (oop := getattr(torch.Tensor, base, None)):
+            # sigmoid_, tanh_, exp_ (backward from the rounded output), log1p_, sin_, erf_,
+            # pow_(e) (backward from the input): the op (its 16-bit kernel's replay), then a
+            # copy into the target, as functionalisation runs an in-place op; run in place, the
+            # output autograd saves would be rounded after it was saved, and the fp32 formula
+            # would differentiate the others (log1p_'s gradient off native). The replay of an op
+            # reading its input runs on a copy, which it saves (the copy back would overwrite
+            # it), read as any consumer reads the input (its gradient rounded and summed with
+            # the others'); without a gradient only pow_, whose replayed forward is not one
+            # rounding (bf16's x ** 3), runs so
             t = c = args[0]
-            if grads:
-                (x,), _ = self._pure_inputs(name[:-1], rule, key, args[:1], {}, False)
-                with torch._C.DisableTorchFunction():
-                    c = x.clone()
-                _mark(c, fmt)
-            t.copy_(self.run_pure(oop, name[:-1], rule, (c, *args[1:]), kwargs))
-            _mark(t, fmt)
-            autograd_fns.new_version(t)
-            return t
+            if base in _FROM_INPUT:
+                if t.requires_grad and torch.is_grad_enabled():
+                    (x,), _ = self._pure_inputs(base, rule, key, args[:1], {}, False)
+                    with torch._C.DisableTorchFunction():
+                        c = x.clone()
+                    _mark(c, fmt)
+                elif base not in OWN_FORWARDS:
+                    c = None
+            if c is not None:
+                t.copy_(self.run_pure(oop, base, rule, (c, *args[1:]), kwargs))
+                _mark(t, fmt)
+                autograd_fns.new_version(t)
+                return t
         if name in NARROWING:  # x + 0.3 adds fp16(0.3), as the 16-bit kernel does
             args, kwargs = narrow_scalars(name, args, kwargs, format_dtype(fmt))
         op = optable.OpCall(func, name, rule, key, args, kwargs)
