@@ -636,3 +636,12 @@ def test_the_fused_lstm_kernels_give_the_op_by_op_replays_bits(on_path, policy, 
     assert n > 0
     for i, (x, y) in enumerate(zip(fused, replay)):
         assert_same_bits(x, y, f"{policy}: tensor {i}")
+
+
+@pytest.mark.parametrize("fmt_name", ["fp16", "bf16"])
+def test_the_one_pass_lstm_step_gives_the_steps_bits(on_path, fmt_name):
+    """lp_lstm_step_tab (its table lookups' index arithmetic vectorised per instruction set)
+    on every 16-bit value."""
+    from training.test_lstm_cell import test_the_one_pass_step_gives_the_steps_bits_on_every_16_bit_value as check
+
+    check(fmt_name)

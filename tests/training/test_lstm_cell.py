@@ -246,3 +246,83 @@ def test_the_op_by_op_layer_node_where_h_takes_no_gradient(hidden, batch, grad, 
         b = _forward(True, grad, m, policy, hidden=hidden, batch=batch)
     for i, (x, y) in enumerate(zip(a, b)):
         assert_same_bits(x, y, f"tensor {i}")
+
+
+def _every_16_bit_value(dtype: torch.dtype) -> torch.Tensor:
+    """The 65,536 values of a 16-bit dtype as float32, in the order of their unsigned bits."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_activation_tables_hold_torchs_16_bit_kernels(dtype):
+    """The one-pass step's tables: on every 16-bit input, what torch's own float16 / bfloat16
+    sigmoid and tanh return (NaN for NaN)."""
+    from lowprec.numerics.formats import BF16, FP16
+    tables = recurrent_kernels._activation_tables(FP16 if dtype == torch.float16 else BF16)
+    if tables is None:
+        pytest.skip("the kernel build has no one-pass step")
+    x16 = _every_16_bit_value(dtype).to(dtype)
+    for table, op in zip(tables[:2], (torch.sigmoid, torch.tanh)):
+        native = op(x16).float()
+        assert torch.equal(table.isnan(), native.isnan())
+        keep = ~native.isnan()
+        assert_same_bits(table[keep], native[keep], f"{dtype} {op.__name__}")
+
+
+@pytest.mark.parametrize("fmt_name", ["fp16", "bf16"])
+def test_the_one_pass_step_gives_the_steps_bits_on_every_16_bit_value(fmt_name):
+    """``lp_lstm_step_tab`` (the gates, activations by table, the cell state, its tanh and h in
+    one pass) against the step of torch's activations and three kernel calls, with every 16-bit
+    value as each gate's pre-activation and as the cell state (infinities, NaN, subnormals,
+    signed zeros), odd widths included."""
+    from lowprec.numerics.formats import BF16, FP16
+    fmt = FP16 if fmt_name == "fp16" else BF16
+    tables = recurrent_kernels._activation_tables(fmt)
+    if tables is None:
+        pytest.skip("the kernel build has no one-pass step")
+    prm = recurrent_kernels._cell_params(fmt)
+    values = _every_16_bit_value(torch.float16 if fmt == FP16 else torch.bfloat16)
+    for hidden in (16384, 13):
+        rows = 65536 // hidden + 1
+        order = torch.randperm(65536, generator=torch.Generator().manual_seed(hidden))
+        pool = values[order].repeat(5)
+        lin = torch.stack([pool[r * 4 * hidden:(r + 1) * 4 * hidden] for r in range(4)]) \
+            if hidden == 16384 else pool[:rows * 4 * hidden].view(rows, 4 * hidden) * 1.5
+        rows = lin.shape[0]
+        xw = torch.zeros(rows, 4 * hidden) if hidden == 16384 else \
+            pool[7:7 + rows * 4 * hidden].view(rows, 4 * hidden)
+        c = values[torch.randperm(65536, generator=torch.Generator().manual_seed(1))]
+        c = c.repeat(rows * hidden // 65536 + 1)[:rows * hidden].view(rows, hidden)
+        one = recurrent_kernels._cell_forward(lin, xw, c, recurrent_kernels._CellRounding(prm, tables))
+        ref = recurrent_kernels._cell_forward(lin, xw, c, recurrent_kernels._CellRounding(prm, None))
+        assert_same_bits(one[2][0], ref[2][0], f"{fmt_name} hidden {hidden}: activations")
+        # (h, the cell state and its tanh: a product or sum of two NaNs has the payload of the
+        # operand the compiler put first, here as in torch: NaN for NaN only)
+        for i, (a, b) in enumerate(zip(one[:2] + one[2][1:2], ref[:2] + ref[2][1:2])):
+            assert torch.equal(a.isnan(), b.isnan()), (fmt_name, hidden, i)
+            keep = ~a.isnan()
+            assert_same_bits(a[keep], b[keep], f"{fmt_name} hidden {hidden}: output {i}")
+
+
+def test_a_whole_layer_frees_what_it_saved():
+    """The layer node saves its output sequence itself, not views of it: a saved view would hold
+    the output, so its node, so the view, in a cycle that is never freed (every step's tensors
+    kept: the whole forward leaked per call)."""
+    import gc
+    import weakref
+    from lowprec.numerics import quantize
+    from lowprec.numerics.formats import FP16
+    rk = recurrent_kernels
+    cell = rk._CellRounding(rk._cell_params(FP16), rk._activation_tables(FP16))
+    g = torch.Generator().manual_seed(0)
+    xw = quantize(torch.randn(6, 5, 64, generator=g), FP16).requires_grad_()
+    w = quantize(torch.randn(64, 16, generator=g) * 0.1, FP16).requires_grad_()
+    b = quantize(torch.randn(64, generator=g) * 0.1, FP16).requires_grad_()
+    h0 = c0 = torch.zeros(5, 16)
+    out, h, c = rk._LSTMLayer.apply(xw, h0, c0, w, b, False, cell, cell.prm, True,
+                                    rk._Rounder(FP16), rk._Rounder(FP16))
+    assert out.grad_fn is not None
+    ref = weakref.ref(out)
+    del out, h, c
+    gc.collect()
+    assert ref() is None

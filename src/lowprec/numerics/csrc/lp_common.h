@@ -26,7 +26,8 @@
  *                 point's overflow counts
  *   accumulate.c  the GEMM with a rounded accumulator, reference-order dot products
  *   optimizer.c   the fused optimizer step (SGD, Adam) on low-precision storage
- *   recurrent.c   the LSTM cell of ATen's 16-bit CPU composite, the op-by-op LSTM step of any
+ *   recurrent.c   the LSTM cell of ATen's 16-bit CPU composite (a float16 / bfloat16 step in
+ *                 one pass, its activations by table), the op-by-op LSTM step of any
  *                 elementwise format (stochastic rounding at each site), 16-bit sums of
  *                 gradients (two; one arrival; an embedding's rows in index order), a
  *                 batch norm's affine output rounded in the same pass

@@ -140,6 +140,22 @@ static int lp_cell_threads(int64_t rows, int64_t work, int nthreads) {
     return nt > rows ? (rows < 1 ? 1 : (int)rows) : nt;
 }
 
+/* A row's new cell state from its rounded activations A (i, f, g, o) and cell state c:
+ * out = rc(rc(f * c) + rc(i * g)). */
+static void lp_cell_state(const float *A, const float *cr, float *out, int64_t H,
+                          const lp_params *pc) {
+    for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
+        const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
+        float fc[LP_CELL_COLS], ig[LP_CELL_COLS];
+        for (int64_t k = 0; k < n; ++k) fc[k] = A[H + j + k] * cr[j + k];
+        lp_round_row(fc, n, pc);
+        for (int64_t k = 0; k < n; ++k) ig[k] = A[j + k] * A[2 * H + j + k];
+        lp_round_row(ig, n, pc);
+        for (int64_t k = 0; k < n; ++k) out[j + k] = fc[k] + ig[k];
+        lp_round_row(out + j, n, pc);
+    }
+}
+
 /* G = rc(rc(lin) + xw): linear_hh(hx) rounded, then .add_(input) rounded; B rows of N. */
 void lp_lstm_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, int64_t B,
                    int64_t N, const lp_params *pc, int nthreads) {
@@ -175,16 +191,7 @@ void lp_lstm_fwd(const float *si, const float *sf, const float *tg, const float 
         memcpy(A + 2 * H, tg + b * a_rs, (size_t)H * sizeof(float));
         memcpy(A + 3 * H, so + b * a_rs, (size_t)H * sizeof(float));
         lp_round_row(A, 4 * H, pc);
-        for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
-            const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
-            float fc[LP_CELL_COLS], ig[LP_CELL_COLS];
-            for (int64_t k = 0; k < n; ++k) fc[k] = A[H + j + k] * cr[j + k];
-            lp_round_row(fc, n, pc);
-            for (int64_t k = 0; k < n; ++k) ig[k] = A[j + k] * A[2 * H + j + k];
-            lp_round_row(ig, n, pc);
-            for (int64_t k = 0; k < n; ++k) out[j + k] = fc[k] + ig[k];
-            lp_round_row(out + j, n, pc);
-        }
+        lp_cell_state(A, cr, out, H, pc);
     }
 }
 
@@ -200,6 +207,73 @@ void lp_lstm_fwd2(float *tc, const float *acts, float *h, int64_t B, int64_t H,
         const float *o = acts + b * 4 * H + 3 * H;
         lp_round_row(t, H, pc);
         for (int64_t k = 0; k < H; ++k) hr[k] = o[k] * t[k];
+        lp_round_row(hr, H, pc);
+    }
+}
+
+/* ---- The whole forward step in one pass, for float16 and bfloat16 ----------------------------
+ * sigmoid and tanh of a 16-bit value take one of 65,536 inputs: `tsig` and `ttanh` hold their
+ * results for every input (float32 values on the 16-bit grid, indexed by the input's 16 bits),
+ * as the caller computes them with torch's own kernels (recurrent_kernels.py: torch's float32
+ * sigmoid and tanh rounded once, which equal its native float16 / bfloat16 kernels' on every
+ * input). A step is then lp_lstm_gates, the four activations, lp_lstm_fwd and lp_lstm_fwd2 in
+ * one pass over each row, in cache: the same bits as those calls with torch's activations.
+ * kind 1: float16 (the value's IEEE half bits), 2: bfloat16 (its float32 bits' high half). */
+
+/* The float16 bits of x, a value of the float16 grid (infinities and NaN included). */
+LP_INLINE uint32_t lp_half_bits(float x) {
+    const uint32_t u = f2u(x), a = u & 0x7fffffffu;
+    const uint32_t nrm = (a - (112u << 23)) >> 13;                      /* exponent >= -14 */
+    const float small = u2f(a) < 6.103515625e-05f ? u2f(a) : 6.103515625e-05f;
+    const uint32_t sub = (uint32_t)(small * 16777216.0f);               /* |x| / 2**-24 */
+    const uint32_t inf = 0x7c00u | ((a & 0x7fffffu) ? 0x200u : 0u);     /* inf, NaN */
+    uint32_t r = a >= (113u << 23) ? nrm : sub;
+    r = a >= 0x7f800000u ? inf : r;
+    return ((u >> 16) & 0x8000u) | r;
+}
+
+/* x = tab[x's 16 bits], a NaN excepted: it keeps its payload, quiet, as torch's float32 sigmoid
+ * (its sign flipped: `flip` the sign bit) and tanh return it. */
+LP_OPT_CLONES static void lp_lookup(float *restrict x, int64_t n, const float *restrict tab,
+                                    int kind, uint32_t flip) {
+    if (kind == 1) {
+        for (int64_t k = 0; k < n; ++k) {
+            const float v = x[k], y = tab[lp_half_bits(v)];
+            x[k] = v != v ? u2f((f2u(v) ^ flip) | 0x400000u) : y;
+        }
+    } else {
+        for (int64_t k = 0; k < n; ++k) {
+            const float v = x[k], y = tab[f2u(v) >> 16];
+            x[k] = v != v ? u2f((f2u(v) ^ flip) | 0x400000u) : y;
+        }
+    }
+}
+
+/* From linear_hh's output `lin` (B x 4H, not rounded), the step's input projection xw (row
+ * stride xw_rs) and the cell state c (row stride c_rs): acts = the rounded activations (i, f,
+ * g, o), cn = rc(rc(f * c) + rc(i * g)), tc = tanh(cn) (rounded) and h = rc(o * tc). */
+void lp_lstm_step_tab(const float *lin, const float *xw, int64_t xw_rs, const float *c,
+                      int64_t c_rs, const float *tsig, const float *ttanh, int kind, float *acts,
+                      float *cn, float *tc, float *h, int64_t B, int64_t H, const lp_params *pc,
+                      int nthreads) {
+    const int nt = lp_cell_threads(B, 6 * B * H, nthreads);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+        float *A = acts + b * 4 * H, *out = cn + b * H, *t = tc + b * H, *hr = h + b * H;
+        const float *x = xw + b * xw_rs, *cr = c + b * c_rs;
+        memcpy(A, lin + b * 4 * H, (size_t)(4 * H) * sizeof(float));
+        lp_round_row(A, 4 * H, pc);
+        for (int64_t k = 0; k < 4 * H; ++k) A[k] = A[k] + x[k];
+        lp_round_row(A, 4 * H, pc);
+        lp_lookup(A, 2 * H, tsig, kind, 0x80000000u);
+        lp_lookup(A + 2 * H, H, ttanh, kind, 0);
+        lp_lookup(A + 3 * H, H, tsig, kind, 0x80000000u);
+        lp_cell_state(A, cr, out, H, pc);
+        memcpy(t, out, (size_t)H * sizeof(float));
+        lp_lookup(t, H, ttanh, kind, 0);
+        for (int64_t k = 0; k < H; ++k) hr[k] = A[3 * H + k] * t[k];
         lp_round_row(hr, H, pc);
     }
 }

@@ -28,8 +28,9 @@ from .optimizer import opt_dtype_code, opt_step
 from .quantize import (nonfinite_available, quantize_f32, quantize_prepared,
                        quantize_prepared_nonfinite, quantize_transposed, transposed_available)
 from .recurrent import (affine_round, lstm_available, lstm_backward, lstm_forward, lstm_forward2, lstm_gates,
-                        index_add_rounded, lstm_op_available, lstm_op_backward, lstm_op_cell,
-                        lstm_op_gates, lstm_op_out, round_add2, round_sum_delta, site_params)
+                        lstm_step, lstm_step_available, index_add_rounded, lstm_op_available,
+                        lstm_op_backward, lstm_op_cell, lstm_op_gates, lstm_op_out, round_add2,
+                        round_sum_delta, site_params)
 
 __all__ = [
     "library", "available", "open_kernel", "LPParams", "LPOpt", "LPAccFmt", "LPAccGemm", "prepare",
@@ -45,7 +46,8 @@ __all__ = [
     # optimizer.c
     "opt_dtype_code", "opt_step",
     # recurrent.c
-    "lstm_available", "lstm_gates", "lstm_forward", "lstm_forward2", "lstm_backward", "round_add2",
+    "lstm_available", "lstm_gates", "lstm_forward", "lstm_forward2", "lstm_backward",
+    "lstm_step_available", "lstm_step", "round_add2",
     "round_sum_delta", "index_add_rounded", "affine_round", "lstm_op_available", "site_params", "lstm_op_gates",
     "lstm_op_cell", "lstm_op_out", "lstm_op_backward",
     # fexp.c

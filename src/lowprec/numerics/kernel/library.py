@@ -127,6 +127,7 @@ def open_kernel(path: str):
         "lp_lstm_gates": [p, p, i64, p, i64, i64, lpp, ci],
         "lp_lstm_fwd": [p, p, p, p, i64, p, i64, p, p, i64, i64, lpp, ci],
         "lp_lstm_fwd2": [p, p, p, i64, i64, lpp, ci],
+        "lp_lstm_step_tab": [p, p, i64, p, i64, p, p, ci, p, p, p, p, i64, i64, lpp, ci],
         "lp_lstm_bwd": [p, i64, p, i64, p, p, p, i64, p, p, i64, i64, lpp, ci, ci],
         # (the op-by-op step: an array of lp_params a site, passed as an address)
         "lp_lstm_op_gates": [p, p, i64, p, i64, i64, p, ci],

@@ -13,6 +13,7 @@ from . import library
 from .library import LPParams
 
 __all__ = ["lstm_available", "lstm_backward", "lstm_forward", "lstm_forward2", "lstm_gates",
+           "lstm_step_available", "lstm_step",
            "round_add2", "round_sum_delta", "index_add_rounded", "affine_round",
            "lstm_op_available",
            "site_params", "lstm_op_gates", "lstm_op_cell", "lstm_op_out", "lstm_op_backward"]
@@ -164,6 +165,33 @@ def lstm_forward2(tc, acts, h_out, prm: LPParams) -> None:
         raise ValueError("lstm cell: tc, acts and h must be contiguous")
     library.lib().lp_lstm_fwd2(tc.data_ptr(), acts.data_ptr(), h_out.data_ptr(), b, h,
                                ctypes.byref(prm), torch.get_num_threads())
+
+
+def lstm_step_available() -> bool:
+    """True when the loaded kernel has the one-pass step of tabulated activations."""
+    lib = library.lib()
+    return lib is not None and hasattr(lib, "lp_lstm_step_tab")
+
+
+def lstm_step(lin, xw, c, tsig, ttanh, kind: int, acts, cn, tc, h_out, prm: LPParams) -> None:
+    """One forward step in one pass (lp_lstm_step_tab): acts = the rounded activations of
+    rc(rc(lin) + xw) by the tables ``tsig``/``ttanh`` (65,536 float32 values each, indexed by
+    the input's float16 bits, ``kind`` 1, or bfloat16 bits, ``kind`` 2), the new cell state
+    ``cn``, its tanh ``tc`` and ``h_out``."""
+    b, h = cn.shape
+    if not (lin.is_contiguous() and all(t.is_contiguous() for t in (acts, cn, tc, h_out))) \
+            or lin.shape != (b, 4 * h) or acts.shape != (b, 4 * h):
+        raise ValueError("lstm step: lin and acts (B, 4H), cn, tc and h (B, H) must be "
+                         "contiguous")
+    if kind not in (1, 2) or any(t.dtype != torch.float32 or t.numel() != 65536 or
+                                 not t.is_contiguous() for t in (tsig, ttanh)):
+        raise ValueError(f"lstm step: kind must be 1 or 2 (got {kind}) and the tables "
+                         f"contiguous float32 tensors of 65536 values")
+    library.lib().lp_lstm_step_tab(lin.data_ptr(), xw.data_ptr(), _rows(xw, "xw", 4 * h),
+                                   c.data_ptr(), _rows(c, "c", h), tsig.data_ptr(),
+                                   ttanh.data_ptr(), kind, acts.data_ptr(), cn.data_ptr(),
+                                   tc.data_ptr(), h_out.data_ptr(), b, h, ctypes.byref(prm),
+                                   torch.get_num_threads())
 
 
 def lstm_backward(dh, dcn, acts, tc, c, dG, dcp, prm: LPParams, half: bool) -> None:

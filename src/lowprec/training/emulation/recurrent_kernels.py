@@ -34,8 +34,9 @@ backward as the 16-bit run's autograd does:
 
 Where the compiled kernel is loaded, an LSTM step with such formats runs fused: one autograd
 node (:class:`_LSTMCell`) whose forward rounds and combines in C what torch's own sigmoid and
-tanh give, and whose backward replays the op-by-op backward's roundings in C, in the same
-order (the same bits, tested: tests/training/test_lstm_cell.py); a 16-bit sum of two
+tanh give (for float16 and bfloat16 in one pass, the activations looked up in tables of all
+65,536 inputs that torch's kernels computed), and whose backward replays the op-by-op
+backward's roundings in C, in the same order (the same bits, tested: tests/training/test_lstm_cell.py); a 16-bit sum of two
 gradients is one kernel pass (:class:`_Rounder`): a faster emulated step on the benchmark
 LSTM (benchmarks/RESULTS.md, figure F7). With gradients, a whole unidirectional unpacked layer
 without projections is one node (:class:`_LSTMLayer`) whose backward walks the steps as the
@@ -69,7 +70,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ...numerics import kernel as _kernel
-from ...numerics.formats import FP16, FP32, FixedFormat, FloatFormat
+from ...numerics.formats import BF16, FP16, FP32, FixedFormat, FloatFormat
 from ...numerics.keys import derive_keys
 from ...numerics.params import ROUNDING_CODES, element_params, random_mask
 from ...numerics.quantize import emits_graph_ops, quantize
@@ -239,23 +240,59 @@ def _cell_params(fmt):
         return None
 
 
-def _cell_forward(lin, xw, c, pc):
-    """One fused LSTM step's forward (:class:`_LSTMCell`): (h, the new cell state, what its
-    backward reads)."""
+# The activations of float16 and bfloat16 cells by table (lp_lstm_step_tab): a 16-bit sigmoid
+# or tanh has 65,536 inputs, so the kernel looks their results up, computed once by torch's own
+# float32 kernels and rounded once: what the op-by-op replay computes, and on every input what
+# torch's native float16 / bfloat16 kernels give (tests/training/test_lstm_cell.py). (Computing
+# them in the kernel instead, as Sleef does in ATen, was no faster: a step 266 us against 254 on
+# an Intel Xeon, one thread.)
+_TABLES: dict = {}
+
+
+def _activation_tables(fmt):
+    """(sigmoid's table, tanh's, the kernel's kind: 1 float16, 2 bfloat16) for those formats
+    rounded to nearest, else None."""
+    kind = 1 if fmt == FP16 else 2 if fmt == BF16 else 0
+    if not kind or not _kernel.lstm_step_available():
+        return None
+    if fmt not in _TABLES:
+        dtype = torch.float16 if kind == 1 else torch.bfloat16
+        with torch.no_grad():  # every 16-bit pattern, in the order of its unsigned bits
+            x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
+            _TABLES[fmt] = (quantize(torch.sigmoid(x), fmt).contiguous(),
+                            quantize(torch.tanh(x), fmt).contiguous(), kind)
+    return _TABLES[fmt]
+
+
+@dataclass(frozen=True)
+class _CellRounding:
+    """The fused cell's forward rounding: the kernel's parameters, and for float16 and bfloat16
+    the activations' tables (a step in one kernel pass)."""
+    prm: object
+    tables: tuple | None
+
+
+def _cell_forward(lin, xw, c, pc: _CellRounding, h=None):
+    """One fused LSTM step's forward (:class:`_LSTMCell`): (h, written into ``h`` if given
+    (contiguous), the new cell state, what its backward reads)."""
     lin = lin.contiguous()
     xw = xw if xw.stride(-1) == 1 else xw.contiguous()
     c = c if c.stride(-1) == 1 else c.contiguous()
+    acts, cn = torch.empty_like(lin), c.new_empty(c.shape)
+    h = torch.empty_like(cn) if h is None else h
+    if pc.tables is not None:
+        tc = torch.empty_like(cn)
+        _kernel.lstm_step(lin, xw, c, *pc.tables, acts, cn, tc, h, pc.prm)
+        return h, cn, (acts, tc, c)
     gates = torch.empty_like(lin)
-    _kernel.lstm_gates(lin, xw, gates, pc)
+    _kernel.lstm_gates(lin, xw, gates, pc.prm)
     i, f, g, o = gates.chunk(4, 1)
-    acts, cn = torch.empty_like(gates), c.new_empty(c.shape)
     # (tanh of a contiguous copy: the same values, and faster than over the strided chunk,
     # figure F32 of benchmarks/RESULTS.md)
     _kernel.lstm_forward(torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g.contiguous()),
-                         torch.sigmoid(o), c, acts, cn, pc)
+                         torch.sigmoid(o), c, acts, cn, pc.prm)
     tc = torch.tanh(cn)
-    h = torch.empty_like(cn)
-    _kernel.lstm_forward2(tc, acts, h, pc)
+    _kernel.lstm_forward2(tc, acts, h, pc.prm)
     return h, cn, (acts, tc, c)
 
 
@@ -279,9 +316,10 @@ class _LSTMCell(torch.autograd.Function):
     rounded), its input projection ``xw`` and the cell state ``c`` to (h, the new cell state),
     with every rounding of the op-by-op cell (:meth:`_Replay.cell`) and of its backward, in the
     same order, by the C kernel (lp_lstm_* in csrc/recurrent.c): four kernel calls and four torch
-    activations a step instead of some forty ops and roundings, each with its autograd node.
-    sigmoid and tanh are torch's own float32 kernels on the same tensors as the op-by-op cell,
-    so the bits are that cell's (tested against it). The new cell state's gradient is the sum
+    activations a step (float16 and bfloat16: one call, :func:`_activation_tables`) instead of
+    some forty ops and roundings, each with its autograd node. sigmoid and tanh are torch's own
+    float32 kernels on the same tensors as the op-by-op cell, or their results on every 16-bit
+    input, so the bits are that cell's (tested against it). The new cell state's gradient is the sum
     of its two uses' (this step's tanh, the next step's ``forgetgate * cx``) as :class:`_Split`
     adds them; ``h``'s gradient comes rounded or not (its uses' :class:`_Split` rounds)."""
 
@@ -352,32 +390,33 @@ class _LSTMLayer(torch.autograd.Function):
         steps = xw.shape[0]
         order = range(steps - 1, -1, -1) if reverse else range(steps)
         h, c = h0, c0
-        outs, saved = [None] * steps, []
+        out, saved = c0.new_empty((steps,) + c0.shape), []  # each step's h written in place
         for t in order:
-            h_prev = h
-            h, c, s = _cell_forward(F.linear(h_prev, w, b), xw[t], c, pc)
-            outs[t] = h
-            saved += [h_prev, *s]
-        ctx.save_for_backward(w, b, *saved)
+            h, c, s = _cell_forward(F.linear(h, w, b), xw[t], c, pc, out[t])
+            saved += s
+        # (the steps' inputs h from ``out`` itself, saved as an output: a view of it saved
+        # would hold it, its node and so the view in a cycle, never freed)
+        ctx.save_for_backward(w, b, h0, out, *saved)
         ctx.spec = (reverse, steps, pg, half, rnd_g, rnd_w)
-        return torch.stack(outs), h, c
+        return out, h.clone(), c
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_out, g_h, g_c):
-        w, b, *saved = ctx.saved_tensors
+        w, b, h0, out, *saved = ctx.saved_tensors
         reverse, steps, pg, half, rnd_g, rnd_w = ctx.spec
         need = ctx.needs_input_grad
         order = list(range(steps - 1, -1, -1) if reverse else range(steps))
+        h_prevs = [h0] + [out[t] for t in order[:-1]]  # each step's input, in the forward's order
         # (one copy of a strided output gradient, not one per step in the 16-bit sums)
         outs = g_out.contiguous().unbind(0) if g_out is not None else (None,) * steps
         d_lin = [None] * steps  # by the step's place in the forward's order
         # the input projection's gradient: each step's gates' gradient written in place (no
         # stack of them after)
-        dxw = saved[1].new_empty((steps,) + saved[1].shape) if need[0] else None
+        dxw = saved[0].new_empty((steps,) + saved[0].shape) if need[0] else None
         for k in range(steps - 1, -1, -1):  # the steps in backward order
             t = order[k]
-            h_prev, s = saved[4 * k], saved[4 * k + 1:4 * k + 4]
+            h_prev, s = h_prevs[k], saved[3 * k:3 * k + 3]
             dh = _sum_of_uses((outs[t], g_h), rnd_g)
             d, g_c = _cell_backward(dh, g_c, s, pg, half, None if dxw is None else dxw[t])
             d_lin[k] = d
@@ -388,7 +427,7 @@ class _LSTMLayer(torch.autograd.Function):
             note_rounded(dxw, rnd_g.fmt)  # (the kernel rounded each: the projection's
             # rounding nodes skip it)
         # each step's weight gradient rounded, summed in the parameter format (:class:`_Uses`)
-        dw, db = _weight_grads(d_lin, saved[0::4], w, need[3], need[4], rnd_w, rnd_w.add2)
+        dw, db = _weight_grads(d_lin, h_prevs, w, need[3], need[4], rnd_w, rnd_w.add2)
         return dxw, g_h, g_c, dw, db, None, None, None, None, None, None
 
 
@@ -514,7 +553,8 @@ class _Replay:
         if kind == "lstm" and self.plain and grad.prm is not None and not emits_graph_ops():
             pc = _cell_params(rule.compute)
             if pc is not None:
-                self.fused = (pc, grad.prm, rule.grads == FP16)
+                cell = _CellRounding(pc, _activation_tables(rule.compute))
+                self.fused = (cell, grad.prm, rule.grads == FP16)
         # other formats: the op-by-op step in the kernel (:class:`_LSTMLayerOps`), eagerly
         self.ops = None
         if kind == "lstm" and not self.plain and not rule.block and \
