@@ -142,7 +142,7 @@ static int lp_cell_threads(int64_t rows, int64_t work, int nthreads) {
 
 /* A row's new cell state from its rounded activations A (i, f, g, o) and cell state c:
  * out = rc(rc(f * c) + rc(i * g)). */
-static void lp_cell_state(const float *A, const float *cr, float *out, int64_t H,
+LP_INLINE void lp_cell_state(const float *A, const float *cr, float *out, int64_t H,
                           const lp_params *pc) {
     for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
         const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
@@ -252,6 +252,24 @@ LP_OPT_CLONES static void lp_lookup(float *restrict x, int64_t n, const float *r
 /* From linear_hh's output `lin` (B x 4H, not rounded), the step's input projection xw (row
  * stride xw_rs) and the cell state c (row stride c_rs): acts = the rounded activations (i, f,
  * g, o), cn = rc(rc(f * c) + rc(i * g)), tc = tanh(cn) (rounded) and h = rc(o * tc). */
+LP_OPT_CLONES static void lp_lstm_step_row(const float *lin, const float *x, const float *cr,
+                                           const float *tsig, const float *ttanh, int kind,
+                                           float *A, float *out, float *t, float *hr, int64_t H,
+                                           const lp_params *pc) {
+    memcpy(A, lin, (size_t)(4 * H) * sizeof(float));
+    lp_round_row(A, 4 * H, pc);
+    for (int64_t k = 0; k < 4 * H; ++k) A[k] = A[k] + x[k];
+    lp_round_row(A, 4 * H, pc);
+    lp_lookup(A, 2 * H, tsig, kind, 0x80000000u);
+    lp_lookup(A + 2 * H, H, ttanh, kind, 0);
+    lp_lookup(A + 3 * H, H, tsig, kind, 0x80000000u);
+    lp_cell_state(A, cr, out, H, pc);
+    memcpy(t, out, (size_t)H * sizeof(float));
+    lp_lookup(t, H, ttanh, kind, 0);
+    for (int64_t k = 0; k < H; ++k) hr[k] = A[3 * H + k] * t[k];
+    lp_round_row(hr, H, pc);
+}
+
 void lp_lstm_step_tab(const float *lin, const float *xw, int64_t xw_rs, const float *c,
                       int64_t c_rs, const float *tsig, const float *ttanh, int kind, float *acts,
                       float *cn, float *tc, float *h, int64_t B, int64_t H, const lp_params *pc,
@@ -260,52 +278,75 @@ void lp_lstm_step_tab(const float *lin, const float *xw, int64_t xw_rs, const fl
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (int64_t b = 0; b < B; ++b) {
-        float *A = acts + b * 4 * H, *out = cn + b * H, *t = tc + b * H, *hr = h + b * H;
-        const float *x = xw + b * xw_rs, *cr = c + b * c_rs;
-        memcpy(A, lin + b * 4 * H, (size_t)(4 * H) * sizeof(float));
-        lp_round_row(A, 4 * H, pc);
-        for (int64_t k = 0; k < 4 * H; ++k) A[k] = A[k] + x[k];
-        lp_round_row(A, 4 * H, pc);
-        lp_lookup(A, 2 * H, tsig, kind, 0x80000000u);
-        lp_lookup(A + 2 * H, H, ttanh, kind, 0);
-        lp_lookup(A + 3 * H, H, tsig, kind, 0x80000000u);
-        lp_cell_state(A, cr, out, H, pc);
-        memcpy(t, out, (size_t)H * sizeof(float));
-        lp_lookup(t, H, ttanh, kind, 0);
-        for (int64_t k = 0; k < H; ++k) hr[k] = A[3 * H + k] * t[k];
-        lp_round_row(hr, H, pc);
-    }
-}
-
-/* sigmoid's backward from its rounded output y, dy = rg(raw): fp16 in c10::Half arithmetic,
- * rg(rg(dy * rg(1 - y)) * y); other formats in float32, rg(dy * (1 - y) * y). In place. */
-static void lp_sigmoid_bwd(float *d, const float *y, int64_t n, int half, const lp_params *pg) {
-    lp_round_row(d, n, pg);
-    if (half) {
-        float t[LP_CELL_COLS];
-        for (int64_t k = 0; k < n; ++k) t[k] = 1.0f - y[k];
-        lp_round_row(t, n, pg);
-        for (int64_t k = 0; k < n; ++k) d[k] = d[k] * t[k];
-        lp_round_row(d, n, pg);
-        for (int64_t k = 0; k < n; ++k) d[k] = d[k] * y[k];
-    } else {
-        for (int64_t k = 0; k < n; ++k) d[k] = (d[k] * (1.0f - y[k])) * y[k];
-    }
-    lp_round_row(d, n, pg);
-}
-
-/* tanh's backward from its rounded output y: rg(rg(raw) * (1 - y * y)). In place. */
-static void lp_tanh_bwd(float *d, const float *y, int64_t n, const lp_params *pg) {
-    lp_round_row(d, n, pg);
-    for (int64_t k = 0; k < n; ++k) d[k] = d[k] * (1.0f - y[k] * y[k]);
-    lp_round_row(d, n, pg);
+    for (int64_t b = 0; b < B; ++b)
+        lp_lstm_step_row(lin + b * 4 * H, xw + b * xw_rs, c + b * c_rs, tsig, ttanh, kind,
+                         acts + b * 4 * H, cn + b * H, tc + b * H, h + b * H, H, pc);
 }
 
 /* The backward of lp_lstm_gates .. lp_lstm_fwd2 as the op-by-op replay's autograd runs it:
  * dh the gradient reaching h (row stride dh_rs), dcn the one reaching the next step's use of
  * cn (NULL: none); dG (B x 4H) the gates' gradient (that of lin and of xw alike), dcp the raw
  * float32 gradient of c (its use's rounding is the caller's). */
+/* One row of it, in pieces of LP_CELL_COLS columns: the four gates' gradients of a piece side by
+ * side in G (i, f, g, o), so that each rounding of theirs is one call: sigmoid's backward
+ * rg(rg(rg(dy) * rg(1 - y)) * y) (float16: c10::Half arithmetic) or rg(rg(dy) * (1 - y) * y),
+ * tanh's rg(rg(dy) * (1 - y * y)), its last rounding repeated with the sigmoids' (on the grid
+ * already: no change). */
+LP_OPT_CLONES static void lp_lstm_bwd_row(const float *A, const float *t, const float *cr,
+                                          const float *dhr, const float *dr, float *D, float *dc,
+                                          int64_t H, const lp_params *pg, int half) {
+    for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
+        const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
+        const float *i = A + j, *f = A + H + j, *g = A + 2 * H + j, *o = A + 3 * H + j;
+        float d[LP_CELL_COLS], dt[LP_CELL_COLS], G[4 * LP_CELL_COLS], Y[4 * LP_CELL_COLS];
+        for (int64_t k = 0; k < n; ++k) d[k] = dhr[j + k];
+        lp_round_row(d, n, pg); /* h's rounding: the gradient reaching it */
+        for (int64_t k = 0; k < n; ++k) G[3 * n + k] = d[k] * t[j + k];
+        for (int64_t k = 0; k < n; ++k) dt[k] = d[k] * o[k];
+        /* the gradient of the cell state's tanh use: tanh's backward */
+        lp_round_row(dt, n, pg);
+        for (int64_t k = 0; k < n; ++k) dt[k] = dt[k] * (1.0f - t[j + k] * t[j + k]);
+        lp_round_row(dt, n, pg);
+        if (dr) { /* its other use, then their 16-bit sum */
+            float u[LP_CELL_COLS];
+            for (int64_t k = 0; k < n; ++k) u[k] = dr[j + k];
+            lp_round_row(u, n, pg);
+            for (int64_t k = 0; k < n; ++k) dt[k] = dt[k] + u[k];
+            lp_round_row(dt, n, pg);
+        }
+        for (int64_t k = 0; k < n; ++k) {
+            G[n + k] = dt[k] * cr[j + k];
+            dc[j + k] = dt[k] * f[k];
+            G[k] = dt[k] * g[k];
+            G[2 * n + k] = dt[k] * i[k];
+        }
+        memcpy(Y, i, (size_t)n * sizeof(float));
+        memcpy(Y + n, f, (size_t)n * sizeof(float));
+        memcpy(Y + 2 * n, g, (size_t)n * sizeof(float));
+        memcpy(Y + 3 * n, o, (size_t)n * sizeof(float));
+        lp_round_row(G, 4 * n, pg);
+        float *Gg = G + 2 * n;
+        const float *Yg = Y + 2 * n;
+        if (half) {
+            float T[4 * LP_CELL_COLS];
+            for (int64_t k = 0; k < 4 * n; ++k) T[k] = 1.0f - Y[k];
+            lp_round_row(T, 4 * n, pg);
+            for (int64_t k = 0; k < 2 * n; ++k) G[k] = G[k] * T[k];
+            for (int64_t k = 3 * n; k < 4 * n; ++k) G[k] = G[k] * T[k];
+            for (int64_t k = 0; k < n; ++k) Gg[k] = Gg[k] * (1.0f - Yg[k] * Yg[k]);
+            lp_round_row(G, 4 * n, pg);
+            for (int64_t k = 0; k < 2 * n; ++k) G[k] = G[k] * Y[k];
+            for (int64_t k = 3 * n; k < 4 * n; ++k) G[k] = G[k] * Y[k];
+        } else {
+            for (int64_t k = 0; k < 2 * n; ++k) G[k] = (G[k] * (1.0f - Y[k])) * Y[k];
+            for (int64_t k = 3 * n; k < 4 * n; ++k) G[k] = (G[k] * (1.0f - Y[k])) * Y[k];
+            for (int64_t k = 0; k < n; ++k) Gg[k] = Gg[k] * (1.0f - Yg[k] * Yg[k]);
+        }
+        lp_round_row(G, 4 * n, pg);
+        for (int64_t q = 0; q < 4; ++q) memcpy(D + q * H + j, G + q * n, (size_t)n * sizeof(float));
+    }
+}
+
 void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_rs,
                  const float *acts, const float *tc, const float *c, int64_t c_rs, float *dG,
                  float *dcp, int64_t B, int64_t H, const lp_params *pg, int half, int nthreads) {
@@ -313,41 +354,9 @@ void lp_lstm_bwd(const float *dh, int64_t dh_rs, const float *dcn, int64_t dcn_r
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (int64_t b = 0; b < B; ++b) {
-        const float *A = acts + b * 4 * H, *t = tc + b * H, *cr = c + b * c_rs;
-        const float *dhr = dh + b * dh_rs;
-        float *D = dG + b * 4 * H, *dc = dcp + b * H;
-        for (int64_t j = 0; j < H; j += LP_CELL_COLS) {
-            const int64_t n = H - j < LP_CELL_COLS ? H - j : LP_CELL_COLS;
-            const float *i = A + j, *f = A + H + j, *g = A + 2 * H + j, *o = A + 3 * H + j;
-            float d[LP_CELL_COLS], dt[LP_CELL_COLS], tot[LP_CELL_COLS];
-            for (int64_t k = 0; k < n; ++k) d[k] = dhr[j + k];
-            lp_round_row(d, n, pg); /* h's rounding: the gradient reaching it */
-            float *Do = D + 3 * H + j, *Di = D + j, *Df = D + H + j, *Dg = D + 2 * H + j;
-            for (int64_t k = 0; k < n; ++k) Do[k] = d[k] * t[j + k];
-            for (int64_t k = 0; k < n; ++k) dt[k] = d[k] * o[k];
-            lp_tanh_bwd(dt, t + j, n, pg); /* the gradient of the cell state's tanh use */
-            memcpy(tot, dt, (size_t)n * sizeof(float));
-            if (dcn) { /* its other use, then their 16-bit sum */
-                float u[LP_CELL_COLS];
-                const float *dr = dcn + b * dcn_rs + j;
-                for (int64_t k = 0; k < n; ++k) u[k] = dr[k];
-                lp_round_row(u, n, pg);
-                for (int64_t k = 0; k < n; ++k) tot[k] = tot[k] + u[k];
-                lp_round_row(tot, n, pg);
-            }
-            for (int64_t k = 0; k < n; ++k) {
-                Df[k] = tot[k] * cr[j + k];
-                dc[j + k] = tot[k] * f[k];
-                Di[k] = tot[k] * g[k];
-                Dg[k] = tot[k] * i[k];
-            }
-            lp_sigmoid_bwd(Di, i, n, half, pg);
-            lp_sigmoid_bwd(Df, f, n, half, pg);
-            lp_tanh_bwd(Dg, g, n, pg);
-            lp_sigmoid_bwd(Do, o, n, half, pg);
-        }
-    }
+    for (int64_t b = 0; b < B; ++b)
+        lp_lstm_bwd_row(acts + b * 4 * H, tc + b * H, c + b * c_rs, dh + b * dh_rs,
+                        dcn ? dcn + b * dcn_rs : NULL, dG + b * 4 * H, dcp + b * H, H, pg, half);
 }
 
 
