@@ -326,3 +326,28 @@ def test_a_whole_layer_frees_what_it_saved():
     del out, h, c
     gc.collect()
     assert ref() is None
+
+
+def test_the_activation_tables_are_torchs_whatever_mode_or_device_is_active(monkeypatch):
+    """The tables are built once, at the first use, and kept: on the CPU and by torch's own
+    kernels even when that first use runs under another default device or a user's dispatch
+    mode (a table built on the meta device crashed the kernel; one built under a mode that
+    changed sigmoid changed every later step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from lowprec.numerics.formats import FP16
+    if recurrent_kernels._activation_tables(FP16) is None:
+        pytest.skip("the kernel build has no one-pass step")
+    reference = [t.clone() for t in recurrent_kernels._activation_tables(FP16)[:2]]
+
+    class Shifted(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out + 0.01 if func is torch.ops.aten.sigmoid.default else out
+
+    for context in (lambda: torch.device("meta"), Shifted):
+        monkeypatch.setattr(recurrent_kernels, "_TABLES", {})
+        with context():
+            tables = recurrent_kernels._activation_tables(FP16)
+        for table, ref in zip(tables[:2], reference):
+            assert table.device.type == "cpu"
+            assert_same_bits(table, ref, str(context))

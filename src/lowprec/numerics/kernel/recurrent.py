@@ -179,14 +179,18 @@ def lstm_step(lin, xw, c, tsig, ttanh, kind: int, acts, cn, tc, h_out, prm: LPPa
     the input's float16 bits, ``kind`` 1, or bfloat16 bits, ``kind`` 2), the new cell state
     ``cn``, its tanh ``tc`` and ``h_out``."""
     b, h = cn.shape
+    for t, name, cols in ((lin, "lin", 4 * h), (acts, "acts", 4 * h), (cn, "cn", h),
+                          (tc, "tc", h), (h_out, "h", h)):
+        _rows(t, name, cols)
     if not (lin.is_contiguous() and all(t.is_contiguous() for t in (acts, cn, tc, h_out))) \
             or lin.shape != (b, 4 * h) or acts.shape != (b, 4 * h):
         raise ValueError("lstm step: lin and acts (B, 4H), cn, tc and h (B, H) must be "
                          "contiguous")
     if kind not in (1, 2) or any(t.dtype != torch.float32 or t.numel() != 65536 or
-                                 not t.is_contiguous() for t in (tsig, ttanh)):
+                                 not t.is_contiguous() or t.device.type != "cpu"
+                                 for t in (tsig, ttanh)):
         raise ValueError(f"lstm step: kind must be 1 or 2 (got {kind}) and the tables "
-                         f"contiguous float32 tensors of 65536 values")
+                         f"contiguous float32 CPU tensors of 65536 values")
     library.lib().lp_lstm_step_tab(lin.data_ptr(), xw.data_ptr(), _rows(xw, "xw", 4 * h),
                                    c.data_ptr(), _rows(c, "c", h), tsig.data_ptr(),
                                    ttanh.data_ptr(), kind, acts.data_ptr(), cn.data_ptr(),

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...numerics import kernel as _kernel
 from ...numerics.formats import BF16, FP16, FP32, FixedFormat, FloatFormat
@@ -257,8 +258,12 @@ def _activation_tables(fmt):
         return None
     if fmt not in _TABLES:
         dtype = torch.float16 if kind == 1 else torch.bfloat16
-        with torch.no_grad():  # every 16-bit pattern, in the order of its unsigned bits
-            x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
+        # every 16-bit pattern, in the order of its unsigned bits; on the CPU and by torch's own
+        # kernels whatever default device or mode is active at the first use (a table built
+        # under a user's mode or on the meta device would be kept for good)
+        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction():
+            x = torch.arange(65536, dtype=torch.int32, device="cpu").to(torch.int16)
+            x = x.view(dtype).float()
             _TABLES[fmt] = (quantize(torch.sigmoid(x), fmt).contiguous(),
                             quantize(torch.tanh(x), fmt).contiguous(), kind)
     return _TABLES[fmt]
