@@ -233,20 +233,97 @@ LP_INLINE uint32_t lp_half_bits(float x) {
 }
 
 /* x = tab[x's 16 bits], a NaN excepted: it keeps its payload, quiet, as torch's float32 sigmoid
- * (its sign flipped: `flip` the sign bit) and tanh return it. */
-LP_OPT_CLONES static void lp_lookup(float *restrict x, int64_t n, const float *restrict tab,
-                                    int kind, uint32_t flip) {
-    if (kind == 1) {
-        for (int64_t k = 0; k < n; ++k) {
-            const float v = x[k], y = tab[lp_half_bits(v)];
-            x[k] = v != v ? u2f((f2u(v) ^ flip) | 0x400000u) : y;
-        }
-    } else {
-        for (int64_t k = 0; k < n; ++k) {
-            const float v = x[k], y = tab[f2u(v) >> 16];
-            x[k] = v != v ? u2f((f2u(v) ^ flip) | 0x400000u) : y;
-        }
+ * (its sign flipped: `flip` the sign bit) and tanh return it. GCC vectorises the index but not
+ * the loads (its generic tuning avoids gather instructions), so the AVX2 and AVX-512 versions
+ * are written with them (the float16 index by the hardware conversion, exact on the grid):
+ * 0.9 -> 0.3 ns a value on an Intel Xeon. */
+static void lp_lookup_plain(float *restrict x, int64_t n, const float *restrict tab, int kind,
+                            uint32_t flip) {
+    for (int64_t k = 0; k < n; ++k) {
+        const float v = x[k], y = tab[kind == 1 ? lp_half_bits(v) : f2u(v) >> 16];
+        x[k] = v != v ? u2f((f2u(v) ^ flip) | 0x400000u) : y;
     }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LP_GATHER 1
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")))
+static void lp_lookup_avx512(float *restrict x, int64_t n, const float *restrict tab, int kind,
+                             uint32_t flip) {
+    const __m512i quiet = _mm512_set1_epi32(0x400000), fl = _mm512_set1_epi32((int)flip);
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m512 v = _mm512_loadu_ps(x + k);
+        const __m512i idx = kind == 1
+            ? _mm512_cvtepu16_epi32(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+            : _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+        const __m512 y = _mm512_i32gather_ps(idx, tab, 4);
+        const __m512i nv = _mm512_or_si512(_mm512_xor_si512(_mm512_castps_si512(v), fl), quiet);
+        _mm512_storeu_ps(x + k, _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                                   _mm512_castsi512_ps(nv)));
+    }
+    lp_lookup_plain(x + k, n - k, tab, kind, flip);
+}
+
+__attribute__((target("avx2,f16c,fma")))
+static void lp_lookup_avx2(float *restrict x, int64_t n, const float *restrict tab, int kind,
+                           uint32_t flip) {
+    const __m256i quiet = _mm256_set1_epi32(0x400000), fl = _mm256_set1_epi32((int)flip);
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        const __m256i idx = kind == 1
+            ? _mm256_cvtepu16_epi32(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+            : _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+        const __m256 y = _mm256_i32gather_ps(tab, idx, 4);
+        const __m256i nv = _mm256_or_si256(_mm256_xor_si256(_mm256_castps_si256(v), fl), quiet);
+        _mm256_storeu_ps(x + k, _mm256_blendv_ps(y, _mm256_castsi256_ps(nv),
+                                                 _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+    lp_lookup_plain(x + k, n - k, tab, kind, flip);
+}
+#endif
+
+/* 2: AVX-512, 1: AVX2 (+ F16C), 0: plain C. A -DLP_NO_CLONES build takes what its -march
+ * gives (the tests' per-instruction-set builds), others ask the CPU. */
+static int lp_lookup_level(void) {
+#if !defined(LP_GATHER)
+    return 0;
+#elif defined(LP_NO_CLONES)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+    return 2;
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+#else
+    static int level = -1; /* (two threads racing here store the same value) */
+    if (level < 0)
+        level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") ? 2
+                : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                  __builtin_cpu_supports("fma") ? 1 : 0;
+    return level;
+#endif
+}
+
+static void lp_lookup(float *restrict x, int64_t n, const float *restrict tab, int kind,
+                      uint32_t flip) {
+#if defined(LP_GATHER)
+    const int level = lp_lookup_level();
+    if (level == 2) {
+        lp_lookup_avx512(x, n, tab, kind, flip);
+        return;
+    }
+    if (level == 1) {
+        lp_lookup_avx2(x, n, tab, kind, flip);
+        return;
+    }
+#endif
+    lp_lookup_plain(x, n, tab, kind, flip);
 }
 
 /* From linear_hh's output `lin` (B x 4H, not rounded), the step's input projection xw (row
