@@ -396,8 +396,15 @@ class _LSTMLayer(torch.autograd.Function):
         order = range(steps - 1, -1, -1) if reverse else range(steps)
         h, c = h0, c0
         out, saved = c0.new_empty((steps,) + c0.shape), []  # each step's h written in place
+        # linear_hh's output in one buffer for every step, warm in cache (F.linear's addmm /
+        # mm, with out=: the same op)
+        lin, wt = xw.new_empty(xw.shape[1:]), w.t()
         for t in order:
-            h, c, s = _cell_forward(F.linear(h, w, b), xw[t], c, pc, out[t])
+            if b is None:
+                torch.mm(h, wt, out=lin)
+            else:
+                torch.addmm(b, h, wt, out=lin)
+            h, c, s = _cell_forward(lin, xw[t], c, pc, out[t])
             saved += s
         # (the steps' inputs h from ``out`` itself, saved as an output: a view of it saved
         # would hold it, its node and so the view in a cycle, never freed)
