@@ -301,9 +301,9 @@ def _cell_forward(lin, xw, c, pc: _CellRounding, h=None):
     return h, cn, (acts, tc, c)
 
 
-def _cell_backward(dh, dcn, saved, pg, half, d_gates=None):
+def _cell_backward(dh, dcn, saved, pg, half, d_gates=None, dc=None):
     """One fused step's backward: (the gates' gradient, written into ``d_gates`` if given, the
-    cell state's)."""
+    cell state's, into ``dc`` if given: contiguous, not ``dcn``)."""
     acts, tc, c = saved
     if dh is None:  # as the op-by-op cell's rounding node gets it: zeros
         dh = torch.zeros_like(tc)
@@ -311,7 +311,7 @@ def _cell_backward(dh, dcn, saved, pg, half, d_gates=None):
     if dcn is not None and dcn.stride(-1) != 1:
         dcn = dcn.contiguous()
     d_gates = torch.empty_like(acts) if d_gates is None else d_gates
-    dc = torch.empty_like(tc)
+    dc = torch.empty_like(tc) if dc is None else dc
     _kernel.lstm_backward(dh, dcn, acts, tc, c, d_gates, dc, pg, half)
     return d_gates, dc
 
@@ -353,10 +353,13 @@ def _same(t):
     return t
 
 
-def _h_grad(d: torch.Tensor, w: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
+def _h_grad(d: torch.Tensor, w: torch.Tensor, h_prev: torch.Tensor, out=None) -> torch.Tensor:
     """linear_hh's input gradient from its output's ``d``, as autograd's addmm backward computes
-    it (the same product, chosen by its layout test on the input ``h_prev``)."""
-    return w.t().mm(d.t()).t() if _column_major(h_prev) else d.mm(w)
+    it (the same product, chosen by its layout test on the input ``h_prev``), into ``out`` if
+    given where that product is ``d @ w``."""
+    if _column_major(h_prev):
+        return w.t().mm(d.t()).t()
+    return d.mm(w) if out is None else torch.mm(d, w, out=out)
 
 
 def _weight_grads(d_lin, h_prevs, w, need_w: bool, need_b: bool, first, add):
@@ -426,15 +429,20 @@ class _LSTMLayer(torch.autograd.Function):
         # the input projection's gradient: each step's gates' gradient written in place (no
         # stack of them after)
         dxw = saved[0].new_empty((steps,) + saved[0].shape) if need[0] else None
+        # (the hidden and cell states' gradients step to step in two buffers each, warm in
+        # cache: the hidden state's read by the next step's sum before the product rewrites it)
+        dcs = [torch.empty_like(saved[1]) for _ in range(2 if steps > 1 else 1)]
+        dhs = [torch.empty_like(saved[1]) for _ in range(2 if steps > 1 else 1)]
         for k in range(steps - 1, -1, -1):  # the steps in backward order
             t = order[k]
             h_prev, s = h_prevs[k], saved[3 * k:3 * k + 3]
             dh = _sum_of_uses((outs[t], g_h), rnd_g)
-            d, g_c = _cell_backward(dh, g_c, s, pg, half, None if dxw is None else dxw[t])
+            d, g_c = _cell_backward(dh, g_c, s, pg, half, None if dxw is None else dxw[t],
+                                    dcs[k % len(dcs)])
             d_lin[k] = d
             g_h = None
             if k or need[1]:  # linear_hh's input gradient: the previous hidden state's
-                g_h = _h_grad(d, w, h_prev)
+                g_h = _h_grad(d, w, h_prev, dhs[k % len(dhs)])
         if dxw is not None:
             note_rounded(dxw, rnd_g.fmt)  # (the kernel rounded each: the projection's
             # rounding nodes skip it)
