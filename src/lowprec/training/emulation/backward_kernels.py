@@ -59,6 +59,25 @@ def _xlogy(x, y, a):
     return torch.where(torch.isnan(y), y, out)
 
 
+def _xlogy_operands(xs, a, kind):
+    """xlogy's operands as its 16-bit kernel reads them: a number, or a 0-dim float32 tensor
+    beside a dimensioned one, cast to the 16-bit dtype (TensorIterator's common dtype: a
+    wrapped scalar; 0.3 -> 0.30004883 in float16), a number as a 0-dim tensor (``a``: the
+    rounding to that dtype, an opaque op when traced)."""
+    if all(torch.is_tensor(v) and (v.dim() > 0 or v.dtype != torch.float32) for v in xs):
+        return xs
+    dims = any(torch.is_tensor(v) and v.dim() > 0 for v in xs)
+
+    def read(v):
+        if not torch.is_tensor(v):
+            return torch.tensor(float(_as_read(v, kind)))
+        if dims and v.dim() == 0 and v.dtype == torch.float32 and not v.requires_grad:
+            return a(v)
+        return v
+
+    return tuple(read(v) for v in xs)
+
+
 def _logit_bounds(eps, a, kind):
     # the kernel's lo = eps and hi = 1 - eps in its 16-bit dtype (each cast, the subtraction
     # rounded)
@@ -191,7 +210,8 @@ REPLAYED = {
         xs[0] / (n := _expand(y, xs[0], *o))).masked_fill_(n == 0, 0)),)),
     # xlogy: grad * xlogy(x != 0, y) and grad * x / y, each op in 16 bits
     "xlogy": ("x", lambda g, xs, y, o, a, q, k: (
-        q(g * _xlogy((xs[0] != 0).to(g.dtype), xs[1], a)), q(a(g * xs[0]) / xs[1]))),
+        q(g * _xlogy((xs[0] != 0).to(g.dtype), xs[1], a)),
+        q(a(g * (xs[0] if o[0] is None else o[0])) / xs[1]))),  # (a number x: as given)
     # logit_backward: grad / (x * (1 - x)), each op in 16 bits; 0 outside [eps, 1 - eps]
     "logit": ("x", lambda g, xs, y, o, a, q, k: (_logit_backward(g, xs[0], o[0], a, q, k),)),
     "var": ("x", lambda g, xs, y, o, a, q, k: (_var_backward(g, xs[0], *o, a, q),)),
@@ -325,10 +345,18 @@ def _options(name: str, args, kwargs):
         return (dim, bool(keep))
     if name in ("var", "std"):
         return _var_options(args, kwargs)
-    if name in ("xlogy", "special_xlogy"):  # two tensors of one shape (no number, no out=)
-        ok = len(args) == 2 and not kwargs and torch.is_tensor(args[1]) and \
-            args[1].shape == args[0].shape
-        return None if ok else False
+    if name in ("xlogy", "special_xlogy"):  # two tensors of one shape, or a tensor and a
+        # number or a 0-dim tensor; no out=. Options: x when it is a number (its gradient
+        # formula reads it as given)
+        if len(args) != 2 or kwargs:
+            return False
+        x, y = args
+        if torch.is_tensor(x) and torch.is_tensor(y):
+            ok = x.shape == y.shape or (x.dim() == 0) != (y.dim() == 0)
+        else:
+            ok = (torch.is_tensor(x) or torch.is_tensor(y)) and all(
+                torch.is_tensor(v) or type(v) in (float, int) for v in args)
+        return (None if torch.is_tensor(x) else x,) if ok else False
     if name == "logit":  # (x, eps=None)
         rest = dict(zip(("eps",), args[1:]), **kwargs)
         return (rest.get("eps"),) if set(rest) <= {"eps"} else False
@@ -345,7 +373,8 @@ def replayable(name: str, args, kwargs):
     """The options of a call :func:`replayed` stands for (``False``: not this call): one whose
     gradient is needed, or one whose forward is not one rounding (pow, log_softmax,
     logsumexp), gradient or not."""
-    if not args or not torch.is_tensor(args[0]):
+    if not args or not (torch.is_tensor(args[0]) or name in _BINARY and len(args) > 1 and
+                        torch.is_tensor(args[1])):
         return False
     opts = _options(name, args, kwargs)
     if opts is False:
@@ -397,4 +426,6 @@ def replayed(rule, name: str, func, args, kwargs, opts, *, cuda: bool = False):
 
     xs = tuple(args[:2]) if name in _BINARY else (args[0],)
     kind = "fp16" if compute == FP16 else "bf16" if compute == BF16 else "other"
+    if name in ("xlogy", "special_xlogy"):
+        xs = _xlogy_operands(xs, a, kind)
     return _Replayed.apply((name, func, args, kwargs, opts, a, q, kind, cuda), *xs)
