@@ -11,11 +11,19 @@ tests/training/test_fidelity.py compares them with ``model.half()`` and ``model.
 
 from __future__ import annotations
 
+import contextvars
+import threading
+
+import numpy as np
 import torch
 
 from ...numerics.quantize import emits_graph_ops
 
-__all__ = ["COMPOSITES"]
+__all__ = ["COMPOSITES", "COMPUTE_DTYPE"]
+
+# the torch dtype of the rule a composite runs under (the engine sets it around the call)
+COMPUTE_DTYPE: contextvars.ContextVar = contextvars.ContextVar("lowprec_composite_dtype",
+                                                               default=None)
 
 
 def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8):
@@ -66,4 +74,160 @@ def instance_norm(input, weight, bias, running_mean, running_var, use_input_stat
     return out.view(input.shape)
 
 
-COMPOSITES = {"cosine_similarity": cosine_similarity, "instance_norm": instance_norm}
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index: int = -100,
+                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
+    """aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss``: ``nll_loss_nd`` of the 16-bit
+    ``log_softmax``; with label smoothing also the smoothing term, ``-log_softmax.sum(class
+    dim)`` reduced and mixed in (``cross_entropy_loss_label_smoothing``: in float16 its sum
+    over a batch overflows where float32's does not); class probabilities as targets:
+    ``-(log_softmax * target).sum()`` (``cross_entropy_loss_prob_target``). Arguments ATen
+    rejects are left to the op itself (``NotImplemented``), which raises its own error."""
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    if not (torch.is_tensor(input) and torch.is_tensor(target)) or input.dim() < 1 or \
+            input.dtype != COMPUTE_DTYPE.get() or reduction not in ("mean", "sum", "none") or \
+            not 0.0 <= label_smoothing <= 1.0 or \
+            (weight is not None and (weight.dim() != 1 or not weight.is_floating_point())):
+        return NotImplemented  # (input.dtype: the logical one; an fp32 island runs whole)
+    class_dim = 0 if input.dim() == 1 else 1
+    n_classes = input.shape[class_dim]
+    logp = torch.log_softmax(input, class_dim)
+    w = None
+    if weight is not None:
+        if weight.numel() != n_classes:
+            return NotImplemented
+        shape = [1] * input.dim()
+        shape[class_dim] = n_classes
+        w = weight.view(shape)
+    if input.shape == target.shape:  # class probabilities
+        if not target.is_floating_point() or ignore_index >= 0:
+            return NotImplemented
+        if label_smoothing > 0.0:
+            target = target * (1 - label_smoothing) + label_smoothing / n_classes
+        prod = logp * target if w is None else logp * target * w
+        if reduction == "mean":
+            if input.numel() == 0:
+                return NotImplemented
+            return -prod.sum() / (input.numel() // n_classes)
+        return -prod.sum() if reduction == "sum" else -prod.sum(class_dim)
+    nll = torch.nn.functional.nll_loss(logp, target, weight, ignore_index=ignore_index,
+                                       reduction=reduction)
+    if label_smoothing <= 0.0:
+        return nll
+    smooth = -(logp.sum(class_dim) if w is None else (logp * w).sum(class_dim))
+    ignored = target == ignore_index
+    smooth = smooth.masked_fill(ignored, 0.0)
+    if reduction == "mean":
+        if weight is not None:
+            ret = smooth.sum() / weight.gather(0, target.masked_select(~ignored).flatten()).sum()
+        else:
+            ret = smooth.sum() / (~ignored).sum()
+    else:
+        ret = smooth.sum() if reduction == "sum" else smooth
+    return (1 - label_smoothing) * nll + ret * (label_smoothing / n_classes)
+
+
+def cross_entropy_loss(input, target, weight=None, reduction: int = 1,
+                       ignore_index: int = -100, label_smoothing: float = 0.0):
+    """``torch._C._nn.cross_entropy_loss`` (what ``F.cross_entropy`` calls): the reduction as
+    ATen's enum (0 none, 1 mean, 2 sum)."""
+    if reduction not in (0, 1, 2):
+        return NotImplemented
+    return cross_entropy(input, target, weight, ignore_index=ignore_index,
+                         reduction=("none", "mean", "sum")[reduction],
+                         label_smoothing=label_smoothing)
+
+
+_INSIDE = threading.local()
+
+
+def _round16(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """float32 values rounded to float16 or bfloat16 (nearest even), as float32."""
+    if dtype == torch.float16:
+        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) &
+         np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(x), x, r)
+
+
+def _cascade_sum(terms: np.ndarray, dtype: torch.dtype) -> np.float32:
+    """``nll_loss_out_frame``'s sum of ``terms`` (aten/src/ATen/native/LossNLL.cpp) in its
+    16-bit ``dtype``, each addition rounded: eight levels of partial sums; term b is subtracted
+    at level 0, which (with each level above whose count is full) is carried up when b is a
+    multiple of 16 (level j: of 16**j), term 0 thus at once to the top; the levels then summed
+    from the lowest. A level at a time, its groups of 16 side by side (16 rounded additions;
+    the last group, if short, padded with zeros: it stays at its level)."""
+    # float16 in numpy's own float16 (each operation in float32, then rounded: c10::Half's
+    # arithmetic); bfloat16 in float32, rounded by _round16
+    half = dtype == torch.float16
+    ft = np.float16 if half else np.float32
+
+    def add(a, b):
+        return a + b if half else _round16(a + b, dtype)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        parts = [ft(0)] * 8
+        if terms.size == 0:
+            return np.float32(0)
+        parts[7] = ft(-terms[0])  # (0 - t0, carried up through 0 + x: exact)
+        vals = terms[1:].astype(ft)
+        vals = -vals  # (level 0 subtracts each term: adds its negation, exactly)
+        for level in range(7):
+            if vals.size == 0:
+                break
+            groups = -(-vals.size // 16)
+            padded = np.zeros(groups * 16, ft)
+            padded[:vals.size] = vals
+            chunks, acc = padded.reshape(groups, 16), np.zeros(groups, ft)
+            for i in range(16):
+                acc = add(acc, chunks[:, i])
+            if vals.size % 16:
+                parts[level], vals = acc[-1], acc[:-1]
+            else:
+                vals = acc
+        total = np.zeros(1, ft)
+        for p in parts:
+            total = add(total, ft(p))
+        return np.float32(total[0])
+
+
+def nll_loss_nd(input, target, weight=None, reduction: int = 1, ignore_index: int = -100):
+    """``torch._C._nn.nll_loss_nd`` (``F.nll_loss``) as emulated before (its gradient the
+    16-bit kernel's), its reduced value replaced by the 16-bit kernel's own
+    (``nll_loss_out_frame``: the picked values summed in the input's dtype by
+    :func:`_cascade_sum`, divided by the count in that dtype) for a 2-D input (batch x
+    classes) of class indices without weights or ignored targets; else as before."""
+    if getattr(_INSIDE, "nll", False) or not torch.is_tensor(input) or \
+            input.dtype != COMPUTE_DTYPE.get():  # (the logical dtype: an fp32 island as it was)
+        return NotImplemented
+    _INSIDE.nll = True
+    try:
+        out = torch._C._nn.nll_loss_nd(input, target, weight, reduction, ignore_index)
+    finally:
+        _INSIDE.nll = False
+    if reduction not in (1, 2) or weight is not None or not torch.is_tensor(input) or \
+            input.dim() != 2 or target.dim() != 1 or emits_graph_ops():
+        return out
+    dtype = COMPUTE_DTYPE.get()
+    with torch._C.DisableTorchFunction():  # (real dtypes here: the mode reports 16-bit ones)
+        with torch.no_grad():
+            if dtype not in (torch.float16, torch.bfloat16) or input.dtype != torch.float32 \
+                    or bool((target == ignore_index).any()):
+                return out
+
+            picked = input.gather(1, target.view(-1, 1)).view(-1).numpy()
+            total = _cascade_sum(picked, dtype)
+            if reduction == 1:
+                n = _round16(np.array([target.numel()], np.float32), dtype)
+                with np.errstate(all="ignore"):
+                    total = _round16(np.array([total], np.float32) / n, dtype)[0]
+            # the value swapped in, the gradient through ``out``'s node as before (the
+            # difference of two nearby 16-bit values is exact in float32)
+            delta = torch.tensor(float(total)) - out.detach()
+        return out + delta
+
+
+COMPOSITES = {"cosine_similarity": cosine_similarity, "instance_norm": instance_norm,
+              "cross_entropy": cross_entropy, "cross_entropy_loss": cross_entropy_loss,
+              "nll_loss_nd": nll_loss_nd}

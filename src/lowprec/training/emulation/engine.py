@@ -60,7 +60,7 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
-from .composites import COMPOSITES
+from .composites import COMPOSITES, COMPUTE_DTYPE
 from .kernels import plain_formats
 from .scalars import NARROWING, may_narrow, narrow_scalars
 from .backward_kernels import OWN_FORWARDS, REPLAYED
@@ -371,8 +371,12 @@ class _Mode(TorchFunctionMode):
                 format_dtype(rule.compute) is not None:
             # an ATen composite (cosine_similarity, instance_norm): its ops one by one, each
             # emulated, as a native 16-bit run computes and differentiates them
-            with self:
-                out = COMPOSITES[name](*args, **kwargs)
+            token = COMPUTE_DTYPE.set(format_dtype(rule.compute))
+            try:
+                with self:
+                    out = COMPOSITES[name](*args, **kwargs)
+            finally:
+                COMPUTE_DTYPE.reset(token)
             if out is not NotImplemented:
                 return out
         if rule.scaled is not None and name in scaled.UNCOVERED_OPS:  # (run as any other op)
