@@ -1427,3 +1427,15 @@ def test_the_loss_cascade_is_nll_loss_s_16_bit_reduction(dtype):
         mean = _round16(np.array([total], np.float32) / _round16(np.array([n], np.float32),
                                                                   dtype), dtype)[0]
         assert float(mean) == F.nll_loss(logp, target).float().item(), n
+
+
+@pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
+@pytest.mark.parametrize("kw", [dict(scale_factor=1.5), dict(scale_factor=0.75), dict(size=100),
+                                dict(size=100, align_corners=True),
+                                dict(scale_factor=3.0, align_corners=True)],
+                         ids=["x1.5", "x0.75", "size", "size-align", "x3-align"])
+def test_linear_interpolation_weights_are_16_bit(kw, policy):
+    # (the 16-bit kernel holds lambda1 and 1 - lambda1 in its dtype; one fp32 op rounded
+    # once: 73% of fp16 outputs equal native at scale 1.5)
+    _matches_native_after_a_linear(
+        lambda y: F.interpolate(y.unsqueeze(1), mode="linear", **kw).squeeze(1), policy)

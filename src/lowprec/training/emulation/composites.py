@@ -228,6 +228,45 @@ def nll_loss_nd(input, target, weight=None, reduction: int = 1, ignore_index: in
         return out + delta
 
 
+def upsample_linear1d(input, output_size, align_corners, scale_factors=None):
+    """``torch._C._nn.upsample_linear1d`` (``F.interpolate(mode="linear")``) as emulated
+    before (its gradient was the 16-bit kernel's), its value the 16-bit kernel's:
+    ``compute_indices_weights_linear`` (aten/src/ATen/native/cpu/UpSampleKernel.cpp) holds
+    the interpolation weights in the input's dtype (lambda1 rounded, lambda0 = 1 - lambda1
+    rounded), then ``x0 * lambda0 + x1 * lambda1`` in float32, rounded once (one fp32 op:
+    73% of float16 outputs equal native at scale 1.5)."""
+    if getattr(_INSIDE, "upsample", False) or not torch.is_tensor(input) or \
+            input.dtype != COMPUTE_DTYPE.get():
+        return NotImplemented
+    _INSIDE.upsample = True
+    try:
+        out = torch._C._nn.upsample_linear1d(input, output_size, align_corners, scale_factors)
+    finally:
+        _INSIDE.upsample = False
+    dtype = COMPUTE_DTYPE.get()
+    if emits_graph_ops() or input.dim() != 3:
+        return out
+    with torch._C.DisableTorchFunction():
+        with torch.no_grad():
+            if input.dtype != torch.float32:
+                return out
+            n_in, n_out = input.shape[-1], out.shape[-1]
+            scale = scale_factors[0] if scale_factors else None
+            i = torch.arange(n_out, dtype=torch.float32)
+            if align_corners:
+                src = i * (float((n_in - 1) / (n_out - 1)) if n_out > 1 else 0.0)
+            else:
+                step = float(1.0 / scale) if scale is not None and scale > 0 else n_in / n_out
+                src = ((i + 0.5) * step - 0.5).clamp(min=0)
+            i0 = src.floor().long().clamp(max=n_in - 1)
+            i1 = torch.where(i0 < n_in - 1, i0 + 1, i0)
+            lam1 = (src - i0.float()).clamp(0, 1).to(dtype)
+            lam0 = (1 - lam1.float()).to(dtype)
+            value = (input[..., i0] * lam0.float() + input[..., i1] * lam1.float()).to(dtype)
+            delta = value.float() - out.detach()
+        return out + delta
+
+
 COMPOSITES = {"cosine_similarity": cosine_similarity, "instance_norm": instance_norm,
               "cross_entropy": cross_entropy, "cross_entropy_loss": cross_entropy_loss,
-              "nll_loss_nd": nll_loss_nd}
+              "nll_loss_nd": nll_loss_nd, "upsample_linear1d": upsample_linear1d}
