@@ -1341,6 +1341,10 @@ _XLOGY = {
     "xlogy(0.3, y)": lambda y: torch.xlogy(0.3, y.abs() + 0.5),
     "xlogy(y, tensor(0.3))": lambda y: torch.xlogy(torch.relu(y), torch.tensor(0.3)),
     "xlogy_(0.3)": lambda y: (torch.relu(y) + 0).xlogy_(0.3),
+    # (review: a float64 0-dim y raised; a 0-dim x's gradient formula reads it uncast)
+    "xlogy(y, float64 tensor)": lambda y: torch.xlogy(torch.relu(y),
+                                                      torch.tensor(0.3, dtype=torch.float64)),
+    "xlogy(tensor(0.3), y)": lambda y: torch.xlogy(torch.tensor(0.3), y.abs() + 0.5),
 }
 
 
@@ -1394,6 +1398,14 @@ _CROSS_ENTROPY = {  # (op, every input gradient equal native; else >= 99.9%)
     "CrossEntropyLoss": (lambda y: nn.CrossEntropyLoss(label_smoothing=0.05)(y[:32], _TARGETS[:32])
                          .expand(2), True),
     "16-bit class probabilities": (None, False),  # (the targets in the policy's dtype)
+    # (review: the swapped-in value reported float32, so fp32 arithmetic after it was rounded;
+    # -inf at a target gave inf - inf = NaN; uint8 targets raised in the value's gather)
+    "mean, then .float() * 3.3": (lambda y: (F.cross_entropy(y, _TARGETS).float() * 3.3)
+                                  .expand(2), False),
+    "-inf at a target": (lambda y: F.cross_entropy(
+        y.masked_fill((torch.arange(64) == 5) & (_TARGETS.view(-1, 1) == 5), float("-inf")),
+        _TARGETS).expand(2), True),
+    "uint8 targets": (lambda y: F.cross_entropy(y, _TARGETS.to(torch.uint8)).expand(2), True),
 }
 
 
@@ -1439,3 +1451,27 @@ def test_linear_interpolation_weights_are_16_bit(kw, policy):
     # once: 73% of fp16 outputs equal native at scale 1.5)
     _matches_native_after_a_linear(
         lambda y: F.interpolate(y.unsqueeze(1), mode="linear", **kw).squeeze(1), policy)
+
+
+def test_the_loss_reports_the_16_bit_dtype_and_cuda_s_value_for_cuda():
+    # (the value swapped in keeps the loss's grid: it reports float16 as natively; target
+    # "cuda": CUDA's nll_loss sums in float32 and rounds once, the engine's value, not the CPU
+    # kernel's 16-bit cascade)
+    torch.manual_seed(0)
+    y = torch.randn(256, 64).half().float()
+    with emulated("16-true"):
+        loss = F.cross_entropy(y, _TARGETS)
+        assert loss.dtype == torch.float16
+    assert loss.item() == F.cross_entropy(y.half(), _TARGETS).float().item()
+    with emulated("16-true", target="cuda"):
+        cuda = F.cross_entropy(y, _TARGETS)
+    once = F.nll_loss(F.log_softmax(y.half(), 1).float(), _TARGETS).half().float().item()
+    assert cuda.item() == once
+
+
+@pytest.mark.parametrize("policy", ["16-true", BF16_EMULATED], ids=["16-true", "bf16-emulated"])
+def test_div_of_a_number_by_a_16_bit_tensor_runs(policy):
+    # (review: the number-first form reached xlogy's operand rule and raised AttributeError;
+    # its gradient stays one rounding of the fp32 formula)
+    r = _run_both(lambda: _AfterLinear(lambda y: torch.div(2.0, y.abs() + 0.5)), policy)
+    assert torch.equal(r["got"], r["want"].float())

@@ -64,15 +64,17 @@ def _xlogy_operands(xs, a, kind):
     beside a dimensioned one, cast to the 16-bit dtype (TensorIterator's common dtype: a
     wrapped scalar; 0.3 -> 0.30004883 in float16), a number as a 0-dim tensor (``a``: the
     rounding to that dtype, an opaque op when traced)."""
-    if all(torch.is_tensor(v) and (v.dim() > 0 or v.dtype != torch.float32) for v in xs):
+    if all(torch.is_tensor(v) and (v.dim() > 0 or not v.is_floating_point() or
+                                   v.dtype in (torch.float16, torch.bfloat16)) for v in xs):
         return xs
     dims = any(torch.is_tensor(v) and v.dim() > 0 for v in xs)
 
     def read(v):
         if not torch.is_tensor(v):
             return torch.tensor(float(_as_read(v, kind)))
-        if dims and v.dim() == 0 and v.dtype == torch.float32 and not v.requires_grad:
-            return a(v)
+        if dims and v.dim() == 0 and v.is_floating_point() and not v.requires_grad and \
+                v.dtype not in (torch.float16, torch.bfloat16):
+            return a(v.to(torch.float32))  # (float64 too: cast to the 16-bit dtype via float32)
         return v
 
     return tuple(read(v) for v in xs)
@@ -356,7 +358,16 @@ def _options(name: str, args, kwargs):
         else:
             ok = (torch.is_tensor(x) or torch.is_tensor(y)) and all(
                 torch.is_tensor(v) or type(v) in (float, int) for v in args)
-        return (None if torch.is_tensor(x) else x,) if ok else False
+        if not ok:
+            return False
+        # x's gradient formula grad * x / y reads a number, or a 0-dim tensor beside a
+        # dimensioned y, as given (a CPU scalar of mul: float32), not cast
+        if not torch.is_tensor(x):
+            return (x,)
+        if x.dim() == 0 and y.dim() > 0 and x.is_floating_point() and \
+                x.dtype not in (torch.float16, torch.bfloat16):
+            return (x.detach().to(torch.float32),)
+        return (None,)
     if name == "logit":  # (x, eps=None)
         rest = dict(zip(("eps",), args[1:]), **kwargs)
         return (rest.get("eps"),) if set(rest) <= {"eps"} else False
@@ -373,8 +384,8 @@ def replayable(name: str, args, kwargs):
     """The options of a call :func:`replayed` stands for (``False``: not this call): one whose
     gradient is needed, or one whose forward is not one rounding (pow, log_softmax,
     logsumexp), gradient or not."""
-    if not args or not (torch.is_tensor(args[0]) or name in _BINARY and len(args) > 1 and
-                        torch.is_tensor(args[1])):
+    if not args or not (torch.is_tensor(args[0]) or name in ("xlogy", "special_xlogy") and
+                        len(args) > 1 and torch.is_tensor(args[1])):
         return False
     opts = _options(name, args, kwargs)
     if opts is False:

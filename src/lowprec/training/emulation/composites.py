@@ -19,11 +19,39 @@ import torch
 
 from ...numerics.quantize import emits_graph_ops
 
-__all__ = ["COMPOSITES", "COMPUTE_DTYPE"]
+__all__ = ["COMPOSITES", "COMPUTE_DTYPE", "CPU_KERNELS"]
 
-# the torch dtype of the rule a composite runs under (the engine sets it around the call)
+# the torch dtype of the rule a composite runs under, and whether its op follows the CPU's
+# kernels (not CUDA's: target "cuda" or CUDA tensors); the engine sets both around the call
 COMPUTE_DTYPE: contextvars.ContextVar = contextvars.ContextVar("lowprec_composite_dtype",
                                                                default=None)
+CPU_KERNELS: contextvars.ContextVar = contextvars.ContextVar("lowprec_composite_cpu",
+                                                            default=True)
+
+
+class _Value(torch.autograd.Function):
+    """``value`` in the forward, the gradient passed to ``out`` unchanged: a 16-bit kernel's
+    value swapped in for the emulated op's (whose gradient was already the kernel's)."""
+
+    @staticmethod
+    def forward(ctx, out, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _swap_value(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """:class:`_Value` outside the mode, the result marked as ``out`` is (its grid: the
+    logical dtype model code sees)."""
+    from .engine import MARK  # (engine imports this module)
+    with torch._C.DisableTorchFunction():
+        res = _Value.apply(out, value.to(out.dtype))
+    mark = getattr(out, MARK, None)
+    if mark is not None:
+        setattr(res, MARK, mark)
+    return res
 
 
 def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8):
@@ -86,25 +114,19 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
     if not (torch.is_tensor(input) and torch.is_tensor(target)) or input.dim() < 1 or \
             input.dtype != COMPUTE_DTYPE.get() or reduction not in ("mean", "sum", "none") or \
-            not 0.0 <= label_smoothing <= 1.0 or \
-            (weight is not None and (weight.dim() != 1 or not weight.is_floating_point())):
-        return NotImplemented  # (input.dtype: the logical one; an fp32 island runs whole)
+            not 0.0 <= label_smoothing <= 1.0 or weight is not None:
+        # (input.dtype: the logical one, an fp32 island runs whole; class weights too: their
+        # 16-bit gradient is not the composite's either)
+        return NotImplemented
     class_dim = 0 if input.dim() == 1 else 1
     n_classes = input.shape[class_dim]
     logp = torch.log_softmax(input, class_dim)
-    w = None
-    if weight is not None:
-        if weight.numel() != n_classes:
-            return NotImplemented
-        shape = [1] * input.dim()
-        shape[class_dim] = n_classes
-        w = weight.view(shape)
     if input.shape == target.shape:  # class probabilities
         if not target.is_floating_point() or ignore_index >= 0:
             return NotImplemented
         if label_smoothing > 0.0:
             target = target * (1 - label_smoothing) + label_smoothing / n_classes
-        prod = logp * target if w is None else logp * target * w
+        prod = logp * target
         if reduction == "mean":
             if input.numel() == 0:
                 return NotImplemented
@@ -114,14 +136,11 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
                                        reduction=reduction)
     if label_smoothing <= 0.0:
         return nll
-    smooth = -(logp.sum(class_dim) if w is None else (logp * w).sum(class_dim))
+    smooth = -logp.sum(class_dim)
     ignored = target == ignore_index
     smooth = smooth.masked_fill(ignored, 0.0)
     if reduction == "mean":
-        if weight is not None:
-            ret = smooth.sum() / weight.gather(0, target.masked_select(~ignored).flatten()).sum()
-        else:
-            ret = smooth.sum() / (~ignored).sum()
+        ret = smooth.sum() / (~ignored).sum()
     else:
         ret = smooth.sum() if reduction == "sum" else smooth
     return (1 - label_smoothing) * nll + ret * (label_smoothing / n_classes)
@@ -207,25 +226,22 @@ def nll_loss_nd(input, target, weight=None, reduction: int = 1, ignore_index: in
     finally:
         _INSIDE.nll = False
     if reduction not in (1, 2) or weight is not None or not torch.is_tensor(input) or \
-            input.dim() != 2 or target.dim() != 1 or emits_graph_ops():
-        return out
+            input.dim() != 2 or target.dim() != 1 or emits_graph_ops() or \
+            not CPU_KERNELS.get() or input.device.type != "cpu":
+        return out  # (CUDA's kernel sums in float32, rounded once: the engine's value)
     dtype = COMPUTE_DTYPE.get()
     with torch._C.DisableTorchFunction():  # (real dtypes here: the mode reports 16-bit ones)
         with torch.no_grad():
             if dtype not in (torch.float16, torch.bfloat16) or input.dtype != torch.float32 \
                     or bool((target == ignore_index).any()):
                 return out
-
-            picked = input.gather(1, target.view(-1, 1)).view(-1).numpy()
+            picked = input.gather(1, target.long().view(-1, 1)).view(-1).numpy()
             total = _cascade_sum(picked, dtype)
             if reduction == 1:
                 n = _round16(np.array([target.numel()], np.float32), dtype)
                 with np.errstate(all="ignore"):
                     total = _round16(np.array([total], np.float32) / n, dtype)[0]
-            # the value swapped in, the gradient through ``out``'s node as before (the
-            # difference of two nearby 16-bit values is exact in float32)
-            delta = torch.tensor(float(total)) - out.detach()
-        return out + delta
+    return _swap_value(out, torch.tensor(float(total)))
 
 
 def upsample_linear1d(input, output_size, align_corners, scale_factors=None):
@@ -244,7 +260,8 @@ def upsample_linear1d(input, output_size, align_corners, scale_factors=None):
     finally:
         _INSIDE.upsample = False
     dtype = COMPUTE_DTYPE.get()
-    if emits_graph_ops() or input.dim() != 3:
+    if emits_graph_ops() or input.dim() != 3 or not CPU_KERNELS.get() or \
+            input.device.type != "cpu":
         return out
     with torch._C.DisableTorchFunction():
         with torch.no_grad():
@@ -263,8 +280,7 @@ def upsample_linear1d(input, output_size, align_corners, scale_factors=None):
             lam1 = (src - i0.float()).clamp(0, 1).to(dtype)
             lam0 = (1 - lam1.float()).to(dtype)
             value = (input[..., i0] * lam0.float() + input[..., i1] * lam1.float()).to(dtype)
-            delta = value.float() - out.detach()
-        return out + delta
+    return _swap_value(out, value.float())
 
 
 COMPOSITES = {"cosine_similarity": cosine_similarity, "instance_norm": instance_norm,

@@ -60,7 +60,7 @@ from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
 from . import autograd_fns, fastpath, optable, scaled
-from .composites import COMPOSITES, COMPUTE_DTYPE
+from .composites import COMPOSITES, COMPUTE_DTYPE, CPU_KERNELS
 from .kernels import plain_formats
 from .scalars import NARROWING, may_narrow, narrow_scalars
 from .backward_kernels import OWN_FORWARDS, REPLAYED
@@ -372,11 +372,13 @@ class _Mode(TorchFunctionMode):
             # an ATen composite (cosine_similarity, instance_norm): its ops one by one, each
             # emulated, as a native 16-bit run computes and differentiates them
             token = COMPUTE_DTYPE.set(format_dtype(rule.compute))
+            cpu = CPU_KERNELS.set(not em.cuda_kernels(args))
             try:
                 with self:
                     out = COMPOSITES[name](*args, **kwargs)
             finally:
                 COMPUTE_DTYPE.reset(token)
+                CPU_KERNELS.reset(cpu)
             if out is not NotImplemented:
                 return out
         if rule.scaled is not None and name in scaled.UNCOVERED_OPS:  # (run as any other op)
