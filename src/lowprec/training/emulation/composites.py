@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...numerics.quantize import emits_graph_ops
+from .dtypes import MARK
 
 __all__ = ["COMPOSITES", "COMPUTE_DTYPE", "CPU_KERNELS"]
 
@@ -45,7 +46,6 @@ class _Value(torch.autograd.Function):
 def _swap_value(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """:class:`_Value` outside the mode, the result marked as ``out`` is (its grid: the
     logical dtype model code sees)."""
-    from .engine import MARK  # (engine imports this module)
     with torch._C.DisableTorchFunction():
         res = _Value.apply(out, value.to(out.dtype))
     mark = getattr(out, MARK, None)

@@ -23,10 +23,11 @@ import torch
 
 from ...numerics.formats import BF16, FP16, Format
 
-__all__ = ["LOGICAL", "DTYPE_FORMATS", "format_dtype", "CASTS", "cast_target", "is_island",
+__all__ = ["LOGICAL", "MARK", "DTYPE_FORMATS", "format_dtype", "CASTS", "cast_target", "is_island",
            "TYPE_NAMES", "DTYPE_GETTER"]
 
 LOGICAL = "_lowprec_dtype"  # attribute: set on fp32 islands (the dtype a native run would have)
+MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
 DTYPE_FORMATS: dict[torch.dtype, Format] = {torch.float16: FP16, torch.bfloat16: BF16}
 _FORMAT_DTYPES = {FP16: torch.float16, BF16: torch.bfloat16}
 DTYPE_GETTER = torch._C.TensorBase.dtype  # the descriptor whose __get__ the mode sees

@@ -69,8 +69,8 @@ from .autograd_fns import (ROUNDABLE, GradSum, Stream, broadcast_apply, consumed
                            round_inplace_apply, upcast_apply)
 from .gradmarks import pass_through
 from .rules import TARGETS, Rule, check_target, group_key, parse_override
-from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, TYPE_NAMES, cast_target,
-                     format_dtype, is_island)
+from .dtypes import (CASTS, DTYPE_FORMATS, DTYPE_GETTER, LOGICAL, MARK, TYPE_NAMES,
+                     cast_target, format_dtype, is_island)
 from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, FP32_OPS, GRID_OPS, LOWP_OPS,
                       NORM_OPS, PASS_OPS, is_inplace, reduction_axes,
                       returns_its_input)
@@ -79,7 +79,6 @@ from .oplists import (ACCUMULATOR_INPUTS, BROADCAST_OPS, BUFFER_OPS, EMPTY_OPS, 
 __all__ = ["Rule", "Emulation", "emulated", "group_key", "op_name", "MARK", "PARAM", "TARGETS",
            "check_target", "parse_override"]
 
-MARK = "_lowprec_grid"  # attribute set on a tensor whose values lie on that format's grid
 # attribute of a traced stand-in for a parameter (compiled emulation, :mod:`.compiled`): the
 # parameter's id, so that the stand-in is rounded, named and summed as the parameter would be
 PARAM = "_lowprec_param"
