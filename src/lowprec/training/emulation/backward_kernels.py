@@ -230,8 +230,9 @@ def _log_softmax(x, dim, a, kind):
     other dimensions fp32 throughout, rounded once."""
     if x.dim() and dim % x.dim() != x.dim() - 1:
         return a(torch.log_softmax(x, dim))
+    # (the row's max as it is: a row holding +inf is NaN throughout, as the kernel's; an
+    # infinite max replaced by 0, as logsumexp's composite does, left it NaN only there)
     m = x.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     return a((x - m) - a(torch.log(a(torch.exp(x - m).sum(-1, keepdim=True)))))
 
 
