@@ -179,13 +179,12 @@ def lstm_step(lin, xw, c, tsig, ttanh, kind: int, acts, cn, tc, h_out, prm: LPPa
     the input's float16 bits, ``kind`` 1, or bfloat16 bits, ``kind`` 2), the new cell state
     ``cn``, its tanh ``tc`` and ``h_out``."""
     b, h = cn.shape
-    for t, name, cols in ((lin, "lin", 4 * h), (acts, "acts", 4 * h), (cn, "cn", h),
-                          (tc, "tc", h), (h_out, "h", h)):
-        _rows(t, name, cols)
-    if not (lin.is_contiguous() and all(t.is_contiguous() for t in (acts, cn, tc, h_out))) \
-            or lin.shape != (b, 4 * h) or acts.shape != (b, 4 * h):
+    if lin.shape != (b, 4 * h) or acts.shape != (b, 4 * h) or tc.shape != (b, h) or \
+            h_out.shape != (b, h) or not all(
+                t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                for t in (lin, acts, cn, tc, h_out)):
         raise ValueError("lstm step: lin and acts (B, 4H), cn, tc and h (B, H) must be "
-                         "contiguous")
+                         "contiguous float32 CPU tensors")
     if kind not in (1, 2) or any(t.dtype != torch.float32 or t.numel() != 65536 or
                                  not t.is_contiguous() or t.device.type != "cpu"
                                  for t in (tsig, ttanh)):

@@ -160,6 +160,18 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1,
 _INSIDE = threading.local()
 
 
+def _as_before(builtin, *args):
+    """``builtin(*args)`` emulated as the engine runs any op (the mode sees the call again:
+    this guard sends it past the composite), or ``NotImplemented`` for that inner call."""
+    if getattr(_INSIDE, builtin.__name__, False):
+        return NotImplemented
+    setattr(_INSIDE, builtin.__name__, True)
+    try:
+        return builtin(*args)
+    finally:
+        setattr(_INSIDE, builtin.__name__, False)
+
+
 def _round16(x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """float32 values rounded to float16 or bfloat16 (nearest even), as float32."""
     if dtype == torch.float16:
@@ -217,23 +229,17 @@ def nll_loss_nd(input, target, weight=None, reduction: int = 1, ignore_index: in
     (``nll_loss_out_frame``: the picked values summed in the input's dtype by
     :func:`_cascade_sum`, divided by the count in that dtype) for a 2-D input (batch x
     classes) of class indices without weights or ignored targets; else as before."""
-    if getattr(_INSIDE, "nll", False) or not torch.is_tensor(input) or \
-            input.dtype != COMPUTE_DTYPE.get():  # (the logical dtype: an fp32 island as it was)
-        return NotImplemented
-    _INSIDE.nll = True
-    try:
-        out = torch._C._nn.nll_loss_nd(input, target, weight, reduction, ignore_index)
-    finally:
-        _INSIDE.nll = False
-    if reduction not in (1, 2) or weight is not None or not torch.is_tensor(input) or \
+    dtype = COMPUTE_DTYPE.get()
+    if not torch.is_tensor(input) or input.dtype != dtype:  # (the logical dtype: an fp32
+        return NotImplemented  # island runs as it did)
+    out = _as_before(torch._C._nn.nll_loss_nd, input, target, weight, reduction, ignore_index)
+    if out is NotImplemented or reduction not in (1, 2) or weight is not None or \
             input.dim() != 2 or target.dim() != 1 or emits_graph_ops() or \
             not CPU_KERNELS.get() or input.device.type != "cpu":
         return out  # (CUDA's kernel sums in float32, rounded once: the engine's value)
-    dtype = COMPUTE_DTYPE.get()
     with torch._C.DisableTorchFunction():  # (real dtypes here: the mode reports 16-bit ones)
         with torch.no_grad():
-            if dtype not in (torch.float16, torch.bfloat16) or input.dtype != torch.float32 \
-                    or bool((target == ignore_index).any()):
+            if input.dtype != torch.float32 or bool((target == ignore_index).any()):
                 return out
             picked = input.gather(1, target.long().view(-1, 1)).view(-1).numpy()
             total = _cascade_sum(picked, dtype)
@@ -251,17 +257,13 @@ def upsample_linear1d(input, output_size, align_corners, scale_factors=None):
     the interpolation weights in the input's dtype (lambda1 rounded, lambda0 = 1 - lambda1
     rounded), then ``x0 * lambda0 + x1 * lambda1`` in float32, rounded once (one fp32 op:
     73% of float16 outputs equal native at scale 1.5)."""
-    if getattr(_INSIDE, "upsample", False) or not torch.is_tensor(input) or \
-            input.dtype != COMPUTE_DTYPE.get():
-        return NotImplemented
-    _INSIDE.upsample = True
-    try:
-        out = torch._C._nn.upsample_linear1d(input, output_size, align_corners, scale_factors)
-    finally:
-        _INSIDE.upsample = False
     dtype = COMPUTE_DTYPE.get()
-    if emits_graph_ops() or input.dim() != 3 or not CPU_KERNELS.get() or \
-            input.device.type != "cpu":
+    if not torch.is_tensor(input) or input.dtype != dtype:
+        return NotImplemented
+    out = _as_before(torch._C._nn.upsample_linear1d, input, output_size, align_corners,
+                     scale_factors)
+    if out is NotImplemented or emits_graph_ops() or input.dim() != 3 or \
+            not CPU_KERNELS.get() or input.device.type != "cpu":
         return out
     with torch._C.DisableTorchFunction():
         with torch.no_grad():

@@ -368,8 +368,10 @@ class _Mode(TorchFunctionMode):
         if name in COMPOSITES and rule.active and rule.scope == "all" and \
                 rule.scaled is None and plain_formats(rule) and \
                 format_dtype(rule.compute) is not None:
-            # an ATen composite (cosine_similarity, instance_norm): its ops one by one, each
-            # emulated, as a native 16-bit run computes and differentiates them
+            # an ATen composite (cosine_similarity, instance_norm, cross_entropy) op by op,
+            # each emulated, as a native 16-bit run computes and differentiates them; or an op
+            # whose value the 16-bit kernel computes otherwise (nll_loss's reduction, 1-d
+            # linear interpolation): the op as before, that value swapped in (.composites)
             token = COMPUTE_DTYPE.set(format_dtype(rule.compute))
             cpu = CPU_KERNELS.set(not em.cuda_kernels(args))
             try:

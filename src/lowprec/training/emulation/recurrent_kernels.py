@@ -431,8 +431,8 @@ class _LSTMLayer(torch.autograd.Function):
         dxw = saved[0].new_empty((steps,) + saved[0].shape) if need[0] else None
         # (the hidden and cell states' gradients step to step in two buffers each, warm in
         # cache: the hidden state's read by the next step's sum before the product rewrites it)
-        dcs = [torch.empty_like(saved[1]) for _ in range(2 if steps > 1 else 1)]
-        dhs = [torch.empty_like(saved[1]) for _ in range(2 if steps > 1 else 1)]
+        dcs = [torch.empty_like(saved[1]) for _ in range(min(steps, 2))]
+        dhs = [torch.empty_like(saved[1]) for _ in range(min(steps, 2))]
         for k in range(steps - 1, -1, -1):  # the steps in backward order
             t = order[k]
             h_prev, s = h_prevs[k], saved[3 * k:3 * k + 3]
