@@ -645,3 +645,12 @@ def test_the_one_pass_lstm_step_gives_the_steps_bits(on_path, fmt_name):
     from training.test_lstm_cell import test_the_one_pass_step_gives_the_steps_bits_on_every_16_bit_value as check
 
     check(fmt_name)
+
+
+@pytest.mark.parametrize("fmt_name", ["fp16", "bf16"])
+def test_the_lstm_gate_sum_is_torchs_add(on_path, fmt_name):
+    """lp_lstm_gates per instruction-set build: where two NaNs meet, the first's payload
+    whatever order the build's compiler gave its loop's operands."""
+    from training.test_lstm_cell import test_the_gate_sum_is_torchs_add_and_two_nans_give_the_first as check
+
+    check(fmt_name)

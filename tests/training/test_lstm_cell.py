@@ -304,6 +304,39 @@ def test_the_one_pass_step_gives_the_steps_bits_on_every_16_bit_value(fmt_name):
             assert_same_bits(a[keep], b[keep], f"{fmt_name} hidden {hidden}: output {i}")
 
 
+@pytest.mark.parametrize("fmt_name", ["fp16", "bf16"])
+def test_the_gate_sum_is_torchs_add_and_two_nans_give_the_first(fmt_name):
+    """lp_lstm_gates (the one-pass step's gates are checked against it above) against torch's
+    ``add`` of linear_hh's rounded output and the input projection, rounded: every 16-bit
+    value in both, widths with vector tails. Where both are NaN the kernel returns the first
+    operand's payload, written out: the compiler's operand order decides it otherwise (GCC's
+    scalar epilogue of the AVX2 clone took the second, so the step's two forms differed on an
+    AMD EPYC), and decides torch's too (its float32 add returns the second's there)."""
+    from lowprec.numerics import quantize
+    from lowprec.numerics.formats import BF16, FP16
+    if not kernel.available():
+        pytest.skip("the kernel is not built")
+    fmt = FP16 if fmt_name == "fp16" else BF16
+    values = _every_16_bit_value(torch.float16 if fmt == FP16 else torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    for hidden in (13, 64):
+        n = (65536 // (4 * hidden) + 1) * 4 * hidden
+        lin = values[torch.randint(0, 65536, (n,), generator=g)].view(-1, 4 * hidden)
+        xw = values[torch.randint(0, 65536, (n,), generator=g)].view(-1, 4 * hidden)
+        nans = values[values.isnan()]  # (and every 61st position NaN in both)
+        for t in (lin, xw):
+            t.view(-1)[::61] = nans[torch.randint(0, len(nans), (len(t.view(-1)[::61]),),
+                                                  generator=g)]
+        rl = quantize(lin, fmt)
+        want = quantize(rl + xw, fmt)
+        both = rl.isnan() & xw.isnan()
+        want[both] = (rl[both].view(torch.int32) | 0x400000).view(torch.float32)  # quiet
+        gates = torch.empty_like(lin)
+        kernel.lstm_gates(lin, xw, gates, recurrent_kernels._cell_params(fmt))
+        assert both.any()
+        assert_same_bits(gates, want, f"{fmt_name} hidden {hidden}")
+
+
 def test_a_whole_layer_frees_what_it_saved():
     """The layer node saves its output sequence itself, not views of it: a saved view would hold
     the output, so its node, so the view, in a cycle that is never freed (every step's tensors

@@ -157,6 +157,14 @@ LP_INLINE void lp_cell_state(const float *A, const float *cr, float *out, int64_
 }
 
 /* G = rc(rc(lin) + xw): linear_hh(hx) rounded, then .add_(input) rounded; B rows of N. */
+/* a + b, where both are NaN the first one's payload (quiet), as torch's add of linear_hh's
+ * output and the input projection returns it (x86's vaddps keeps its first source's NaN):
+ * written out, since GCC may swap the operands of a scalar epilogue (its x86-64-v3 code for
+ * the loops below took b's on an AMD EPYC: 27 of 262,184 gates' NaN payloads off torch's) */
+LP_INLINE float lp_add_nan_first(float a, float b) {
+    return a != a ? u2f(f2u(a) | 0x400000u) : a + b;
+}
+
 void lp_lstm_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, int64_t B,
                    int64_t N, const lp_params *pc, int nthreads) {
     const int nt = lp_cell_threads(B, B * N, nthreads);
@@ -168,7 +176,7 @@ void lp_lstm_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, i
         const float *x = xw + b * xw_rs;
         memcpy(g, lin + b * N, (size_t)N * sizeof(float));
         lp_round_row(g, N, pc);
-        for (int64_t k = 0; k < N; ++k) g[k] = g[k] + x[k];
+        for (int64_t k = 0; k < N; ++k) g[k] = lp_add_nan_first(g[k], x[k]);
         lp_round_row(g, N, pc);
     }
 }
@@ -335,7 +343,7 @@ LP_OPT_CLONES static void lp_lstm_step_row(const float *lin, const float *x, con
                                            const lp_params *pc) {
     memcpy(A, lin, (size_t)(4 * H) * sizeof(float));
     lp_round_row(A, 4 * H, pc);
-    for (int64_t k = 0; k < 4 * H; ++k) A[k] = A[k] + x[k];
+    for (int64_t k = 0; k < 4 * H; ++k) A[k] = lp_add_nan_first(A[k], x[k]);
     lp_round_row(A, 4 * H, pc);
     lp_lookup(A, 2 * H, tsig, kind, 0x80000000u);
     lp_lookup(A + 2 * H, H, ttanh, kind, 0);
