@@ -195,9 +195,11 @@ def test_swin_forward_is_bit_exact_and_the_gradients_as_measured(policy):
     per-sample weight-gradient sums in 16 bits): 220 of 1152 fp16 weight gradients off, up to
     52 units on small values, 1.8e-4 of the gradient's norm. bf16 on this AVX512-BF16 CPU
     (native bf16 linear and convolution are oneDNN's): 27 of 42,155 gradients off in 7 tensors
-    of the first stage, at most 7.1e-3 of a tensor's norm (a bias near cancellation). Bounds:
-    fp16 0 outside the convolution, bf16 60 elements and 1e-2 of each tensor's norm; the
-    convolution weight a quarter of its elements, 64 units, 1e-3 of its norm."""
+    of the first stage, at most 7.1e-3 of a tensor's norm (a bias near cancellation); on an
+    AVX2-only AMD EPYC (torch's bf16 convolution there is not oneDNN's) the convolution weight's
+    bf16 gradient 1.46e-3 of its norm. Bounds: fp16 0 outside the convolution, bf16 60 elements
+    and 1e-2 of each tensor's norm; the convolution weight a quarter of its elements, 64 units,
+    1e-3 (fp16) or 2e-3 (bf16, half its unit roundoff) of its norm."""
     transformers = pytest.importorskip("transformers")
     dtype = DTYPES[policy]
     torch.manual_seed(0)
@@ -221,4 +223,4 @@ def test_swin_forward_is_bit_exact_and_the_gradients_as_measured(policy):
     a, b = dict(g_n)[conv], dict(g_e)[conv]
     ulps = int((_ordered(a, dtype) - _ordered(b, dtype)).abs().max())
     assert _off(a, b) <= a.numel() // 4 and ulps <= 64, (CPU, _off(a, b), ulps)
-    assert rel.get(conv, 0.0) <= 1e-3, (CPU, rel)
+    assert rel.get(conv, 0.0) <= (1e-3 if dtype == torch.float16 else 2e-3), (CPU, rel)
