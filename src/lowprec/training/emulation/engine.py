@@ -59,7 +59,7 @@ from ...numerics.rounding import Rounding, check_generator
 from ..policy import Policy, parse_policy
 from ..regimes.base import Resolve, regimes_resolve, static_resolve
 from ..tree import tensors_in
-from . import autograd_fns, fastpath, optable, scaled
+from . import autograd_fns, fastpath, kernels, optable, scaled
 from .composites import COMPOSITES, COMPUTE_DTYPE, CPU_KERNELS
 from .kernels import plain_formats
 from .scalars import NARROWING, may_narrow, narrow_scalars
@@ -202,6 +202,11 @@ _BOUNDED = {
 IN_PLACE = True  # an op's fresh output rounded in place where it can be (autograd_fns.owned)
 # grid ops whose backward keeps or zeroes each gradient value (gradmarks.pass_through)
 _MASKS = frozenset({"relu", "relu_", "relu6", *_BOUNDED})
+# names run_fast leaves to the general path (every list that path consults by name)
+_NOT_FAST = frozenset().union(PASS_OPS, EMPTY_OPS, COMPOSITES, CASTS, BUFFER_OPS, NARROWING,
+                               BROADCAST_OPS, _BOUNDED)
+# ops with op-table handlers that decline for CPU targets without an accumulator
+_FAST_HANDLED = frozenset({"linear", *optable.CONVS})
 
 
 def _representable(b, fmt: Format) -> bool:
@@ -327,6 +332,38 @@ def _expanded(func: types.FunctionType) -> types.FunctionType:
     return body
 
 
+_SLOW = object()  # run_fast: the general path takes this call
+
+
+def _nested(a) -> bool:
+    """Whether a list or tuple argument may hold a tensor (run_fast leaves those to the general
+    path; a tuple of ints, floats, None or slices holds none)."""
+    return any(not (v is None or type(v) in (int, float, bool, slice)) for v in a)
+_FAST: dict = {}  # func -> whether run_fast may take it
+
+
+_OP, _GRID = 1, 2  # _fast_func: an op whose outputs run_fast rounds; one it only marks
+
+
+def _fast_func(func, name: str) -> int:
+    """Whether ``func`` (named ``name``) is an op :meth:`Emulation.run_fast` may take (0: no):
+    a builtin op none of the general path's lists, composites or op-table handlers treat
+    otherwise (linear's and the convolutions' handlers decline for CPU targets: checked by
+    run_fast), or a grid op (:data:`_GRID`: values of the grid onto it) none of them treats
+    otherwise."""
+    ok = _FAST.get(func)
+    if ok is None:
+        ok = 0
+        if not isinstance(func, types.FunctionType) and not is_inplace(name) and \
+                name not in _NOT_FAST and (name not in optable.PURE or name in _FAST_HANDLED):
+            ok = _GRID if name in GRID_OPS else _OP
+        try:
+            _FAST[func] = ok
+        except TypeError:
+            return False
+    return ok
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, engine: "Emulation") -> None:
         super().__init__()
@@ -349,6 +386,11 @@ class _Mode(TorchFunctionMode):
             for fn in em.observers:
                 fn(name, em.module_name(), args, kwargs, args[0])
             return args[0]
+        if em.observers or (out := em.run_fast(func, name, args, kwargs)) is _SLOW:
+            out = self._general(em, func, name, args, kwargs)
+        return out
+
+    def _general(self, em: "Emulation", func, name: str, args, kwargs):
         if func is _MHA_FORWARD and em.attention and \
                 (call := fastpath.native_call(em.attention.get(em.module_name()), args, kwargs,
                                               em.fast_path_dtype())) is not None:
@@ -454,6 +496,7 @@ class Emulation:
         self._tied: set = set()
         self._param_sums: dict = {}  # id(tied parameter) -> its GradSum in this forward
         self._cast_rules: dict = {}
+        self._fast_rules: dict = {}  # id(rule) -> (rule, run_fast's verdict on it)
         #: nn.MultiheadAttention modules by name (their inference fast path: :mod:`.fastpath`)
         self.attention: dict[str, nn.Module] = {}
         #: set by compiled emulation (:mod:`.compiled`) while it runs the model's forward: the
@@ -923,6 +966,84 @@ class Emulation:
         return any(is_island(t) for t in (dims or fl))
 
     # -- ops ---------------------------------------------------------------------------------
+    def _fast_rule(self, rule: Rule):
+        """(gradient format or None, whether gradients are native 16-bit) for a rule the fast
+        path takes: pure, static formats, no scaled GEMMs, accumulator or blocks; else None."""
+        seen = self._fast_rules.get(id(rule))
+        if seen is None or seen[0] is not rule:
+            ok = rule.active and rule.scope == "all" and rule.scaled is None and \
+                rule.accumulator is None and not rule.block and not rule.compute.dynamic and \
+                not rule.grads.dynamic
+            verdict = (rule.grads if rule.grads != FP32 else None,
+                       format_dtype(rule.grads) is not None) if ok else None
+            seen = self._fast_rules[id(rule)] = (rule, verdict)
+        return seen[1]
+
+    def run_fast(self, func, name: str, args, kwargs):
+        """The engine's commonest call, without its general path's checks: under a pure rule, an
+        op of no special treatment (none of the lists, composites or op-table handlers the
+        general path consults; linear and the convolutions where theirs decline) given
+        positional arguments, its floating tensors CPU activations on the compute grid or
+        parameters stored in it: each activation read through a :class:`.autograd_fns.Consumed`
+        node, the op run, its outputs rounded. The same calls, in the same order, as
+        :meth:`run_pure` makes for it (so the same bits and stochastic keys); :data:`_SLOW`
+        where any of this does not hold. The general path's checks cost more than the op on a
+        small batch (LeNet-5 at batch 32: benchmarks/RESULTS.md, "Issue 37, seventeenth
+        session")."""
+        if kwargs or not (kind := _fast_func(func, name)) or self.match_cpu_kernels or \
+                self.target == "cuda" or self._tied:
+            return _SLOW
+        rule = self._stack[-1][1] if self._stack else self.root_rule
+        fr = self._fast_rule(rule)
+        if fr is None:
+            return _SLOW
+        fmt = rule.compute
+        reads = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.dtype not in ROUNDABLE:
+                    continue
+                if not a.is_cpu or getattr(a, LOGICAL, None) is not None or \
+                        not _marked(a, fmt):
+                    return _SLOW
+                if reads is None:
+                    reads = []
+                reads.append(a)
+            elif type(a) in (list, tuple) and _nested(a):
+                return _SLOW
+        if reads is None or (name == "linear" and kernels.split_linear(args, {})):
+            return _SLOW
+        key = self._stack[-1][0] if self._stack else ""
+        if kind == _GRID:  # on the grid already: marked (run_pure's on_grid)
+            out = func(*args)
+            masks = name in _MASKS
+            if isinstance(out, torch.Tensor):
+                if out.dtype in ROUNDABLE and not any(out is a for a in args):
+                    _mark(out, fmt)
+                    if masks and out.requires_grad:
+                        pass_through(out)
+                return out
+            return self.round_outputs(out, tensors_in(args, []), rule, key, on_grid=fmt,
+                                      masks=masks, keep_views=True)
+        if fr[1] and torch.is_grad_enabled():
+            bwd, bmode = fr[0], rule.grad_rounding
+            new = []
+            with torch._C.DisableTorchFunction():
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.requires_grad and \
+                            a.grad_fn is not None and a.dtype in ROUNDABLE and not _is_param(a):
+                        a2 = consumed_apply(a, bwd, bmode, self._keys(), consumer_sum(a))
+                        _mark(a2, getattr(a, MARK))
+                        a = a2
+                    new.append(a)
+            args = tuple(new)
+        out = func(*args)
+        if isinstance(out, torch.Tensor):
+            if out.dtype not in ROUNDABLE or any(out is a for a in args):
+                return out
+            return self.round(out, rule, key, own=True)
+        return self.round_outputs(out, tensors_in(args, []), rule, key)
+
     def run_pure(self, func, name: str, rule: Rule, args, kwargs):
         """scope "all": every op's floating output on the compute grid, except in fp32 islands
         (see :mod:`.dtypes`); how each op runs: :mod:`.optable`."""
