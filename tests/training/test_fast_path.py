@@ -8,11 +8,14 @@ keys with it on and off. Reference: the general path (the engine with the fast p
 
 from __future__ import annotations
 
+import collections
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 from torch import nn
 
 from lowprec import Precision
@@ -65,12 +68,34 @@ class Tokens(nn.Module):
         return self.head(self.block(x)).flatten(0, 1)
 
 
+class Cell(nn.Module):
+    """An LSTM cell (``lstm_cell``: an op of no list) given its state as a named tuple, a
+    constant off the grid in it (review: a tuple subclass went unread, so the state took no
+    ``Consumed`` node and the constant no rounding: forward 1.8e-4 off, gradients 4.9e-4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell, self.inp = nn.LSTMCell(16, 16), nn.Linear(16, 16)
+        self.c0 = torch.randn(16, generator=torch.Generator().manual_seed(7)) / 3
+
+    def forward(self, x):
+        h = self.inp(x)
+        c = self.c0.expand_as(h)
+        for _ in range(3):
+            h, c = self.cell(x, _HC(h, c))
+        return h + c
+
+
+_HC = collections.namedtuple("_HC", "h c")
+
+
 MODELS = {
     "cnn": (CNN, lambda g: torch.randn(8, 1, 16, 16, generator=g), 10),
     "cnn-channels-last": (lambda: CNN().to(memory_format=torch.channels_last),
                           lambda g: torch.randn(8, 1, 16, 16, generator=g), 10),
     "mixer": (Mixer, lambda g: torch.randn(4, 6, 16, generator=g), None),
     "block": (Tokens, lambda g: torch.randn(3, 7, 32, generator=g), 5),
+    "cell": (Cell, lambda g: torch.randn(4, 16, generator=g), None),
 }
 _REAL = engine.Emulation.run_fast
 
@@ -155,7 +180,9 @@ def test_the_fast_path_gives_the_general_paths_bits(name, policy, monkeypatch):
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a, b, f"tensor {i}")
-    if policy != "16-mixed":  # (a mixed policy's ops take run_mixed: the general path)
+    # (a mixed policy's ops take run_mixed, the general path; so do all of the cell's under
+    # e5m2, whose operands are rounded first: weights stored in fp16, an fp32 constant)
+    if policy != "16-mixed" and not (name == "cell" and "e5m2" in policy):
         assert taken > 0, "the fast path took no call"
 
 
@@ -185,6 +212,26 @@ def test_the_fast_path_leaves_what_it_does_not_know(monkeypatch):
 
         def forward(self, x):
             return torch.mm(self.l(x), self.c)
+
+    @dataclass
+    class Scale:  # an unhashable callable that dispatches to the mode (review: it raised)
+        k: float
+
+        def __call__(self, x):
+            if has_torch_function((x,)):
+                return handle_torch_function(self, (x,), x)
+            return x * self.k
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.s = nn.Linear(16, 16), Scale(2.0)
+
+        def forward(self, x):
+            return self.s(self.l(x))
+
+    m, _ = Precision("16-true").setup(Scaled())
+    assert m(x).shape == (4, 16)
 
     taken.clear()
     m, _ = Precision("16-true").setup(OffGrid())

@@ -351,7 +351,10 @@ def _fast_func(func, name: str) -> int:
     otherwise (linear's and the convolutions' handlers decline for CPU targets: checked by
     run_fast), or a grid op (:data:`_GRID`: values of the grid onto it) none of them treats
     otherwise."""
-    ok = _FAST.get(func)
+    try:
+        ok = _FAST.get(func)
+    except TypeError:  # (an unhashable callable dispatching to the mode)
+        return 0
     if ok is None:
         ok = 0
         if not isinstance(func, types.FunctionType) and not is_inplace(name) and \
@@ -1009,8 +1012,9 @@ class Emulation:
                 if reads is None:
                     reads = []
                 reads.append(a)
-            elif type(a) in (list, tuple) and _nested(a):
-                return _SLOW
+            elif isinstance(a, (list, tuple, dict)) and (type(a) not in (list, tuple) or
+                                                         _nested(a)):
+                return _SLOW  # (a namedtuple, Dynamo's immutable_list: maybe tensors inside)
         if reads is None or (name == "linear" and kernels.split_linear(args, {})):
             return _SLOW
         key = self._stack[-1][0] if self._stack else ""
