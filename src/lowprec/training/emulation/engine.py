@@ -339,9 +339,9 @@ def _nested(a) -> bool:
     """Whether a list or tuple argument may hold a tensor (run_fast leaves those to the general
     path; a tuple of ints, floats, None or slices holds none)."""
     return any(not (v is None or type(v) in (int, float, bool, slice)) for v in a)
-_FAST: dict = {}  # func -> whether run_fast may take it
 
 
+_FAST: dict = {}  # func -> _fast_func's verdict
 _OP, _GRID = 1, 2  # _fast_func: an op whose outputs run_fast rounds; one it only marks
 
 
@@ -360,10 +360,7 @@ def _fast_func(func, name: str) -> int:
         if not isinstance(func, types.FunctionType) and not is_inplace(name) and \
                 name not in _NOT_FAST and (name not in optable.PURE or name in _FAST_HANDLED):
             ok = _GRID if name in GRID_OPS else _OP
-        try:
-            _FAST[func] = ok
-        except TypeError:
-            return False
+        _FAST[func] = ok
     return ok
 
 
