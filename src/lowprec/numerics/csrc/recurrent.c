@@ -156,15 +156,15 @@ LP_INLINE void lp_cell_state(const float *A, const float *cr, float *out, int64_
     }
 }
 
-/* G = rc(rc(lin) + xw): linear_hh(hx) rounded, then .add_(input) rounded; B rows of N. */
-/* a + b, where both are NaN the first one's payload (quiet), as torch's add of linear_hh's
- * output and the input projection returns it (x86's vaddps keeps its first source's NaN):
- * written out, since GCC may swap the operands of a scalar epilogue (its x86-64-v3 code for
- * the loops below took b's on an AMD EPYC: 27 of 262,184 gates' NaN payloads off torch's) */
+/* a + b; where both are NaN, the first one's payload (quiet) whatever order the compiler gives
+ * the operands: GCC's x86-64-v3 scalar epilogue of the loops below took b's in one and a's in
+ * the other, so the step's two forms differed (27 of 262,184 gates on an AMD EPYC). Which NaN
+ * survives is each binary's choice: torch's own float32 add took b's on that CPU. */
 LP_INLINE float lp_add_nan_first(float a, float b) {
     return a != a ? u2f(f2u(a) | 0x400000u) : a + b;
 }
 
+/* G = rc(rc(lin) + xw): linear_hh(hx) rounded, then .add_(input) rounded; B rows of N. */
 void lp_lstm_gates(const float *lin, const float *xw, int64_t xw_rs, float *G, int64_t B,
                    int64_t N, const lp_params *pc, int nthreads) {
     const int nt = lp_cell_threads(B, B * N, nthreads);

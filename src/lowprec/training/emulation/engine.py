@@ -191,6 +191,15 @@ def _mark(t: torch.Tensor, fmt: Format) -> None:
         pass
 
 
+def _on_grid(o: torch.Tensor, fmt: Format, masks: bool) -> torch.Tensor:
+    """``o``, an op's output on ``fmt``'s grid already, marked so; from a mask (``masks``: ReLU,
+    clamp) its gradient's note passed through."""
+    _mark(o, fmt)
+    if masks and o.requires_grad:
+        pass_through(o)
+    return o
+
+
 # clamping ops -> (position and name of the lower bound, of the upper bound, their defaults):
 # the output is on the input's grid when both bounds are (ReLU6 is hardtanh(x, 0, 6))
 _BOUNDED = {
@@ -974,7 +983,8 @@ class Emulation:
             ok = rule.active and rule.scope == "all" and rule.scaled is None and \
                 rule.accumulator is None and not rule.block and not rule.compute.dynamic and \
                 not rule.grads.dynamic
-            verdict = (rule.grads if rule.grads != FP32 else None,
+            # (static formats: _fmts reads neither the key nor the tensor)
+            verdict = (self._fmts(rule, "", None, None, True)[1],
                        format_dtype(rule.grads) is not None) if ok else None
             seen = self._fast_rules[id(rule)] = (rule, verdict)
         return seen[1]
@@ -1020,24 +1030,16 @@ class Emulation:
             masks = name in _MASKS
             if isinstance(out, torch.Tensor):
                 if out.dtype in ROUNDABLE and not any(out is a for a in args):
-                    _mark(out, fmt)
-                    if masks and out.requires_grad:
-                        pass_through(out)
+                    _on_grid(out, fmt, masks)
                 return out
             return self.round_outputs(out, tensors_in(args, []), rule, key, on_grid=fmt,
                                       masks=masks, keep_views=True)
         if fr[1] and torch.is_grad_enabled():
-            bwd, bmode = fr[0], rule.grad_rounding
-            new = []
+            bwd = fr[0]
             with torch._C.DisableTorchFunction():
-                for a in args:
-                    if isinstance(a, torch.Tensor) and a.requires_grad and \
-                            a.grad_fn is not None and a.dtype in ROUNDABLE and not _is_param(a):
-                        a2 = consumed_apply(a, bwd, bmode, self._keys(), consumer_sum(a))
-                        _mark(a2, getattr(a, MARK))
-                        a = a2
-                    new.append(a)
-            args = tuple(new)
+                args = tuple(self._consumed(a, bwd, rule) if isinstance(a, torch.Tensor) and
+                             a.requires_grad and a.grad_fn is not None and
+                             a.dtype in ROUNDABLE and not _is_param(a) else a for a in args)
         out = func(*args)
         if isinstance(out, torch.Tensor):
             if out.dtype not in ROUNDABLE or any(out is a for a in args):
@@ -1139,6 +1141,14 @@ class Emulation:
 
         return _each_output(island, out, inputs)
 
+    def _consumed(self, t, bwd, rule: Rule):
+        """``t`` read through a :class:`.autograd_fns.Consumed` node (its gradient from this
+        consumer rounded to ``bwd`` and summed with its others'), marked as ``t`` is."""
+        t2 = consumed_apply(t, bwd, rule.grad_rounding, self._keys(), consumer_sum(t))
+        if getattr(t, MARK, None) is not None:
+            _mark(t2, getattr(t, MARK))
+        return t2
+
     def _pure_inputs(self, name: str, rule: Rule, key: str, args, kwargs, inplace: bool):
         """An op's floating arguments on the compute grid (buffers and an in-place op's target
         as they are); under native 16-bit autograd, each activation's gradient from this op
@@ -1164,12 +1174,7 @@ class Emulation:
             if consumed and _floating(t) and t.requires_grad and t.grad_fn is not None \
                     and not _is_param(t):
                 with torch._C.DisableTorchFunction():
-                    _, bwd = self._fmts(rule, okey, t, None, True)
-                    t2 = consumed_apply(t, bwd, rule.grad_rounding, self._keys(),
-                                        consumer_sum(t))
-                if getattr(t, MARK, None) is not None:
-                    _mark(t2, getattr(t, MARK))
-                t = t2
+                    t = self._consumed(t, self._fmts(rule, okey, t, None, True)[1], rule)
             if shape is not None and _floating(t) and t.requires_grad and \
                     t.shape != shape and t.dim():
                 with torch._C.DisableTorchFunction():
@@ -1196,10 +1201,7 @@ class Emulation:
         Every path that rounds an op's outputs goes through here."""
         def each(o):
             if on_grid is not None:
-                _mark(o, on_grid)
-                if masks and o.requires_grad:
-                    pass_through(o)
-                return o
+                return _on_grid(o, on_grid, masks)
             if keep_views and o._is_view():  # a view of an off-grid tensor stays a view
                 return o
             return self.round(o, rule, key, own=True)
