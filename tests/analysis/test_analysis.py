@@ -195,6 +195,46 @@ def test_range_profile_roles_and_loss_scale_cross_check():
     assert scaled.fraction("weight_grads", "overflow") == 0
 
 
+def test_range_profile_keeps_each_layers_output_before_later_in_place_ops():
+    """A batch norm followed by ``ReLU(inplace=True)`` and a residual ``out += identity``
+    (a new user's ResNet): each layer's activation statistics are of the values the layer
+    output (reference: the same model with out-of-place ReLU and add, and the batch norm's
+    output computed by torch), not of what the later in-place ops left in that tensor (the
+    negative half was missing: n 16447 of 32768)."""
+
+    class Block(nn.Module):
+        def __init__(self, inplace):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.relu, self.conv2 = nn.ReLU(inplace=inplace), nn.Conv2d(8, 3, 1)
+            self.head, self.inplace = nn.Linear(3, 4), inplace
+
+        def forward(self, x):
+            out = self.conv2(self.relu(self.bn(self.conv(x))))
+            if self.inplace:
+                out += x
+            else:
+                out = out + x
+            return self.head(self.relu(out).mean((2, 3)))
+
+    torch.manual_seed(0)
+    inplace = Block(True)
+    plain = Block(False)
+    plain.load_state_dict(inplace.state_dict())
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 4, (4,))
+    with torch.no_grad():
+        bn = nn.BatchNorm2d(8)
+        bn.load_state_dict(inplace.bn.state_dict())
+        bn_out = bn(inplace.conv(x))
+    got = range_profile(inplace, (x, y), nn.functional.cross_entropy, "fp16")
+    want = range_profile(plain, (x, y), nn.functional.cross_entropy, "fp16")
+    acts = {s.layer: s for s in got.stats if s.role == "activations"}
+    assert acts["bn"].n == bn_out.count_nonzero() == bn_out.numel()
+    ref = {(s.layer, s.role): s for s in want.stats}
+    for s in got.stats:
+        assert s == ref[(s.layer, s.role)], (s.layer, s.role)
+
+
 def test_lost_update_fractions_match_an_elementwise_check():
     g = torch.Generator().manual_seed(2)
     w = quantize(torch.randn(3000, generator=g), "bf16")

@@ -91,6 +91,38 @@ def test_module_profile_sees_each_modules_outputs_as_torch_computes_them():
     assert all(p.grad is None for p in model.parameters())  # left as it was
 
 
+def test_module_profile_keeps_what_each_module_saw_before_later_in_place_ops():
+    """A batch norm followed by ``ReLU(inplace=True)``, a linear layer whose output is later
+    changed in place (``z += h``): each module's inputs and outputs as torch computed them at
+    the module (a new user's ResNet: the batch norm's kept outputs were the ReLU's)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.relu = nn.BatchNorm1d(6), nn.ReLU(inplace=True)
+            self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.relu(self.bn(x))
+            z = self.fc(h)
+            z += h  # fc's output, changed after the module returned it
+            return self.head(z)
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with torch.no_grad():
+        bn = nn.BatchNorm1d(6)
+        bn.load_state_dict(model.bn.state_dict())
+        bn_out = bn(x)
+        fc_in = torch.relu(bn_out)
+        fc_out = model.fc(fc_in)
+    prof = module_profile(model, (x, y), nn.functional.cross_entropy)
+    torch.testing.assert_close(prof["bn"].outputs, bn_out.flatten(), rtol=0, atol=0)
+    torch.testing.assert_close(prof["fc"].inputs, fc_in.flatten(), rtol=0, atol=0)
+    torch.testing.assert_close(prof["fc"].outputs, fc_out.flatten(), rtol=0, atol=0)
+
+
 def test_plan_keeps_exactly_the_overflowing_modules_high(found):
     model, data = _model(), _data()
     # the reference: where torch's own fp16 cast of the float32 activations overflows

@@ -121,9 +121,12 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
     handles = []
     for name in names:
         def hook(mod, args, out, name=name):
-            ins[name] += [a.detach() for a in args if torch.is_tensor(a) and a.is_floating_point()]
+            # copies: a later in-place op (ReLU(inplace=True) after a batch norm, ``out +=
+            # identity``) would otherwise change what is kept of the values the layer saw
+            ins[name] += [a.detach().clone() for a in args
+                          if torch.is_tensor(a) and a.is_floating_point()]
             if torch.is_tensor(out) and out.is_floating_point():
-                outs[name].append(out.detach())
+                outs[name].append(out.detach().clone())
                 if out.requires_grad:
                     out.register_hook(lambda g, name=name: grads[name].append(g.detach()))
         handles.append(mods[name].register_forward_hook(hook))

@@ -164,7 +164,9 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
         if name and next(m.children(), None) is None:
             def hook(mod, args, out, name=name):
                 if torch.is_tensor(out) and out.is_floating_point():
-                    acts.setdefault(name, []).append(out.detach())
+                    # a copy: a later in-place op (ReLU(inplace=True), ``out += identity``)
+                    # would otherwise change what is kept of this layer's output
+                    acts.setdefault(name, []).append(out.detach().clone())
                     if out.requires_grad:
                         out.register_hook(lambda g, name=name: agrads.setdefault(
                             name, []).append(g.detach()))
