@@ -32,6 +32,15 @@ def test_user_errors_are_one_line_exit_2(capsys):
     assert "unknown rounding mode 'sideways'" in capsys.readouterr().err
     assert main(["quantize", "abc", "-f", "fp16"]) == 2
     assert "abc" in capsys.readouterr().err
+    # the longest lists of accepted values, whole on their line (a cap of 400 characters cut
+    # out their middle: the last policies' names and the spec's keys, a new user found)
+    assert main(["train", "--policy", "17-true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and " ... " not in err
+    assert "nvfp4-sr" in err and "'q6.10-sr'" in err and "keys p c g o m ls b s sc acc" in err
+    assert main(["formats", "fp13"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and " ... " not in err and "dfxp<N" in err
 
 
 def test_console_script_help():
@@ -105,6 +114,28 @@ def test_certify_and_advise_json(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] in ("safe", "needs care", "unsafe") and doc["reasons"]
     assert doc["certificate"]["n"] > 0 and doc["loss_scale"] > 0
+
+
+def test_certify_and_advise_take_what_their_functions_take(capsys):
+    """``--format`` takes what certify() and advise() take: a scaled-GEMM recipe for both, a
+    regime of one format (``q6.10-sr``, as docs/guides/analyse.md calls advise) for advise
+    (a new user found them refused as unknown number formats); what a function refuses is one
+    line naming what it takes, said before the model trains."""
+    args = ["--data", "digits", "--model", "mlp", "--epochs", "0", "--json"]
+    assert main(["advise", *args, "--batches", "1", "--format", "q6.10-sr"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "q6.10-sr" and doc["verdict"] in ("safe", "needs care", "unsafe")
+    assert main(["advise", *args, "--batches", "1", "--format", "fp8-tensorwise"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "fp8-tensorwise"
+    assert main(["certify", *args, "--format", "fp8-tensorwise"]) in (0, 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "fp8-tensorwise" and doc["summary"]["n"] > 0
+    for command, fmt, said in (("advise", "16-mixed", "is a policy of several"),
+                               ("certify", "q6.10-sr", "unknown number format 'q6.10-sr'")):
+        assert main([command, "--format", fmt, "--epochs", "100000"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and ("accepted: fp32" in err or
+                                                          "give a format (fp16" in err), err
 
 
 def test_shell_completion_through_argcomplete(tmp_path):

@@ -15,7 +15,7 @@ prints quotes a number it measured; the thresholds are stated here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -31,7 +31,7 @@ from .nonfinite import NonFiniteReport, first_nonfinite
 from .ranges import RangeProfile, range_profile
 from .updates import LostUpdates, lost_updates
 
-__all__ = ["advise", "Advice", "judge", "AGREEMENT_MIN", "UNDERFLOW_MAX", "LOST_MAX"]
+__all__ = ["advise", "advise_target", "Advice", "judge", "AGREEMENT_MIN", "UNDERFLOW_MAX", "LOST_MAX"]
 
 AGREEMENT_MIN = 0.95
 UNDERFLOW_MAX = 0.01
@@ -150,6 +150,32 @@ def _regime(spec) -> Policy | None:
     return None
 
 
+def advise_target(fmt) -> tuple[Format | Policy, Policy | None]:
+    """What :func:`advise` studies for ``fmt``: (a format, or a policy with scaled GEMMs;
+    the regime when ``fmt`` names one of one format with its own rounding, else None); a
+    ValueError naming what it accepts for anything else (``lowprec advise`` checks its
+    ``--format`` with it before training the model)."""
+    pol = scaled_policy(fmt)
+    if pol is not None:
+        return pol, None
+    regime = _regime(fmt)
+    if regime is None and isinstance(fmt, (str, Policy)):
+        try:
+            parse_format(fmt)
+        except (ValueError, TypeError):
+            try:
+                other = parse_policy(fmt)
+            except (ValueError, TypeError):
+                other = None
+            if other is not None:  # (a policy of several formats: one line saying so)
+                raise ValueError(
+                    f"advise studies one format; {str(fmt)!r} is a policy of several "
+                    f"({replace(other, name=None)}): "
+                    "give a format (fp16, bf16, e4m3fn), a regime of one format (q6.10-sr, "
+                    "16-true) or a scaled-GEMM recipe (fp8-tensorwise)") from None
+    return static_format(regime.compute if regime is not None else fmt, "advise"), regime
+
+
 def _island_hint(nf: NonFiniteReport, regime: Policy | None, fmt) -> str | None:
     """When the backward's first Inf/NaN comes from an op of values that were exactly 0 (an
     RMSNorm's variance rounded to 0, then rsqrt): the module, and the override that keeps its
@@ -198,11 +224,8 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
     makes from values that underflowed to 0 (an RMSNorm's variance) names the module and the
     fp32 override for it."""
     x_train, y_train, test = _splits(data)
-    pol = scaled_policy(fmt)
-    regime = _regime(fmt) if pol is None else None
-    if regime is not None:
-        fmt = regime.compute
-    fmt = pol if pol is not None else static_format(fmt, "advise")
+    fmt, regime = advise_target(fmt)
+    pol = fmt if isinstance(fmt, Policy) else None  # a scaled-GEMM recipe
     loss_fn = loss_fn or nn.functional.cross_entropy
     n = min(batch_size_of(x_train), batches * batch_size)
     xb, yb = slice_batch(x_train, 0, n), y_train[:n]

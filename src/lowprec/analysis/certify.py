@@ -27,7 +27,7 @@ from ..training.tree import cast_floating
 from .common import (as_batches, fp32_twin, low_precision_copy, plan_of, run_model,
                      scaled_policy, static_format)
 
-__all__ = ["certify", "Certificate", "certificate_from_outputs"]
+__all__ = ["certify", "certify_target", "Certificate", "certificate_from_outputs"]
 
 
 @dataclass
@@ -112,6 +112,30 @@ def certificate_from_outputs(out32: torch.Tensor, out16: torch.Tensor, *, fmt: s
 
 
 @torch.no_grad()
+def certify_target(fmt, outputs: str = "logits"):
+    """What :func:`certify` runs the twin in for ``fmt``: (a format, a scaled-GEMM policy or
+    a plan; its label; the format the twin's softmax rounds to under ``outputs="probs"``,
+    None: fp32); a ValueError naming what it accepts for anything else (``lowprec certify``
+    checks its ``--format`` with it before training the model)."""
+    if outputs not in ("logits", "probs"):
+        raise ValueError(f"outputs={outputs!r}; accepted: logits, probs")
+    plan = plan_of(fmt)
+    if plan is not None:  # each module as the plan runs it; the softmax in the base policy
+        base = parse_policy(plan.policy)
+        softmax_fmt = None
+        if outputs == "probs" and base.scaled is None:
+            softmax_fmt = static_format(
+                base.compute, "certify(outputs='probs'), which rounds the softmax onto the "
+                "plan's base compute format,", "certify its logits (outputs='logits')")
+        return plan, (fmt.strip() if isinstance(fmt, str) else "plan"), softmax_fmt
+    if (pol := scaled_policy(fmt)) is not None:
+        return pol, str(pol), None  # a scaled-GEMM recipe: its copy's softmax in fp32
+    fmt = parse_format(fmt) if outputs == "logits" else static_format(
+        fmt, "certify(outputs='probs'), which rounds the softmax onto the format,",
+        "certify its logits (outputs='logits')")
+    return fmt, str(fmt), fmt
+
+
 def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
             outputs: str = "logits", backend: str = "emulated",
             batch_size: int = 1000, output_fn=None) -> Certificate:
@@ -129,27 +153,7 @@ def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
     ``output_fn(out)``, else a ``ModelOutput``'s ``logits``, else the first tensor; outputs with
     more than two dimensions (a language model's (N, L, vocabulary)) are certified per position.
     """
-    if outputs not in ("logits", "probs"):
-        raise ValueError(f"outputs={outputs!r}; accepted: logits, probs")
-    plan = plan_of(fmt)
-    softmax_fmt = None  # the format the twin's softmax rounds to (None: fp32)
-    if plan is not None:  # each module as the plan runs it; the softmax in the base policy
-        label = fmt.strip() if isinstance(fmt, str) else "plan"
-        base = parse_policy(plan.policy)
-        fmt = plan
-        if outputs == "probs" and base.scaled is None:
-            softmax_fmt = static_format(
-                base.compute, "certify(outputs='probs'), which rounds the softmax onto the "
-                "plan's base compute format,", "certify its logits (outputs='logits')")
-    elif (pol := scaled_policy(fmt)) is not None:
-        fmt = pol  # a scaled-GEMM recipe: its copy computes the softmax in fp32
-        label = str(pol)
-    else:
-        fmt = parse_format(fmt) if outputs == "logits" else static_format(
-            fmt, "certify(outputs='probs'), which rounds the softmax onto the format,",
-            "certify its logits (outputs='logits')")
-        label = str(fmt)
-        softmax_fmt = fmt
+    fmt, label, softmax_fmt = certify_target(fmt, outputs)
     m32 = fp32_twin(model).eval()
     m16, prec = low_precision_copy(model, fmt, backend)
     m16.eval()

@@ -34,13 +34,14 @@ def trained_model(args, console: Console):
 
 
 def cmd_certify(args, console: Console) -> int:
-    from ..analysis import certify
+    from ..analysis.certify import certify, certify_target
 
-    fmt = user_call(parse_format_checked, args.format)
+    # what certify() takes (a format, a scaled-GEMM policy, plan:FILE), checked before training
+    fmt = user_call(certify_target, args.format, args.outputs)[1]
     model, data = trained_model(args, console)
-    cert = user_call(certify, model, data, fmt, outputs=args.outputs)
+    cert = user_call(certify, model, data, args.format, outputs=args.outputs)
     if args.json:
-        print_json({"format": str(fmt), "summary": cert.summary(),
+        print_json({"format": fmt, "summary": cert.summary(),
                     "per_class": cert.per_class()})
         return 0 if cert.violations == 0 else 1
     console.print(str(cert))
@@ -59,11 +60,13 @@ def cmd_certify(args, console: Console) -> int:
 
 
 def cmd_advise(args, console: Console) -> int:
-    from ..analysis import advise
+    from ..analysis.advise import advise, advise_target
 
-    fmt = user_call(parse_format_checked, args.format)
+    # what advise() takes (a format, a regime such as q6.10-sr, a scaled-GEMM policy),
+    # checked before training the model
+    user_call(advise_target, args.format)
     model, data = trained_model(args, console)
-    adv = user_call(advise, model, data, fmt, batches=args.batches, lr=args.lr)
+    adv = user_call(advise, model, data, args.format, batches=args.batches, lr=args.lr)
     if args.json:
         print_json(adv.to_json())
     else:

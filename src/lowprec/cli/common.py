@@ -43,7 +43,9 @@ def on_sigterm(signum, frame):
     raise Terminated()
 
 
-_MAX_LINE = 400
+# (room for the longest list of accepted values, the policies' with their spec hint: ~560
+# characters with the command's prefix; a cap of 400 cut its middle, the hint with it)
+_MAX_LINE = 1000
 
 
 def one_line(msg: str) -> str:

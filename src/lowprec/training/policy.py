@@ -234,9 +234,10 @@ def register_policy(name: str, spec: str | Policy) -> Policy:
 def _bad_policy(spec, why: str = "") -> ValueError:
     names = ", ".join(POLICIES)
     reason = f" ({why})" if why else ""
-    return ValueError(f"unknown policy {spec!r}{reason}; valid names: {names}; or a spec such as "
-                      "'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc acc; or a "
-                      "format such as 'bf16' or 'e4m3fn' (every role in it)")
+    return ValueError(f"unknown policy {spec!r}{reason}; valid names: {names}; or a fixed-point "
+                      "regime qIL.FL-sr|-rn or fixed<WL,FL>-sr|-rn (e.g. 'q6.10-sr'); or a spec "
+                      "such as 'p=fp16,c=fp16,g=fp16,m=fp32' with keys p c g o m ls b s sc acc; "
+                      "or a format such as 'bf16' or 'e4m3fn' (every role in it)")
 
 
 def _parse_spec(spec: str) -> Policy:
