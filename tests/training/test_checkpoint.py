@@ -120,6 +120,15 @@ def test_checkpoint_state_dict_needs_a_model():
         Precision("16-true").checkpoint_state_dict()
 
 
+def test_checkpoint_state_dict_given_the_model_says_it_takes_a_state_dict():
+    """A new user passed the model itself: an AttributeError from deep inside ('ResNet' object
+    has no attribute 'items') before; now a TypeError naming what it takes."""
+    prec = Precision("16-true")
+    model, _ = prec.setup(small_cnn())
+    with pytest.raises(TypeError, match="takes a state_dict .* not a Sequential"):
+        prec.checkpoint_state_dict(model)
+
+
 def test_a_scheduler_on_the_wrapper_still_drives_the_rate_after_loading():
     """torch's load_state_dict replaces the wrapped optimizer's param_groups: the wrapper shares
     the new ones (it kept the old list, which no step read any more)."""

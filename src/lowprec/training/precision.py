@@ -48,6 +48,7 @@ import contextlib
 import math
 import weakref
 import warnings
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -561,6 +562,10 @@ class Precision:
                 raise RuntimeError("checkpoint_state_dict() needs setup(model) first, or a "
                                    "state_dict")
             state_dict = self.model.state_dict()
+        elif not isinstance(state_dict, Mapping):
+            raise TypeError(f"checkpoint_state_dict() takes a state_dict (a mapping of names to "
+                            f"tensors, model.state_dict()), not a {type(state_dict).__name__}; "
+                            "with no argument it converts the set-up model's")
         formats = {} if self._backend is None else self._backend.stored_formats()
         out = copy.copy(state_dict)  # an OrderedDict keeps its _metadata (versions)
         done: dict = {}  # one converted tensor per source view: shared tensors stay shared
