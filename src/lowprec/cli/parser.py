@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add_command in _COMMANDS:  # in this order in --help
         add_command(sub)
     p.commands = dict(sub.choices)
-    for command in p.commands.values():
-        _add_config(command)
+    for name, command in p.commands.items():
+        _add_config(command, name)
     return p
 
 
@@ -283,7 +283,10 @@ def _add_analysis_args(p: argparse.ArgumentParser) -> None:
     offer_models(p.add_argument("--model", default="lenet5",
                                 help="model (as for compare; default: lenet5)"), several=False)
     offer_formats(p.add_argument("--format", default="fp16",
-                                 help="the low-precision format (default: fp16)"))
+                                 help="the low-precision format (default: fp16); also a "
+                                      "scaled-GEMM recipe (fp8-tensorwise), for advise a "
+                                      "regime of one format (q6.10-sr), for certify a plan "
+                                      "(plan:FILE)"))
     p.add_argument("--epochs", type=int_arg(0, 100_000), default=3,
                    help="fp32 training epochs before the analysis (default: 3; 0: untrained)")
     p.add_argument("--lr", type=float_arg(positive=True), default=0.02,
@@ -302,11 +305,20 @@ def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help=_JSON_HELP)
 
 
-def _add_config(p: argparse.ArgumentParser) -> None:
+_CONFIG_EXAMPLES = {"compare": 'epochs = 5, policies = ["32-true", "bf16-true"]',
+                    "train": 'epochs = 5, policy = "bf16-true"'}
+
+
+def _add_config(p: argparse.ArgumentParser, name: str) -> None:
+    """--config for command ``name``, its help's example one of this command's own flags."""
+    dests = {a.dest for a in p._actions}
+    example = _CONFIG_EXAMPLES.get(name) or next(
+        (f"{d} = {v}" for d, v in (("epochs", "5"), ("format", '"bf16"'), ("json", "true"))
+         if d in dests), "a flag's long name = its value")
+    kept = "; kept as OUT/run.toml" if name in _CONFIG_EXAMPLES else ""
     p.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="any flag of this command in a TOML file (epochs = 5, policies = "
-                   "[\"32-true\", \"bf16-true\"]; or in a [COMMAND] table); flags given here "
-                   "win; compare and train keep it as OUT/run.toml")
+                   help=f"any flag of this command in a TOML file ({example}; or in a "
+                   f"[{name}] table); flags given here win{kept}")
 
 
 def apply_config(parser: argparse.ArgumentParser, args, argv: list[str]):
