@@ -186,6 +186,7 @@ def test_range_profile_roles_and_loss_scale_cross_check():
     prof = range_profile(model, (x, y), loss_fn, "fp16")
     roles = {s.role for s in prof.stats}
     assert roles == {"weights", "activations", "activation_grads", "weight_grads"}
+    assert "hist" not in repr(prof) and len(repr(prof)) < 300 * len(prof.stats)  # (readable)
     assert prof.fraction("activation_grads", "flush") > 0.1  # why fp16 needs a loss scale
     choice = find_loss_scale(model, (x, y), loss_fn, "fp16")
     assert prof.gradient_scale() == choice.scale

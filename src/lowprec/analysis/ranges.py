@@ -100,7 +100,9 @@ class RoleStats:
     subnormal: float
     max_abs: float
     min_abs: float
-    hist: list = field(default_factory=list)  # counts per log2 bin (BINS[:-1] edges)
+    # counts per log2 bin (BINS[:-1] edges); left out of the repr (256 numbers a row: a
+    # profile's repr was ~40 KB for a 2-block CNN)
+    hist: list = field(default_factory=list, repr=False)
 
 
 @dataclass

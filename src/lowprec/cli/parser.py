@@ -192,11 +192,13 @@ def _add_run_args(p: argparse.ArgumentParser, *, compare: bool) -> None:
     """compare's and train's flags (compare: several models, policies, seeds, an executor)."""
     offer_data(p.add_argument("--data", default=None, help="mnist, digits, mnist1d, "
                               "fashion-mnist[:DIR], idx:DIR, cifar10:DIR, module:function "
+                              "(function() returns x_train, y_train, x_test, y_test) "
                               "(default: mnist, 5,000 real digits)"))
     offer_models(p.add_argument("--model", default=None, help="mlp, lenet5, resnet20, vgg, "
-                                "cnn1d, transformer, mobilenet, module:function (default: "
-                                "lenet5); compare takes several, comma-separated: one "
-                                "comparison per model in OUT/MODEL"), several=compare)
+                                "cnn1d, transformer, mobilenet, module:function "
+                                "(function(input_shape, num_classes) returns an nn.Module) "
+                                "(default: lenet5); compare takes several, comma-separated: "
+                                "one comparison per model in OUT/MODEL"), several=compare)
     if compare:
         _add_grid_args(p)
         _add_executor_args(p)
