@@ -147,6 +147,27 @@ def test_a_precision_reports_its_choice_once_per_process_and_policy(monkeypatch)
     assert prec.model.weight.dtype == dtype
 
 
+def test_the_choice_names_the_users_line_when_lowprec_itself_set_up(monkeypatch):
+    """``setup()`` called by lowprec's own code (its runner, certify, the Hugging Face trainer:
+    here a function compiled as a file of the package) warns at the first line outside the
+    package, the user's, not at lowprec's file (a new user's report)."""
+    import os
+
+    import lowprec
+
+    monkeypatch.setattr(choice_mod, "_ANNOUNCED", set())
+    inner = os.path.join(os.path.dirname(lowprec.__file__), "experiments", "_inside.py")
+    ns = {"Precision": Precision, "nn": nn}
+    exec(compile("def set_up():\n    Precision('16-true').setup(nn.Linear(4, 4))\n",  # noqa: S102
+                 inner, "exec"), ns)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ns["set_up"]()
+    notes = [w for w in caught if issubclass(w.category, BackendChoiceWarning)]
+    assert len(notes) == 1 and notes[0].filename == __file__, [
+        (w.filename, w.lineno) for w in notes]
+
+
 def test_a_policy_that_names_its_backend_is_not_announced(monkeypatch):
     monkeypatch.setattr(choice_mod, "_ANNOUNCED", set())
     with warnings.catch_warnings():

@@ -12,6 +12,8 @@ experiment runner stores it with each run.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -139,5 +141,18 @@ def announce(policy: Policy, choice: BackendChoice, facts: DeviceFacts, stacklev
     other = Backend.NATIVE if choice.backend is Backend.EMULATED else Backend.EMULATED
     warnings.warn(f"lowprec: policy {policy} runs {choice.backend} (backend=auto): "
                   f"{choice.reason}; b={other} in the policy chooses the other backend",
-                  BackendChoiceWarning, stacklevel=stacklevel + 1)
+                  BackendChoiceWarning, stacklevel=max(stacklevel + 1, _outside_lowprec()))
     return True
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _outside_lowprec() -> int:
+    """The ``stacklevel`` at which a warning raised by this function's caller names the first
+    frame outside the lowprec package: the user's line that led there (``setup()`` called by
+    lowprec's own runner, certify or Hugging Face trainer named lowprec's file before)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
