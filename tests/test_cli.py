@@ -130,7 +130,7 @@ def test_certify_and_advise_take_what_their_functions_take(capsys):
     assert main(["certify", *args, "--format", "fp8-tensorwise"]) in (0, 1)
     doc = json.loads(capsys.readouterr().out)
     assert doc["format"] == "fp8-tensorwise" and doc["summary"]["n"] > 0
-    for command, fmt, said in (("advise", "16-mixed", "is a policy of several"),
+    for command, fmt, said in (("advise", "16-mixed", "holds several formats"),
                                ("certify", "q6.10-sr", "unknown number format 'q6.10-sr'")):
         assert main([command, "--format", fmt, "--epochs", "100000"]) == 2
         err = capsys.readouterr().err

@@ -167,10 +167,17 @@ def advise_target(fmt) -> tuple[Format | Policy, Policy | None]:
                 other = parse_policy(fmt)
             except (ValueError, TypeError):
                 other = None
-            if other is not None:  # (a policy of several formats: one line saying so)
+            if other is not None:  # (a policy advise cannot study: one line saying why)
+                why = [w for w, bad in (
+                    ("holds several formats", len({other.params, other.compute,
+                                                   other.grads}) > 1),
+                    ("rounds the matrix ops only (s=matmul)", other.scope != "all"),
+                    ("has a dynamic format (no one grid)", any(
+                        getattr(f, "dynamic", False)
+                        for f in (other.params, other.compute, other.grads)))) if bad]
                 raise ValueError(
-                    f"advise studies one format; {str(fmt)!r} is a policy of several "
-                    f"({replace(other, name=None)}): "
+                    f"advise studies one static format; the policy {str(fmt)!r} "
+                    f"({replace(other, name=None)}) {' and '.join(why) or 'is not one'}: "
                     "give a format (fp16, bf16, e4m3fn), a regime of one format (q6.10-sr, "
                     "16-true) or a scaled-GEMM recipe (fp8-tensorwise)") from None
     return static_format(regime.compute if regime is not None else fmt, "advise"), regime

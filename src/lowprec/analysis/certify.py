@@ -111,7 +111,6 @@ def certificate_from_outputs(out32: torch.Tensor, out16: torch.Tensor, *, fmt: s
     return Certificate(str(fmt), outputs, delta, gamma, certified, agree, pred32, pred16, lab)
 
 
-@torch.no_grad()
 def certify_target(fmt, outputs: str = "logits"):
     """What :func:`certify` runs the twin in for ``fmt``: (a format, a scaled-GEMM policy or
     a plan; its label; the format the twin's softmax rounds to under ``outputs="probs"``,
@@ -136,6 +135,7 @@ def certify_target(fmt, outputs: str = "logits"):
     return fmt, str(fmt), fmt
 
 
+@torch.no_grad()
 def certify(model: torch.nn.Module, data, fmt: str | Format = "fp16", *,
             outputs: str = "logits", backend: str = "emulated",
             batch_size: int = 1000, output_fn=None) -> Certificate:

@@ -26,7 +26,7 @@ from .common import (Terminated, UserError, errors, json_asked, json_error, json
 from .parser import apply_config, build_parser, check_flags
 
 # the names lowprec.cli offered when it was one module, still there (tests patch cmd_formats)
-from .analyse import cmd_advise, cmd_certify, parse_format_checked  # noqa: F401
+from .analyse import cmd_advise, cmd_certify  # noqa: F401
 from .common import Table  # noqa: F401
 from .formats import cmd_formats, cmd_quantize  # noqa: F401
 from .plan import cmd_plan  # noqa: F401

@@ -10,7 +10,7 @@ from .common import Table, UserError, print_json, user_call
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["cmd_advise", "cmd_certify", "parse_format_checked", "trained_model"]
+__all__ = ["cmd_advise", "cmd_certify", "trained_model"]
 
 
 def trained_model(args, console: Console):
@@ -72,9 +72,3 @@ def cmd_advise(args, console: Console) -> int:
     else:
         console.print(str(adv))
     return 0
-
-
-def parse_format_checked(spec: str):
-    from ..numerics.formats import parse_format
-
-    return parse_format(spec)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 
 __all__ = ["import_callable", "short", "describe_error", "USER_ERRORS"]
@@ -30,11 +32,26 @@ def describe_error(err: BaseException, limit: int = 200) -> str:
     return f"{type(err).__name__}: {msg}" if msg else type(err).__name__
 
 
+def _import_from_here(mod_name: str):
+    """``importlib.import_module``; a module found nowhere on ``sys.path`` is looked for in the
+    current directory too, as ``python -m lowprec`` finds it (the ``lowprec`` console script
+    does not put that directory on the path: ``lowprec compare --data mymods:data`` run beside
+    mymods.py could not import it)."""
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as err:
+        here = os.getcwd()
+        if err.name != mod_name.partition(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(mod_name)
+
+
 def import_callable(spec: str, what: str, error: type[Exception] = ValueError):
     """``module:function`` -> the function; ``error`` names the spec when it cannot be found."""
     mod_name, _, fn_name = spec.partition(":")
     try:
-        mod = importlib.import_module(mod_name)
+        mod = _import_from_here(mod_name)
     except (Exception, SystemExit) as err:  # ImportError, the module raising or exiting
         raise error(f"{what} {short(spec)}: cannot import {short(mod_name)} "
                     f"({describe_error(err)})") from None
