@@ -108,6 +108,31 @@ def test_the_guides_own_data_and_model_functions_run(tmp_path):
     assert run["status"] == "finished" and db.epochs(run["run_id"])[-1]["test_acc"] > 0.5
 
 
+def test_resume_says_when_there_is_nothing_to_resume(tmp_path, capsys, monkeypatch):
+    """--resume on a folder that holds nothing starts it (make demo's first run), and says so;
+    an interrupt before anything was stored does not name a folder to resume (a new user was
+    told to resume a folder that was never created)."""
+    from lowprec.experiments import compare
+
+    out = tmp_path / "new"
+    assert main(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
+                 "--seeds", "1", "--epochs", "1", "--out", str(out), "--resume", "--quiet"]) == 0
+    assert f"nothing stored in {out} yet: starting it" in capsys.readouterr().err
+    assert main(["compare", "--out", str(out), "--resume", "--quiet"]) == 0  # all finished
+    assert "nothing stored" not in capsys.readouterr().err
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "run_compare", interrupted)
+    assert main(["compare", "--out", str(tmp_path / "never"), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted before anything was stored" in err and "--resume" not in err
+    assert main(["compare", "--out", str(out), "--resume", "--quiet"]) == 130
+    assert f"finished runs are stored in {out}; continue with --resume" in \
+        capsys.readouterr().err
+
+
 def test_a_diverging_run_is_recorded_and_the_comparison_goes_on(tmp_path):
     out = run_compare(small(tmp_path / "r", lr=1e6, schedule="constant", momentum=0.0,
                             policies=("32-true", "bf16-true")))

@@ -384,6 +384,16 @@ def test_cli_plan_end_to_end_and_compare_takes_the_plan(tmp_path, capsys, monkey
     verdict = summary_json(run)["verdict"]
     if verdict["policy"] == f"plan:{out}":
         assert [f["format"] for f in verdict["findings"]] == ["plan"]
+    # a resume refuses a plan file edited since its runs started (they would train under two
+    # plans), and continues once it is restored
+    text = out.read_text()
+    edited = json.loads(text)
+    edited["overrides"] = {}
+    out.write_text(json.dumps(edited))
+    rc = main(["compare", "--out", str(run), "--resume", "--quiet"])
+    assert rc == 2 and "another plan" in capsys.readouterr().err
+    out.write_text(text)
+    assert main(["compare", "--out", str(run), "--resume", "--quiet"]) == 0
 
 
 def test_module_cost_counts_torchs_elements_and_profile_leaves_batchnorm_alone():

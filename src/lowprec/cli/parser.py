@@ -267,7 +267,8 @@ def _add_folder_args(p: argparse.ArgumentParser) -> None:
     """The run folder: where, resumed or not, and what is printed."""
     p.add_argument("--out", default="runs/compare", help="run folder (default: runs/compare)")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run folder: finished runs are kept, flags not "
+                   help="continue an interrupted run folder (one that holds nothing yet is "
+                   "started, as make demo's first run): finished runs are kept, flags not "
                    "given take the stored values, flags that differ (policies, seeds and "
                    "--preset included) are refused with the list of differences")
     p.add_argument("--force-config", action="store_true",

@@ -93,9 +93,12 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     from ..experiments.data import DatasetNotFound
     from ..experiments.results import CorruptDatabase
     from ..experiments.config import RunError
-    from ..experiments.runfolder import FolderBusy, RunIOError
+    from ..experiments.runfolder import FolderBusy, RunIOError, holds_results
     from ..experiments.compare import failed_runs, run_compare
 
+    if cfg.resume and not holds_results(Path(cfg.out)):  # (make demo's first run: on purpose)
+        print(f"lowprec {command}: nothing stored in {cfg.out} yet: starting it (--resume "
+              "continues a folder that holds results)", file=sys.stderr)
     try:
         out = run_compare(cfg, executor, force_config=force_config, config_text=config_text)
     except (RunError, DatasetNotFound, CorruptDatabase, FolderBusy) as err:
@@ -105,7 +108,9 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
                     "--resume once fixed")
         return 1
     except KeyboardInterrupt as err:
-        line = f"interrupted: finished runs are stored in {cfg.out}; continue with --resume"
+        line = (f"interrupted: finished runs are stored in {cfg.out}; continue with --resume"
+                if holds_results(Path(cfg.out)) else
+                f"interrupted before anything was stored in {cfg.out}")
         errors.append(line)
         print(line, file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130

@@ -20,7 +20,8 @@ from pathlib import Path
 from .runfolder import temp_path
 
 __all__ = ["ResultsDB", "CorruptDatabase", "SCHEMA_VERSION", "RUN_STATUSES", "NOT_REQUESTED",
-           "read_stored_config", "read_run_statuses", "check_config", "is_blank"]
+           "read_stored_config", "read_run_statuses", "read_stored_plans", "check_config",
+           "is_blank"]
 
 SCHEMA_VERSION = 2
 RUN_STATUSES = ("running", "finished", "diverged", "failed")
@@ -553,6 +554,29 @@ def read_stored_config(path: str | Path) -> dict | None:
         return check_config(path, _loads(path, r[0])) if r else None
     finally:
         conn.close()
+
+
+def read_stored_plans(path: str | Path) -> dict[str, dict]:
+    """policy (``plan:FILE`` as given) -> the plan its runs read when they started (the first
+    run's; every run of a comparison reads the same file), read without writing; CorruptDatabase
+    when it cannot be read."""
+    path = Path(path)
+    if is_blank(path):
+        return {}
+    conn = _connect_read_only(path)
+    try:
+        try:
+            rows = conn.execute("SELECT r.policy, a.payload FROM analysis a JOIN runs r "
+                                "ON a.run_id = r.run_id WHERE a.kind = 'plan' "
+                                "ORDER BY r.started").fetchall()
+        except sqlite3.DatabaseError as err:
+            raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
+    finally:
+        conn.close()
+    plans: dict[str, dict] = {}
+    for policy, payload in rows:
+        plans.setdefault(policy, json.loads(payload))
+    return plans
 
 
 def read_run_statuses(path: str | Path) -> dict[str, str]:

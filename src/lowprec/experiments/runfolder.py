@@ -33,7 +33,8 @@ __all__ = ["FolderLock", "FolderBusy", "busy_writer", "RunIOError", "atomic_writ
            "atomic_torch_save",
            "remove_stale_temps", "io_error", "foreign_entry", "temp_path", "RUN_FILES",
            "RUN_SUBFOLDERS", "MODELS_FOLDER_FILES", "SHARED_TOKEN", "EXPORT_FOLDER",
-           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE", "EXPORT_MARK", "read_models_list", "enclosing_run"]
+           "CONFIG_FILE", "MODELS_FILE", "WRITE_PROBE", "EXPORT_MARK", "read_models_list", "enclosing_run",
+           "holds_results"]
 
 LOCK_NAME = ".lock"
 #: written by the Ray driver for its tasks to prove they see the run folder
@@ -101,6 +102,12 @@ def _is_run_folder(folder: Path) -> bool:
     """The folder already holds a run of lowprec's (its lock file, results database or list of
     models): only there are leftover temp files taken for a killed run's."""
     return any(os.path.isfile(folder / n) for n in (LOCK_NAME, "results.db", MODELS_FILE))
+
+
+def holds_results(folder: Path) -> bool:
+    """Whether the run folder ``folder`` holds a comparison's results (its database, or the
+    list of models of a comparison over several): what ``--resume`` continues."""
+    return any(os.path.isfile(Path(folder) / n) for n in ("results.db", MODELS_FILE))
 
 
 def _is_temp_entry(entry: os.DirEntry) -> bool:

@@ -14,6 +14,7 @@ runs several models, is :func:`lowprec.experiments.compare.run_compare`.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import sqlite3
 import time
@@ -38,13 +39,14 @@ from .models import MODELS, build_checked_model, channels_last, layout_of
 from .progress import Progress
 from .report import write_report
 from .results import (NOT_REQUESTED, ResultsDB, is_blank, read_run_statuses,
-                      read_stored_config)
+                      read_stored_config, read_stored_plans)
 from .run_analyses import analyse_run
 from .runfolder import (CONFIG_FILE, WRITE_PROBE, FolderLock, RunIOError, atomic_write_bytes,
                         busy_writer, enclosing_run, foreign_entry, io_error, remove_stale_temps,
                         temp_path)
 from .system import tune_cpu_allocator
 from .timing import EpochMeter
+from .util import short
 
 __all__ = ["run_model", "train_run", "evaluate", "config_differences", "check_policies",
            "failed_runs", "start_run_record", "failure_message", "mark_unrequested",
@@ -138,6 +140,8 @@ def check_resume(out: Path, cfg: CompareConfig, force_config: bool = False) -> N
     if diffs and not force_config:
         raise RunError("--resume with another configuration (" + "; ".join(diffs) +
                        "): drop those flags to continue as stored, or add --force-config")
+    if not force_config:
+        _check_plans(db_path, cfg)
     given = resolved.to_json()
     changed = [k for k in _HYPER if k not in _FORCE_ANYTIME and stored.get(k) != given.get(k)]
     # every finished run of the folder, asked for again or not: the stored configuration is
@@ -149,6 +153,23 @@ def check_resume(out: Path, cfg: CompareConfig, force_config: bool = False) -> N
                        f"finished ({', '.join(done[:3])}{', ...' if len(done) > 3 else ''}), "
                        "whose results were trained with the stored values: drop those flags, "
                        "or start a new --out")
+
+
+def _json_text(obj) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
+def _check_plans(db_path: Path, cfg: CompareConfig) -> None:
+    """A resumed comparison's plan files hold the plans its runs started with: a plan edited
+    since (its runs would train under two plans; a new user's resumed run took the edited
+    plan from its next epoch and diverged) is refused like any other changed setting."""
+    stored = read_stored_plans(db_path)
+    for p in cfg.policies:
+        name = str(p)
+        if name in stored and _json_text(load_plan(name).to_json()) != _json_text(stored[name]):
+            raise RunError(f"--resume with another plan: {short(name, 80)} is not the plan "
+                           "its runs started with (stored in the database): restore the file "
+                           "to continue as stored, or add --force-config to continue with it")
 
 
 def check_policies(cfg: CompareConfig) -> None:
