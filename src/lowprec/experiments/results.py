@@ -556,25 +556,28 @@ def read_stored_config(path: str | Path) -> dict | None:
         conn.close()
 
 
+def _read_rows(path: Path, sql: str) -> list:
+    """The rows of ``sql`` on the results database ``path``, read without writing to it (none
+    for a blank file); CorruptDatabase when it cannot be read."""
+    if is_blank(path):
+        return []
+    conn = _connect_read_only(path)
+    try:
+        return conn.execute(sql).fetchall()
+    except sqlite3.DatabaseError as err:
+        raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
+    finally:
+        conn.close()
+
+
 def read_stored_plans(path: str | Path) -> dict[str, dict]:
     """policy (``plan:FILE`` as given) -> the plan its runs read when they started (the first
     run's; every run of a comparison reads the same file), read without writing; CorruptDatabase
     when it cannot be read."""
-    path = Path(path)
-    if is_blank(path):
-        return {}
-    conn = _connect_read_only(path)
-    try:
-        try:
-            rows = conn.execute("SELECT r.policy, a.payload FROM analysis a JOIN runs r "
-                                "ON a.run_id = r.run_id WHERE a.kind = 'plan' "
-                                "ORDER BY r.started").fetchall()
-        except sqlite3.DatabaseError as err:
-            raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
-    finally:
-        conn.close()
     plans: dict[str, dict] = {}
-    for policy, payload in rows:
+    for policy, payload in _read_rows(Path(path), "SELECT r.policy, a.payload FROM analysis a "
+                                      "JOIN runs r ON a.run_id = r.run_id WHERE a.kind = "
+                                      "'plan' ORDER BY r.started"):
         plans.setdefault(policy, json.loads(payload))
     return plans
 
@@ -582,14 +585,4 @@ def read_stored_plans(path: str | Path) -> dict[str, dict]:
 def read_run_statuses(path: str | Path) -> dict[str, str]:
     """run id -> status of a results database, read without writing to it; CorruptDatabase
     when it cannot be read."""
-    path = Path(path)
-    if is_blank(path):
-        return {}
-    conn = _connect_read_only(path)
-    try:
-        try:
-            return dict(conn.execute("SELECT run_id, status FROM runs").fetchall())
-        except sqlite3.DatabaseError as err:
-            raise CorruptDatabase(f"{path}: {err}; the file was left untouched") from None
-    finally:
-        conn.close()
+    return dict(_read_rows(Path(path), "SELECT run_id, status FROM runs"))
