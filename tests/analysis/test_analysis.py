@@ -160,7 +160,9 @@ def _float64_reference(values: torch.Tensor, fmt) -> tuple[dict, list]:
     half = fmt.min_subnormal / 2
     counts = {"n": n, "overflow": (v >= overflow_threshold(fmt)).sum().item() / n,
               "flush": (v <= half).sum().item() / n,
-              "subnormal": ((v > half) & (v < fmt.min_normal)).sum().item() / n}
+              # (a format whose smallest step is its smallest normal, fixed point: none)
+              "subnormal": ((v > half) & (v < fmt.min_normal)).sum().item() / n
+              if fmt.min_subnormal < fmt.min_normal else 0.0}
     return counts, np.histogram(np.log2(v.numpy()), bins=BINS)[0].tolist()
 
 
@@ -188,6 +190,25 @@ def test_range_statistics_in_any_layout_and_dtype_match_a_float64_count(spec):
         v = t.detach().abs().flatten()
         v = v[torch.isfinite(v) & (v > 0)]
         assert log2_histogram(v if v.dtype == torch.float64 else v.float()) == hist, name
+
+
+def test_a_format_without_subnormals_has_none_in_the_profile_and_the_report():
+    """Fixed point's smallest step is its smallest normal: no value is "subnormal" there (a
+    new user's report showed 14.79% of q6.10 weight gradients "subnormal"); the report's cell
+    is "-" for such a format, a number for fp16."""
+    from lowprec.experiments.report_sections import _range_table, has_subnormals
+
+    q = parse_format("q6.10")
+    assert q.min_subnormal == q.min_normal
+    v = torch.tensor([2.0 ** -10.5, 2.0 ** -12, 0.25])
+    assert classify(v, q)["subnormal"] == 0 and classify(v, q)["flush"] == pytest.approx(1 / 3)
+    assert classify(v, parse_format("fp16"))["subnormal"] == 0  # (fp16 normals, all three)
+    assert [has_subnormals(f) for f in ("fp16", "e4m3fn", "q6.10", "e5m10-nosub")] == \
+        [True, True, False, False]
+    stats = {"overflow": 0.0, "flush": 0.1, "subnormal": 0.2}
+    _, rows = _range_table({("q6.10-sr", "q6.10"): [{"roles": {"weight_grads": stats}}],
+                            ("16-true", "fp16"): [{"roles": {"weight_grads": stats}}]})
+    assert [r[-1] for r in rows] == ["-", "20.00"]
 
 
 def test_a_threshold_between_two_floats_is_compared_as_the_real_number():

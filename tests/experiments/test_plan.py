@@ -123,6 +123,18 @@ def test_module_profile_keeps_what_each_module_saw_before_later_in_place_ops():
     torch.testing.assert_close(prof["fc"].outputs, fc_out.flatten(), rtol=0, atol=0)
 
 
+def test_the_plans_table_shows_one_seed_as_n1_and_a_diverged_run():
+    """One seed has no deviation: ``(n=1)``, as compare's tables say, never ``± 0.00`` (a new
+    user's report); a non-finite mean reads "diverged"."""
+    runs = {"fp32": {"accuracy": [0.9], "mean": 0.9, "std": 0.0, "cost": 4.0},
+            "uniform fp16": {"accuracy": [math.nan], "mean": math.nan, "std": 0.0,
+                             "cost": 2.0},
+            "plan": {"accuracy": [0.88, 0.9], "mean": 0.89, "std": 0.01, "cost": 3.0}}
+    _, rows = summary_rows(Plan("16-true", verification={"runs": runs},
+                                meta={"tolerance": 0.02}))
+    assert [r[1] for r in rows] == ["90.00 (n=1)", "diverged", "89.00 ± 1.00"]
+
+
 def test_plan_keeps_exactly_the_overflowing_modules_high(found):
     model, data = _model(), _data()
     # the reference: where torch's own fp16 cast of the float32 activations overflows

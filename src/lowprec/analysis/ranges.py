@@ -66,7 +66,10 @@ def _classify(v: torch.Tensor, fmt: Format) -> dict:
         return {"n": 0, "overflow": 0.0, "flush": 0.0, "subnormal": 0.0}
     half_sub = _at_most(fmt.min_subnormal / 2, v.dtype)
     flush = (v <= half_sub).sum().item()
-    sub = (v <= _at_most(fmt.min_normal, v.dtype, strict=True)).sum().item() - flush
+    # a format without subnormals (fixed point, -nosub: its smallest step is its smallest
+    # normal) has none: the values below its smallest step round to it or to zero
+    sub = 0 if fmt.min_subnormal >= fmt.min_normal else \
+        (v <= _at_most(fmt.min_normal, v.dtype, strict=True)).sum().item() - flush
     over = n - (v <= _at_most(overflow_threshold(fmt), v.dtype, strict=True)).sum().item()
     return {"n": n, "overflow": over / n, "flush": flush / n, "subnormal": sub / n}
 

@@ -57,7 +57,8 @@ def cmd_plan(args, console: Console) -> int:
                   f"{', '.join(m.get('high') or []) or 'none'}")
     console.print(f"plan written to {args.out} ({m['plan_seconds']:.1f} s, "
                   f"{m['plan_over_fp32_run']:.1f}x one fp32 training run); use it with "
-                  f"Precision(Plan.load(...)) or compare --policies plan:{args.out}")
+                  f"Precision(\"plan:{args.out}\") (or lowprec.Plan.load) or compare --policies "
+                  f"plan:{args.out}")
     return 0 if m.get("accepted") else 1
 
 

@@ -6,10 +6,11 @@ import html
 import math
 import statistics
 
+from ..numerics.formats import parse_format
 from .render import html_table, md_table, png_bytes, subplots
 from .results import ResultsDB
 
-__all__ = ["sections"]
+__all__ = ["sections", "has_subnormals"]
 
 
 def _rows(db: ResultsDB, prefix: str = "certificate"):
@@ -118,10 +119,22 @@ def _range_table(ranges) -> tuple[list[str], list[list[str]]]:
     rg_cols = ["policy", "format", "role", "overflow %", "flush to zero %", "subnormal %"]
     rg = []
     for (policy, fmt), items in ranges.items():
+        sub = has_subnormals(fmt)
         for role, v in items[0]["roles"].items():
             rg.append([policy, fmt, role.replace("_", " "), f"{100 * v['overflow']:.3f}",
-                       f"{100 * v['flush']:.2f}", f"{100 * v['subnormal']:.2f}"])
+                       f"{100 * v['flush']:.2f}",
+                       f"{100 * v['subnormal']:.2f}" if sub else "-"])
     return rg_cols, rg
+
+
+def has_subnormals(fmt: str) -> bool:
+    """Whether the format named ``fmt`` has subnormal values (fixed point and -nosub formats:
+    none, their table cell "-"); True for a name that is not one format (a recipe's label)."""
+    try:
+        f = parse_format(fmt)
+        return f.min_subnormal < f.min_normal
+    except (ValueError, TypeError, AttributeError):
+        return True
 
 
 def _analysis_md(figs: dict, rg_cols, rg, lu_cols, lu, le_cap: str, gr_cap: str) -> list[str]:

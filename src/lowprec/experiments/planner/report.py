@@ -64,8 +64,10 @@ def summary_rows(p: Plan) -> tuple[list[str], list[list[str]]]:
         if r is None:
             continue
         mean, std = _real(r["mean"]), _real(r["std"])
+        accs = r.get("accuracy")
+        n = len(accs) if isinstance(accs, list) else None  # (one seed: no deviation to show)
         acc = "diverged" if not isinstance(mean, float) or not math.isfinite(mean) else \
-            f"{100 * mean:.2f} ± {100 * std:.2f}"
+            f"{100 * mean:.2f} (n=1)" if n == 1 else f"{100 * mean:.2f} ± {100 * std:.2f}"
         delta = "" if not math.isfinite(mean) else f"{100 * (mean - ref_mean):+.2f}"
         ok = "yes" if math.isfinite(mean) and mean >= target else "no"
         if r.get("block_refused"):

@@ -173,10 +173,15 @@ def train_references(model: nn.Module, data, loss_fn, m: Measurements, cfg: Sett
                                  "cost": plan_cost(m, cfg, every, state),
                                  "time": plan_time(m, cfg, every, state),
                                  "block_refused": refused}
-        say(f"verify: uniform {lv} ({pol}) reaches "
-            f"{100 * runs[f'uniform {lv}']['mean']:.2f}%")
+        say(f"verify: uniform {lv} ({pol}) {_reaches(runs[f'uniform {lv}']['mean'])}")
     return Verified(runs=runs, attempts=[], target=target, fp32_seconds=fp32_seconds,
                     uniform=uniform)
+
+
+def _reaches(mean: float) -> str:
+    """What the log says of a verification run's mean accuracy (a non-finite one: diverged,
+    as the plan's table says)."""
+    return f"reaches {100 * mean:.2f}%" if math.isfinite(mean) else "diverged"
 
 
 def train_plan(model: nn.Module, data, loss_fn, m: Measurements, cfg: Settings, draft: Draft,
@@ -194,7 +199,7 @@ def train_plan(model: nn.Module, data, loss_fn, m: Measurements, cfg: Settings, 
         v.attempts.append(st)
         v.policy, v.overrides = base, over
         held = math.isfinite(st["mean"]) and st["mean"] >= v.target
-        say(f"verify: plan reaches {100 * st['mean']:.2f}% "
+        say(f"verify: plan {_reaches(st['mean'])} "
             f"({'within' if held else 'outside'} {100 * cfg.tolerance:.2f} points of fp32)")
         if held or draft.repairs >= draft.budget:
             break
