@@ -135,6 +135,26 @@ def test_the_plans_table_shows_one_seed_as_n1_and_a_diverged_run():
     assert [r[1] for r in rows] == ["90.00 (n=1)", "diverged", "89.00 ± 1.00"]
 
 
+def test_a_plan_settled_on_a_uniform_level_says_so_not_the_modules_remedies():
+    """Where the plan became a uniform level, each module's "why" names that level and not the
+    per-module remedies the uniform policy does not hold (a new user read "stochastic
+    write-back; raised by repair" under a uniform fp8 plan with nearest write-back)."""
+    from lowprec.experiments.planner.measure import why
+
+    judged = {"bf16": {"reasons": [], "grad_flush": 0.0, "perturbation": 0.0,
+                       "needs_loss_scale": True, "loss_scale": 1024.0,
+                       "needs_stochastic": True, "lost_updates": 0.52,
+                       "formats": {"params": "bf16"}}}
+    per_module = why("bf16", ["bf16", "fp32"], judged, "the plan reached 80% < 85%")
+    assert "stochastic write-back" in per_module and "loss scale" in per_module
+    assert "raised by repair (the plan reached" in per_module
+    settled = why("bf16", ["bf16", "fp32"], judged,
+                  "uniform bf16 verified at no more cost than the per-module plan")
+    assert "stochastic" not in settled and "loss scale" not in settled
+    assert "raised by repair" not in settled and settled.endswith(
+        "the plan is uniform bf16 verified at no more cost than the per-module plan")
+
+
 def test_plan_keeps_exactly_the_overflowing_modules_high(found):
     model, data = _model(), _data()
     # the reference: where torch's own fp16 cast of the float32 activations overflows

@@ -115,15 +115,19 @@ def why(chosen: str, order: list[str], judged: dict, repaired: str | None = None
     parts = [f"{lv}: {judged[lv]['reasons'][0]}" for lv in order[:order.index(chosen)]
              if judged[lv]["reasons"]]
     j = judged[chosen]
+    # the plan settled on a uniform level ("uniform fp8 verified ..."): that level's own
+    # policy, not this module's per-module remedies (a loss scale, a stochastic write-back the
+    # uniform policy may not have: a new user read one the plan did not hold)
+    uniform = repaired is not None and repaired.startswith("uniform ")
     if chosen != "fp32" and not parts:
         parts.append(f"{chosen} passes: no overflow, {100 * j['grad_flush']:.2f}% of gradients "
                      f"flushed, loss moves {100 * (j['perturbation'] or 0):.2f}%")
-    if j["needs_loss_scale"]:
+    if j["needs_loss_scale"] and not uniform:
         parts.append(f"{100 * j['grad_flush']:.1f}% of gradients flush unscaled: loss scale "
                      f"(~{j['loss_scale']:g})")
-    if j["needs_stochastic"]:
+    if j["needs_stochastic"] and not uniform:
         parts.append(f"{100 * j['lost_updates']:.0f}% of updates lost to nearest rounding in "
                      f"{j['formats']['params']}: stochastic write-back")
     if repaired:
-        parts.append(f"raised by repair ({repaired})")
+        parts.append(f"the plan is {repaired}" if uniform else f"raised by repair ({repaired})")
     return "; ".join(parts) or "fp32"
