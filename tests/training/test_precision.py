@@ -16,6 +16,14 @@ from lowprec.training.regimes import GroupKey, Role
 from lowprec.training.optim import SGD, FormatOptimizer
 
 
+def test_the_repr_shows_a_plans_overrides():
+    """A plan's Precision read as its base policy alone looked like that policy everywhere (a
+    new user's report): the repr lists the per-module overrides."""
+    plan = lowprec.Plan("16-true", overrides={"head": "32-true"})
+    assert repr(Precision(plan)).startswith("Precision(16-true, overrides={'head': '32-true'}")
+    assert "overrides" not in repr(Precision("16-true"))
+
+
 def test_native_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="emulated"):
         Precision("p=e4m3fn,b=native").setup(small_mlp())

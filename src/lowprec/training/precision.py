@@ -644,7 +644,12 @@ class Precision:
                               compute=compute, autocast=self.autocast, param_formats=own)
 
     def __repr__(self) -> str:
-        return f"Precision({self.policy}, backend={self.backend}, loss_scale={self.loss_scale})"
+        # per-module overrides (a plan's) too: a plan read as its base policy alone looked
+        # like that policy everywhere
+        listed = ", ".join(f"{k!r}: {str(v)!r}" for k, v in self.overrides.items())
+        over = f", overrides={{{listed}}}" if self.overrides else ""
+        return (f"Precision({self.policy}{over}, backend={self.backend}, "
+                f"loss_scale={self.loss_scale})")
 
 
 def time_backends(model: nn.Module | Callable[[], nn.Module], policy: str | Policy, example, *,
