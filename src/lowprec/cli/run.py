@@ -96,7 +96,8 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
     from ..experiments.runfolder import FolderBusy, RunIOError, holds_results
     from ..experiments.compare import failed_runs, run_compare
 
-    if cfg.resume and not holds_results(Path(cfg.out)):  # (make demo's first run: on purpose)
+    if cfg.resume and _empty_or_missing(Path(cfg.out)):  # (make demo's first run, on
+        # purpose; a folder of other files, or a bad path, is run_compare's one-line refusal)
         print(f"lowprec {command}: nothing stored in {cfg.out} yet: starting it (--resume "
               "continues a folder that holds results)", file=sys.stderr)
     try:
@@ -127,6 +128,14 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
         errors.append(line)
         print(line, file=sys.stderr)
     return 1 if failed else 0
+
+
+def _empty_or_missing(folder) -> bool:
+    """Whether ``folder`` does not exist or is empty (False where it cannot be read)."""
+    try:
+        return not folder.exists() or not any(folder.iterdir())
+    except OSError:
+        return False
 
 
 def cmd_compare(args, console: Console) -> int:
