@@ -149,7 +149,7 @@ def test_a_plan_settled_on_a_uniform_level_says_so_not_the_modules_remedies():
     assert "stochastic write-back" in per_module and "loss scale" in per_module
     assert "raised by repair (the plan reached" in per_module
     settled = why("bf16", ["bf16", "fp32"], judged,
-                  "uniform bf16 verified at no more cost than the per-module plan")
+                  settled="uniform bf16 verified at no more cost than the per-module plan")
     assert "stochastic" not in settled and "loss scale" not in settled
     assert "raised by repair" not in settled and settled.endswith(
         "the plan is uniform bf16 verified at no more cost than the per-module plan")

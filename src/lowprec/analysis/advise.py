@@ -127,12 +127,9 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
     return verdict, reasons
 
 
-def _regime(spec) -> Policy | None:
-    """The policy ``spec`` names when it is a regime with one static format for parameters,
-    activations and gradients and its own rounding (``"q6.10-sr"``, ``"fixed<16,8>-rn"``, a
-    spec such as ``"p=q6.10:stochastic,c=q6.10:sr,g=q6.10:sr"``), else None (``spec`` is a
-    format, or a policy the analyses cannot study through one format). The analyses then study
-    that format and the first non-finite op runs the regime itself, its rounding included."""
+def _as_policy(spec) -> Policy | None:
+    """The policy ``spec`` is or names; None for a format (or its name) and for anything that
+    is neither."""
     if isinstance(spec, str):
         try:
             parse_format(spec)
@@ -140,10 +137,20 @@ def _regime(spec) -> Policy | None:
         except (ValueError, TypeError):
             pass
         try:
-            spec = parse_policy(spec)
+            return parse_policy(spec)
         except (ValueError, TypeError):
             return None
-    if not isinstance(spec, Policy) or spec.scaled is not None or spec.compute.dynamic:
+    return spec if isinstance(spec, Policy) else None
+
+
+def _regime(spec) -> Policy | None:
+    """The policy ``spec`` names when it is a regime with one static format for parameters,
+    activations and gradients and its own rounding (``"q6.10-sr"``, ``"fixed<16,8>-rn"``, a
+    spec such as ``"p=q6.10:stochastic,c=q6.10:sr,g=q6.10:sr"``), else None (``spec`` is a
+    format, or a policy the analyses cannot study through one format). The analyses then study
+    that format and the first non-finite op runs the regime itself, its rounding included."""
+    spec = _as_policy(spec)
+    if spec is None or spec.scaled is not None or spec.compute.dynamic:
         return None
     if spec.params == spec.compute == spec.grads and spec.scope == "all":
         return spec
@@ -159,27 +166,19 @@ def advise_target(fmt) -> tuple[Format | Policy, Policy | None]:
     if pol is not None:
         return pol, None
     regime = _regime(fmt)
-    if regime is None and isinstance(fmt, (str, Policy)):
-        try:
-            parse_format(fmt)
-        except (ValueError, TypeError):
-            try:
-                other = parse_policy(fmt)
-            except (ValueError, TypeError):
-                other = None
-            if other is not None:  # (a policy advise cannot study: one line saying why)
-                why = [w for w, bad in (
-                    ("holds several formats", len({other.params, other.compute,
-                                                   other.grads}) > 1),
-                    ("rounds the matrix ops only (s=matmul)", other.scope != "all"),
-                    ("has a dynamic format (no one grid)", any(
-                        getattr(f, "dynamic", False)
-                        for f in (other.params, other.compute, other.grads)))) if bad]
-                raise ValueError(
-                    f"advise studies one static format; the policy {str(fmt)!r} "
-                    f"({replace(other, name=None)}) {' and '.join(why) or 'is not one'}: "
-                    "give a format (fp16, bf16, e4m3fn), a regime of one format (q6.10-sr, "
-                    "16-true) or a scaled-GEMM recipe (fp8-tensorwise)") from None
+    other = _as_policy(fmt) if regime is None else None
+    if other is not None:  # (a policy advise cannot study: one line saying why)
+        why = [w for w, bad in (
+            ("holds several formats", len({other.params, other.compute, other.grads}) > 1),
+            ("rounds the matrix ops only (s=matmul)", other.scope != "all"),
+            ("has a dynamic format (no one grid)", any(
+                getattr(f, "dynamic", False)
+                for f in (other.params, other.compute, other.grads)))) if bad]
+        raise ValueError(
+            f"advise studies one static format; the policy {str(fmt)!r} "
+            f"({replace(other, name=None)}) {' and '.join(why) or 'is not one'}: "
+            "give a format (fp16, bf16, e4m3fn), a regime of one format (q6.10-sr, "
+            "16-true) or a scaled-GEMM recipe (fp8-tensorwise)")
     return static_format(regime.compute if regime is not None else fmt, "advise"), regime
 
 

@@ -22,6 +22,7 @@ from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 from ..numerics.quantize import memory_order
 
 __all__ = ["range_profile", "RangeProfile", "RoleStats", "overflow_threshold", "classify",
+           "has_subnormals",
            "log2_histogram"]
 
 BINS = np.arange(-160, 131)  # log2 bin edges covering float32
@@ -60,16 +61,23 @@ def _at_most(t: float, dtype: torch.dtype, strict: bool = False) -> float:
     return float(f)
 
 
+def has_subnormals(fmt: str | Format) -> bool:
+    """Whether the format (or its name) has subnormal values: not fixed point nor a -nosub
+    format, whose smallest step is their smallest normal."""
+    fmt = parse_format(fmt)
+    return fmt.min_subnormal < fmt.min_normal
+
+
 def _classify(v: torch.Tensor, fmt: Format) -> dict:
     n = int(v.numel())
     if n == 0:
         return {"n": 0, "overflow": 0.0, "flush": 0.0, "subnormal": 0.0}
     half_sub = _at_most(fmt.min_subnormal / 2, v.dtype)
     flush = (v <= half_sub).sum().item()
-    # a format without subnormals (fixed point, -nosub: its smallest step is its smallest
-    # normal) has none: the values below its smallest step round to it or to zero
-    sub = 0 if fmt.min_subnormal >= fmt.min_normal else \
-        (v <= _at_most(fmt.min_normal, v.dtype, strict=True)).sum().item() - flush
+    # a format without subnormals has none: the values below its smallest step round to it
+    # or to zero
+    sub = (v <= _at_most(fmt.min_normal, v.dtype, strict=True)).sum().item() - flush \
+        if has_subnormals(fmt) else 0
     over = n - (v <= _at_most(overflow_threshold(fmt), v.dtype, strict=True)).sum().item()
     return {"n": n, "overflow": over / n, "flush": flush / n, "subnormal": sub / n}
 

@@ -6,7 +6,7 @@ import html
 import math
 import statistics
 
-from ..numerics.formats import parse_format
+from ..analysis.ranges import has_subnormals as format_has_subnormals
 from .render import html_table, md_table, png_bytes, subplots
 from .results import ResultsDB
 
@@ -131,8 +131,7 @@ def has_subnormals(fmt: str) -> bool:
     """Whether the format named ``fmt`` has subnormal values (fixed point and -nosub formats:
     none, their table cell "-"); True for a name that is not one format (a recipe's label)."""
     try:
-        f = parse_format(fmt)
-        return f.min_subnormal < f.min_normal
+        return format_has_subnormals(fmt)
     except (ValueError, TypeError, AttributeError):
         return True
 

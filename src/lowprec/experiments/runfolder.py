@@ -98,16 +98,16 @@ def _is_temp(name: str) -> bool:
     return pid == os.getpid() or _pid_gone(pid)
 
 
-def _is_run_folder(folder: Path) -> bool:
-    """The folder already holds a run of lowprec's (its lock file, results database or list of
-    models): only there are leftover temp files taken for a killed run's."""
-    return any(os.path.isfile(folder / n) for n in (LOCK_NAME, "results.db", MODELS_FILE))
-
-
 def holds_results(folder: Path) -> bool:
     """Whether the run folder ``folder`` holds a comparison's results (its database, or the
     list of models of a comparison over several): what ``--resume`` continues."""
     return any(os.path.isfile(Path(folder) / n) for n in ("results.db", MODELS_FILE))
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """The folder already holds a run of lowprec's (its lock file, or its results): only there
+    are leftover temp files taken for a killed run's."""
+    return os.path.isfile(folder / LOCK_NAME) or holds_results(folder)
 
 
 def _is_temp_entry(entry: os.DirEntry) -> bool:

@@ -34,6 +34,7 @@ class Draft:
     budget: int
     repaired: dict[str, str] = field(default_factory=dict)
     repairs: int = 0
+    settled: str | None = None  # the uniform level the plan settled on, and why (verify.settle)
 
 
 def optimizer_state(m: Measurements, lr: float) -> tuple[Format, str]:

@@ -109,16 +109,17 @@ def hw_note(m: Measurements, profile: HardwareProfile | None, name: str,
     return "; ".join(notes) or None
 
 
-def why(chosen: str, order: list[str], judged: dict, repaired: str | None = None) -> str:
+def why(chosen: str, order: list[str], judged: dict, repaired: str | None = None,
+        settled: str | None = None) -> str:
     """The measurements that decided a module's level: why each cheaper level was refused,
-    what the chosen one needs, and the repair that raised it, if one did."""
+    what the chosen one needs, and the repair that raised it, if one did; where the plan
+    settled on a uniform level (``settled``: which, and why), that level's reason instead of
+    the module's remedies (a loss scale, a stochastic write-back the uniform policy may not
+    have: a new user read one the plan did not hold)."""
     parts = [f"{lv}: {judged[lv]['reasons'][0]}" for lv in order[:order.index(chosen)]
              if judged[lv]["reasons"]]
     j = judged[chosen]
-    # the plan settled on a uniform level ("uniform fp8 verified ..."): that level's own
-    # policy, not this module's per-module remedies (a loss scale, a stochastic write-back the
-    # uniform policy may not have: a new user read one the plan did not hold)
-    uniform = repaired is not None and repaired.startswith("uniform ")
+    uniform = settled is not None
     if chosen != "fp32" and not parts:
         parts.append(f"{chosen} passes: no overflow, {100 * j['grad_flush']:.2f}% of gradients "
                      f"flushed, loss moves {100 * (j['perturbation'] or 0):.2f}%")
@@ -128,6 +129,8 @@ def why(chosen: str, order: list[str], judged: dict, repaired: str | None = None
     if j["needs_stochastic"] and not uniform:
         parts.append(f"{100 * j['lost_updates']:.0f}% of updates lost to nearest rounding in "
                      f"{j['formats']['params']}: stochastic write-back")
-    if repaired:
-        parts.append(f"the plan is {repaired}" if uniform else f"raised by repair ({repaired})")
+    if uniform:
+        parts.append(f"the plan is {settled}")
+    elif repaired:
+        parts.append(f"raised by repair ({repaired})")
     return "; ".join(parts) or "fp32"

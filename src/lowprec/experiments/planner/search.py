@@ -25,7 +25,7 @@ def evidence(m: Measurements, cfg: Settings, draft: Draft) -> dict:
     out = {}
     for n, p in m.prof.items():
         lv = draft.chosen[n]
-        reason = why(lv, m.order, m.judged[n], draft.repaired.get(n))
+        reason = why(lv, m.order, m.judged[n], draft.repaired.get(n), draft.settled)
         note = hw_note(m, cfg.profile, n, lv)
         out[n] = {
             "kind": p.kind, "params": p.n_params, "level": lv,

@@ -237,7 +237,7 @@ def settle(m: Measurements, cfg: Settings, draft: Draft, v: Verified,
         why_uniform = ("verified at no more cost than the per-module plan" if
                        runs[alt]["cost"] <= runs["plan"]["cost"] else
                        "the cheapest level that held; the per-module plan missed the tolerance")
-        draft.repaired = {n: f"uniform {lv} {why_uniform}" for n in m.prof}
+        draft.settled, draft.repaired = f"uniform {lv} {why_uniform}", {}
         draft.chosen = {n: lv for n in m.prof}
         v.policy, v.overrides = runs[alt]["policy"], {}
         runs["plan"] = dict(runs[alt], overrides={})
