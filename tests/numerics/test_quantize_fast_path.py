@@ -18,6 +18,18 @@ qmod = sys.modules["lowprec.numerics.quantize"]  # the module (the package expor
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernel is not built")
 
 
+def _kernel_calls(monkeypatch) -> list:
+    """The kernel entry points called from now on, in order: "prepared" (the fast path calls
+    quantize_prepared) or "f32" (the full path calls quantize_f32, which runs
+    kernel/quantize.py's own quantize_prepared, not the package attribute patched here)."""
+    calls = []
+    real, real_f32 = kernel.quantize_prepared, kernel.quantize_f32
+    monkeypatch.setattr(kernel, "quantize_prepared",
+                        lambda *a: calls.append("prepared") or real(*a))
+    monkeypatch.setattr(kernel, "quantize_f32", lambda *a: calls.append("f32") or real_f32(*a))
+    return calls
+
+
 @pytest.mark.parametrize("fmt,rounding", [("fp16", "nearest"), (parse_format("bf16"), "nearest"),
                                           ("e4m3fn", "toward_zero"), ("q6.10", "nearest"),
                                           ("e5m2", "up")])
@@ -26,13 +38,7 @@ def test_the_second_call_takes_the_fast_path_with_the_same_bits(fmt, rounding, m
     x = torch.randn(1000, generator=g) * 300
     first = quantize(x, fmt, rounding)  # prepares
     assert (fmt, rounding) in qmod._PREPARED
-    # the fast path calls quantize_prepared, the full one quantize_f32 (which runs
-    # kernel/quantize.py's own quantize_prepared, not the package attribute patched here)
-    calls = []
-    real, real_f32 = kernel.quantize_prepared, kernel.quantize_f32
-    monkeypatch.setattr(kernel, "quantize_prepared",
-                        lambda *a: calls.append("prepared") or real(*a))
-    monkeypatch.setattr(kernel, "quantize_f32", lambda *a: calls.append("f32") or real_f32(*a))
+    calls = _kernel_calls(monkeypatch)
     w = torch.nn.Parameter(x.clone())  # a parameter, needing a gradient, a generator given
     fast = quantize(w, fmt, rounding, generator=torch.Generator())
     assert calls == ["prepared"]
@@ -146,11 +152,7 @@ def test_stochastic_rounding_given_its_keys_takes_the_fast_path_too(fmt, roundin
     keys = (123456789, 2**32 - 5)
     first = quantize(x, fmt, rounding, seed=keys)  # prepares
     assert (fmt, rounding) in qmod._PREPARED_KEYED
-    calls = []
-    real, real_f32 = kernel.quantize_prepared, kernel.quantize_f32
-    monkeypatch.setattr(kernel, "quantize_prepared",
-                        lambda *a: calls.append("prepared") or real(*a))
-    monkeypatch.setattr(kernel, "quantize_f32", lambda *a: calls.append("f32") or real_f32(*a))
+    calls = _kernel_calls(monkeypatch)
     fast = quantize(x, fmt, rounding, seed=keys)
     assert calls == ["prepared"]
     assert_same_bits(fast, first, f"{fmt} {rounding}")
@@ -162,6 +164,37 @@ def test_stochastic_rounding_given_its_keys_takes_the_fast_path_too(fmt, roundin
     assert calls == ["f32"]
     with pytest.raises(ValueError, match="seed keys"):
         quantize(x, fmt, rounding, seed=(2**32, 0))
+
+
+@pytest.mark.parametrize("fmt,rounding", [("fp16", "stochastic"), ("q6.10", "stochastic"),
+                                          ("e4m3fn", "sr4"), (parse_format("bf16"), "sr8")])
+def test_in_place_stochastic_rounding_given_its_keys_takes_the_fast_path(fmt, rounding,
+                                                                         monkeypatch):
+    """quantize_ as quantize: the engine rounds an op's fresh output in place with a site's
+    keys; after a first call prepared the arguments, a contiguous tensor goes straight to the
+    kernel, a channels-last one to its tiles, with the out-of-place rounding's bits for the
+    same keys."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * 300
+    keys = (987654321, 77)
+    qmod.quantize_(x.clone(), fmt, rounding, seed=keys)  # prepares
+    assert (fmt, rounding) in qmod._PREPARED_KEYED
+    calls = _kernel_calls(monkeypatch)
+    y = x.clone()
+    assert qmod.quantize_(y, fmt, rounding, seed=keys) is y
+    assert calls == ["prepared"]
+    assert_same_bits(y, quantize(x, fmt, rounding, seed=keys, impl="torch"), "contiguous")
+    z = x.clone()
+    qmod.quantize_(z, fmt, rounding, seed=(keys[0], keys[1] ^ 1))
+    assert not torch.equal(y, z)
+    c = (torch.randn(4, 6, 5, 7, generator=g) * 300).contiguous(memory_format=torch.channels_last)
+    want = quantize(c, fmt, rounding, seed=keys, impl="torch")
+    v = c._version
+    qmod.quantize_(c, fmt, rounding, seed=keys)
+    assert c.is_contiguous(memory_format=torch.channels_last) and c._version > v
+    assert_same_bits(c, want, "channels-last")
+    with pytest.raises(ValueError, match="seed keys"):
+        qmod.quantize_(x.clone(), fmt, rounding, seed=(0, 2**32))
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

@@ -565,14 +565,15 @@ def _written(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _prepared_in_place(x: torch.Tensor, fmt, rounding):
+def _prepared_in_place(x: torch.Tensor, fmt, rounding, table: dict = _PREPARED):
     """The kernel's parameters for rounding ``x`` in place as a first call prepared them (a
-    deterministic rounding), where ``x`` is a non-empty float32 CPU tensor and no graph is
-    traced; None else: :func:`quantize_`'s fast path and :func:`quantize_counting_`."""
+    deterministic rounding; ``table`` :data:`_PREPARED_KEYED`: a stochastic one given its
+    keys, the keys not set), where ``x`` is a non-empty float32 CPU tensor and no graph is
+    traced; None else: :func:`quantize_`'s fast paths and :func:`quantize_counting_`."""
     if type(x) not in _PLAIN or x.dtype != torch.float32 or x.device.type != "cpu" or \
             not x.numel():
         return None
-    prm = _prepared(_PREPARED, fmt, rounding)
+    prm = _prepared(table, fmt, rounding)
     return None if prm is None or emits_graph_ops() else prm
 
 
@@ -612,6 +613,21 @@ def quantize_(
                 return x
             if _in_layout(x, x, prm, False) is not None:
                 return _written(x)
+    elif random_bits is None and _keys_given(seed, generator):
+        # stochastic rounding given its keys (the eager engine's in-place roundings: an op's
+        # fresh output, what an in-place op wrote), as quantize's keyed fast path: the
+        # arguments a first call prepared, the keys put into a copy (the full path's checks
+        # and parsing cost more than the kernel on a small tensor: q6.10 of 1,024 values 26.8
+        # us a call without this path, 10.2 with it, one thread of an AMD EPYC with AVX2,
+        # benchmarks/RESULTS.md, "Issue 37, nineteenth session")
+        prm = _prepared_in_place(x, fmt, rounding, _PREPARED_KEYED)
+        if prm is not None:
+            prm = _kernel.with_keys(prm, *_keys_of(seed))  # (a bad pair raises, as below)
+            if x.is_contiguous():
+                _kernel.quantize_prepared(x, x, prm)
+                return x
+            if _in_layout(x, x, prm, True) is not None:
+                return _written(x)
     key = (fmt, rounding)
     if emits_graph_ops():
         spelled = _spelled(fmt, rounding, random_bits)
@@ -636,8 +652,11 @@ def quantize_(
             keys = ((draw_seed(generator) if seed is None else _keys_of(seed))
                     if mode.is_stochastic else (0, 0))
             code, rmask = ROUNDING_CODES[mode], random_mask(rbits)
-            if not mode.is_stochastic and random_bits is None and _kernel.available():
-                _prepare(key, fmt, code, rmask)
+            if random_bits is None and _kernel.available():
+                if not mode.is_stochastic:
+                    _prepare(key, fmt, code, rmask)
+                elif _keys_given(seed, generator):
+                    _prepare(key, fmt, code, rmask, _PREPARED_KEYED)
             if x.is_contiguous():
                 _elementwise(x, fmt, code, rmask, keys, "kernel", x)
                 return x

@@ -207,7 +207,8 @@ LP_INLINE lp_inv make_inv(const lp_params *p, int32_t sh) {
      * >= 2**-94 (normal) or fractions below 2**qsub scaled by 2**(32 - qsub) <= 2**126; a
      * float32 subnormal there (an input, or a fraction below 2**-126) scales below 1 and so
      * truncates to 0 with or without denormals-are-zero: the same bits in any MXCSR mode. */
-    v.fixed_sr = p->bemin + sh >= 255 && v.qsub >= -94 && v.qsub <= 100;
+    v.fixed_sr = p->bemin + sh >= 255 && v.qsub >= -94 && v.qsub <= 100 &&
+                 p->overflow == OV_SAT && p->signed_zero == 0; /* (every fixed format) */
     v.srq = v.fixed_sr ? u2f(pow2_bits(v.qsub)) : 0.0f;
     v.srm = v.fixed_sr ? u2f(pow2_bits(v.qsub + 23)) : 0.0f;
     v.srt = v.fixed_sr ? u2f(pow2_bits(32 - v.qsub)) : 0.0f;
