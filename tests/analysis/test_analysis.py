@@ -401,6 +401,43 @@ def test_advise_reports_measurements():
     assert advise(bad, _dataset(), "fp16").verdict == "unsafe"
 
 
+def test_no_loss_scale_needed_says_how_many_gradients_are_subnormal():
+    """A gradient flushed to zero needs a loss scale; a subnormal one does not, but keeps fewer
+    bits, and the report plots it against the recommended scale: advise's reason says both,
+    from the range profile's counts (judge's threshold: more than 10% subnormal)."""
+    from lowprec.analysis.advise import SUBNORMAL_NOTE, gradient_subnormals, judge
+
+    cert = {"n": 10, "certified": 1.0, "agreement": 1.0, "violations": 0}
+    _, reasons = judge(cert, underflow_at_1=0.0051, loss_scale=262144.0, lr=0.1,
+                       subnormal_at_1=0.94)
+    assert reasons[1] == ("no loss scale needed: 0.51% of gradient values underflow at scale "
+                          "1; 94.0% are subnormal there, with fewer significant bits: a loss "
+                          "scale up to 262144 would lift them without overflow")
+    for sub, scale in ((SUBNORMAL_NOTE, 262144.0), (0.94, 1.0), (None, 262144.0)):
+        _, reasons = judge(cert, underflow_at_1=0.0051, loss_scale=scale, lr=0.1,
+                           subnormal_at_1=sub)
+        assert reasons[1].endswith("underflow at scale 1"), (sub, scale)
+    # a network whose output is scaled by 1e-2: most of its gradients (a mean over 256 inputs)
+    # lie in fp16's subnormal range, almost none below it
+    model = nn.Sequential(random_mlp(4, [6, 16, 4], 1.0), Scale(1e-2))
+    adv = advise(model, _dataset(), "fp16", lr=0.1)
+    sub = gradient_subnormals(adv.ranges)
+    rows = adv.ranges.role("activation_grads") + adv.ranges.role("weight_grads")
+    assert sub == pytest.approx(sum(r.subnormal * r.n for r in rows) / sum(r.n for r in rows))
+    assert sub > 0.5 and adv.underflow_at_1 <= 0.01
+    assert f"{100 * sub:.1f}% are subnormal there" in " ".join(adv.reasons)
+    assert f"up to {adv.loss_scale:g} would lift them" in " ".join(adv.reasons)
+
+
+class Scale(nn.Module):
+    def __init__(self, c: float) -> None:
+        super().__init__()
+        self.c = c
+
+    def forward(self, x):
+        return x * self.c
+
+
 def test_certify_and_advise_commands(capsys):
     from lowprec.cli import main
 

@@ -7,7 +7,9 @@ prints quotes a number it measured; the thresholds are stated here:
 * unsafe to run: a non-finite value appears in the forward pass in the format, or fewer than
   95% of the test predictions agree with float32;
 * a loss scale is needed when more than 1% of the nonzero gradient values flush to zero at
-  scale 1 (the recommended scale is :func:`lowprec.find_loss_scale`'s);
+  scale 1 (the recommended scale is :func:`lowprec.find_loss_scale`'s); where none is needed
+  but more than 10% of them are subnormal there (fewer significant bits: what the report's
+  range plots show), the reason says so and names the scale that would lift them;
 * a layer whose nearest-rounding write-back loses more than 10% of its updates needs stochastic
   rounding or float32 master weights;
 * otherwise: safe.
@@ -31,10 +33,12 @@ from .nonfinite import NonFiniteReport, first_nonfinite
 from .ranges import RangeProfile, range_profile
 from .updates import LostUpdates, lost_updates
 
-__all__ = ["advise", "advise_target", "Advice", "judge", "AGREEMENT_MIN", "UNDERFLOW_MAX", "LOST_MAX"]
+__all__ = ["advise", "advise_target", "Advice", "judge", "gradient_subnormals", "AGREEMENT_MIN",
+           "UNDERFLOW_MAX", "SUBNORMAL_NOTE", "LOST_MAX"]
 
 AGREEMENT_MIN = 0.95
 UNDERFLOW_MAX = 0.01
+SUBNORMAL_NOTE = 0.10
 LOST_MAX = 0.10
 
 
@@ -79,12 +83,13 @@ def _field(row, name: str):
 
 def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: float,
           underflow_at_scale: float | None = None, lost=(), forward_nonfinite=None,
-          backward_nonfinite=None) -> tuple[str, list[str]]:
+          backward_nonfinite=None, subnormal_at_1: float | None = None) -> tuple[str, list[str]]:
     """The verdict ("safe", "needs care", "unsafe") and its reasons from measured numbers, by
     the thresholds of this module: ``certificate`` is :meth:`Certificate.summary` (``n``,
     ``certified``, ``agreement``, ``violations``); ``underflow_at_1`` the fraction of nonzero
     gradient values that flush to zero unscaled and ``loss_scale`` the recommended scale
-    (``underflow_at_scale`` the fraction left there, when measured); ``lost`` the per-layer
+    (``underflow_at_scale`` the fraction left there, when measured; ``subnormal_at_1`` the
+    fraction of nonzero gradient values that are subnormal unscaled, when measured); ``lost`` the per-layer
     lost updates (:class:`LostUpdates` or their dicts) at ``lr``; the first non-finite op of
     the forward and backward passes where it was looked for. :func:`advise` and the compare
     report (from the analyses stored in results.db) both judge with it."""
@@ -108,8 +113,14 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
         reasons.append(f"loss scale {loss_scale:g} recommended: {100 * underflow_at_1:.1f}% of "
                        f"gradient values underflow at scale 1{left}")
     else:
+        sub = ""
+        if subnormal_at_1 is not None and subnormal_at_1 > SUBNORMAL_NOTE and loss_scale > 1:
+            # (not a failure: a subnormal keeps its value to within the format's smallest
+            # step; the range plots show these values, and the scale that would lift them)
+            sub = (f"; {100 * subnormal_at_1:.1f}% are subnormal there, with fewer significant "
+                   f"bits: a loss scale up to {loss_scale:g} would lift them without overflow")
         reasons.append(f"no loss scale needed: {100 * underflow_at_1:.2f}% of gradient "
-                       f"values underflow at scale 1")
+                       f"values underflow at scale 1{sub}")
     if backward_nonfinite is not None:
         reasons.append(f"at scale 1 the backward pass overflows first at {backward_nonfinite}")
     worst = max(lost, key=lambda r: _field(r, "nearest"), default=None)
@@ -125,6 +136,14 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
         reasons.append(f"updates survive rounding: at most {100 * _field(worst, 'nearest'):.1f}% "
                        f"lost with nearest rounding (layer {_field(worst, 'layer')}) at lr {lr:g}")
     return verdict, reasons
+
+
+def gradient_subnormals(ranges: RangeProfile) -> float:
+    """The fraction of a range profile's nonzero gradient values (activation and weight
+    gradients, weighted by their counts) that are subnormal in its format, unscaled."""
+    rows = ranges.role("activation_grads") + ranges.role("weight_grads")
+    n = sum(r.n for r in rows)
+    return sum(r.subnormal * r.n for r in rows) / n if n else 0.0
 
 
 def _as_policy(spec) -> Policy | None:
@@ -255,7 +274,8 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
     s = cert.summary()
     verdict, reasons = judge(s, underflow_at_1=choice.underflow_at_1, loss_scale=choice.scale,
                              underflow_at_scale=choice.underflow_at_scale, lost=lost, lr=lr,
-                             forward_nonfinite=nf.forward, backward_nonfinite=nf.backward)
+                             forward_nonfinite=nf.forward, backward_nonfinite=nf.backward,
+                             subnormal_at_1=gradient_subnormals(ranges))
     if errs:
         last = errs[-1]
         eps = "" if pol is not None else f" (format eps {fmt.eps:.1e})"

@@ -134,16 +134,18 @@ def _findings(db: ResultsDB, policy: str) -> list[dict]:
         fmt = kind.split(":", 1)[1]
         ranges = db.analysis(run["run_id"], f"ranges:{fmt}") or {}
         lost = db.analysis(run["run_id"], f"lost:{fmt}") or {}
-        flushed = counted = 0.0
+        flushed = subnormal = counted = 0.0
         for role in ("activation_grads", "weight_grads"):
             v = (ranges.get("roles") or {}).get(role)
             if v:
                 n = sum(v.get("hist") or ())
                 flushed += v["flush"] * n
+                subnormal += v.get("subnormal", 0.0) * n
                 counted += n
         verdict, reasons = judge(cert["summary"], underflow_at_1=flushed / counted if counted
                                  else 0.0, loss_scale=ranges.get("recommended_scale") or 1.0,
-                                 lost=lost.get("layers") or (), lr=lost.get("lr") or 0.0)
+                                 lost=lost.get("layers") or (), lr=lost.get("lr") or 0.0,
+                                 subnormal_at_1=subnormal / counted if counted else None)
         out.append({"format": fmt, "verdict": verdict, "reasons": reasons,
                     "run": run["run_id"]})
     return out
