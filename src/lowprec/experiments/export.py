@@ -5,6 +5,7 @@ database in the formats other tools read, offline, with each library's own write
   ``memory.csv``, ``scale_trace.csv``, ``analysis.csv``, ``meta.csv``), a header row, floats
   written as Python's shortest round-trip repr, SQL NULL (a non-finite value) as an empty
   field; JSON columns (config, versions, hardware, analysis payloads) as their JSON text.
+  Epochs are numbered from 0 (results.db's index; the terminal's progress counts from 1).
 * ``parquet``: the same tables, one ``.parquet`` file each, written by pyarrow with the
   columns' SQL types (INTEGER int64, REAL float64, TEXT string, NULL as null).
 * ``tensorboard``: one event-file folder per run (``torch.utils.tensorboard.SummaryWriter``):
