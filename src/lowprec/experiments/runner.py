@@ -19,13 +19,13 @@ import math
 import sqlite3
 import time
 import traceback
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..training.caller import warn
 from ..training.backends import BackendChoice
 from ..training.optim import SGD, Adam
 from ..training.plan import is_plan_spec, load_plan
@@ -410,8 +410,7 @@ def redo_reason(existing: dict | None, policy: Policy) -> str | None:
 
 
 def warn_redone(policy, seed: int, reason: str) -> None:
-    warnings.warn(f"lowprec: run {policy} seed {seed} is redone from its start: {reason}",
-                  stacklevel=3)
+    warn(f"lowprec: run {policy} seed {seed} is redone from its start: {reason}")
 
 
 def _stored_choice(existing: dict | None, policy: Policy

@@ -31,11 +31,11 @@ uses torch's keys, so checkpoints load either way.
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import nullcontext
 
 import torch
 
+from ..training.caller import warn
 from ..training.loss_scale import DynamicLossScale
 from ..numerics.storage import storage_dtype
 from ..training.policy import Policy, Scope
@@ -197,11 +197,11 @@ class GradScaler:
         if self._warned_not_set_up or prec.model is not None or prec.policy.is_fp32:
             return
         self._warned_not_set_up = True
-        warnings.warn(
+        warn(
             f"GradScaler.{what}() under policy {prec.policy}, but no model was set up: the "
             "model trains in fp32 with loss scaling only. Call model, optimizer = "
             "scaler.setup(model, optimizer) before the loop (or use policy='32-true' with "
-            "your own torch.autocast)", UserWarning, stacklevel=3)
+            "your own torch.autocast)")
 
     # -- the loop ----------------------------------------------------------------------------
     def autocast(self, device_type: str | None = None, dtype: torch.dtype | None = None,

@@ -47,13 +47,13 @@ import copy
 import contextlib
 import math
 import weakref
-import warnings
 from collections.abc import Mapping
 from typing import Callable
 
 import torch
 from torch import nn
 
+from .caller import warn
 from ..numerics.formats import FP32, Format
 from ..numerics.rounding import check_generator
 from ..numerics.storage import compact, format_of_dtype
@@ -241,7 +241,7 @@ class Precision:
                                                       compile=self.compile))
         _SET_UP.add(model)
         self.device = device
-        announce(self.policy, choice, facts, stacklevel=2)  # once per process and policy
+        announce(self.policy, choice, facts)  # once per process and policy
         self.backend_choice, self.backend = choice, choice.backend
         self.kernel_target = self.target or (
             "cuda" if torch.device(device).type == "cuda" and not self.match_cpu_kernels
@@ -262,7 +262,7 @@ class Precision:
         self._backend.convert_module(model, names, compute_replaced=replaced)
         if self.compile and not replaced and \
                 (why := compile_ignored(choice.backend, self.policy)) is not None:
-            warnings.warn(why, stacklevel=2)  # (the caller of setup())
+            warn(why)
         self._added = added
         if optimizer is not None:
             optimizer = self.setup_optimizer(optimizer)
@@ -345,8 +345,8 @@ class Precision:
 
         risks = adam_risks(entries())
         if risks:
-            warnings.warn(adam_warning(type(adam).__name__, self.policy, risks),
-                          OptimizerPrecisionWarning, stacklevel=4)  # the caller of step()
+            warn(adam_warning(type(adam).__name__, self.policy, risks),
+                 OptimizerPrecisionWarning)
 
     def _setup_optimizer(self, optimizer):
         pol = self.policy
@@ -366,11 +366,11 @@ class Precision:
             return wrapped
         if pol.optimizer_state != pol.params and not self._backend.carriers:
             # native: torch creates a plain optimizer's state in its parameters' dtype
-            warnings.warn(
+            warn(
                 f"{type(optimizer).__name__} keeps its state in the parameters' dtype "
                 f"({pol.params}) under the native backend, not in o={pol.optimizer_state}: use "
                 "lowprec.training.optim's SGD or Adam, master weights (m=), or b=emulated",
-                OptimizerPrecisionWarning, stacklevel=3)
+                OptimizerPrecisionWarning)
         return optimizer
 
     def convert_input(self, x):
@@ -490,8 +490,8 @@ class Precision:
         optimizer, params = self._grads_of(optimizer, "step")
         unscaled = self._unscaled.pop(id(optimizer), None)
         if not params:
-            warnings.warn("step() found no gradients: call prec.backward(loss) first; nothing "
-                          "was stepped and the step was not counted", UserWarning, stacklevel=3)
+            warn("step() found no gradients: call prec.backward(loss) first; nothing was "
+                 "stepped and the step was not counted")
             return False
         scale = self.loss_scale.scale
         takes_scale = isinstance(optimizer, PolicyOptimizer) and unscaled is None

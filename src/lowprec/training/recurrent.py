@@ -22,11 +22,11 @@ warning naming the layer types and the error.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 from torch import nn
 
+from .caller import warn
 from .tree import cast_floating
 
 __all__ = ["RECURRENT", "native_failure", "install_fp32_fallback"]
@@ -163,9 +163,9 @@ def install_fp32_fallback(model: nn.Module, device: torch.device, dtype: torch.d
                else f"with {dt} parameters")
         which = "it" if len(handles) == 1 else f"these {len(handles)} layers"
         under = f" under policy {policy}" if policy else ""
-        warnings.warn(
+        warn(
             f"{names} cannot run {how} on this {device.type} "
             f"({'; '.join(sorted(set(failed.values())))}): lowprec runs {which} in fp32{under} "
             f"(inputs cast to fp32, outputs back to {dt}), as autocast runs an op that has no "
-            f"{dt} kernel", UserWarning, stacklevel=3)
+            f"{dt} kernel")
     return handles

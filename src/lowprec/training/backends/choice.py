@@ -12,11 +12,9 @@ experiment runner stores it with each run.
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from dataclasses import dataclass
 
+from ..caller import warn
 from ...numerics.formats import BF16, FP16, FP32
 from ...numerics.rounding import Rounding
 from ..hardware import DeviceFacts, native_speed
@@ -127,8 +125,7 @@ def choose_backend(policy: Policy, facts: DeviceFacts, *,
 _ANNOUNCED: set = set()
 
 
-def announce(policy: Policy, choice: BackendChoice, facts: DeviceFacts, stacklevel: int = 2
-             ) -> bool:
+def announce(policy: Policy, choice: BackendChoice, facts: DeviceFacts) -> bool:
     """Warn once per process, policy and device which backend ``auto`` chose and why; returns
     whether it warned (choices the user made, or ``auto`` could not make otherwise, are not
     announced)."""
@@ -139,20 +136,7 @@ def announce(policy: Policy, choice: BackendChoice, facts: DeviceFacts, stacklev
         return False
     _ANNOUNCED.add(key)
     other = Backend.NATIVE if choice.backend is Backend.EMULATED else Backend.EMULATED
-    warnings.warn(f"lowprec: policy {policy} runs {choice.backend} (backend=auto): "
-                  f"{choice.reason}; b={other} in the policy chooses the other backend",
-                  BackendChoiceWarning, stacklevel=max(stacklevel + 1, _outside_lowprec()))
+    warn(f"lowprec: policy {policy} runs {choice.backend} (backend=auto): {choice.reason}; "
+         f"b={other} in the policy chooses the other backend", BackendChoiceWarning)
     return True
 
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _outside_lowprec() -> int:
-    """The ``stacklevel`` at which a warning raised by this function's caller names the first
-    frame outside the lowprec package: the user's line that led there (``setup()`` called by
-    lowprec's own runner, certify or Hugging Face trainer named lowprec's file before)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level

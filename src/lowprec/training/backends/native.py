@@ -9,11 +9,11 @@ compute format (:func:`lowprec.training.backends.choice.can_be_native`).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from torch import nn
 
+from ..caller import warn
 from ...numerics.formats import FP32
 from ...numerics.storage import storage_dtype
 from ..policy import Backend, Scope
@@ -39,9 +39,9 @@ class NativeBackend(PrecisionBackend):
             return
         pol = self.policy
         if self.match_cpu_kernels:
-            warnings.warn(f"match_cpu_kernels=True has no effect: policy {pol} runs on the "
-                          f"native backend (torch's own kernels); it applies to emulated "
-                          f"policies (b=emulated)", stacklevel=3)  # the caller of setup()
+            warn(f"match_cpu_kernels=True has no effect: policy {pol} runs on the native "
+                 f"backend (torch's own kernels); it applies to emulated policies "
+                 f"(b=emulated)")
         if pol.scope is Scope.ALL and pol.params != FP32:
             dtype = storage_dtype(pol.params)
             model.to(dtype)

@@ -45,11 +45,11 @@ import math
 import os
 import threading
 import types
-import warnings
 
 import torch
 from torch import nn
 
+from ..caller import warn
 from ...numerics import fused as _fused
 from ...numerics.formats import BlockFormat
 from ...numerics.ops import define_op, quantize_op
@@ -966,8 +966,7 @@ class CompiledForward:
         self.reason = reason
         if not self._warned:
             self._warned = True
-            warnings.warn(f"lowprec: compiled emulation runs this model eagerly: {reason}",
-                          stacklevel=4)
+            warn(f"lowprec: compiled emulation runs this model eagerly: {reason}")
 
     def eager(self, *args, **kwargs):
         em = self.engine

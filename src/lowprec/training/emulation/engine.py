@@ -45,7 +45,6 @@ import fnmatch
 import math
 import struct
 import types
-import warnings
 from dataclasses import replace
 from typing import Callable
 
@@ -53,6 +52,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..caller import warn
 from ...numerics.formats import FP32, BlockFormat, FixedFormat, FloatFormat, Format
 from ...numerics.quantize import draw_seed, emits_graph_ops, quantize_
 from ...numerics.rounding import Rounding, check_generator
@@ -97,9 +97,9 @@ def _widened(t):
 
 def _warn_if_compiling(module, args) -> None:
     if torch.compiler.is_compiling():
-        warnings.warn("lowprec: an emulated policy runs the model eagerly under torch.compile "
-                      "(its op-level rounding is Python); Precision(..., compile=True) "
-                      "compiles it with every rounding in the graph", stacklevel=2)
+        warn("lowprec: an emulated policy runs the model eagerly under torch.compile (its "
+             "op-level rounding is Python); Precision(..., compile=True) compiles it with "
+             "every rounding in the graph")
 
 
 def _eager_only(hook):

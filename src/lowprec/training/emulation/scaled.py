@@ -34,11 +34,11 @@ model (:func:`bind_history`), so it travels in ``Precision.state_dict()``.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 
 import torch
 
+from ..caller import warn
 from ...numerics.scaling import AmaxHistory, scaled_cast
 
 __all__ = ["run_scaled", "bind_history", "history_of", "scaled_matmul", "record_casts",
@@ -119,16 +119,15 @@ def after_forward(engine) -> None:
              "Float8Linear converts nn.Linear only), so they compute in "
              f"{'/'.join(compute)}") if log.uncovered else ""
     if not log.touched:
-        warnings.warn(
+        warn(
             f"the scaled-GEMM recipe {name} covers {', '.join(ops)} (nn.Linear, F.linear) and "
             f"this model's forward ran none: nothing is cast to the recipe's formats, and the "
             f"model trains as {'/'.join(compute)} without it{convs}; round every op with a "
-            "format policy instead (c=e4m3fn, 16-true, ...)", RecipeCoverageWarning,
-            stacklevel=2)
+            "format policy instead (c=e4m3fn, 16-true, ...)", RecipeCoverageWarning)
     elif log.uncovered:
-        warnings.warn(
+        warn(
             f"the scaled-GEMM recipe {name} cast the GEMMs of {len(log.touched)} module(s) "
-            f"({_listed(log.touched)}){convs}", RecipeCoverageWarning, stacklevel=2)
+            f"({_listed(log.touched)}){convs}", RecipeCoverageWarning)
 
 
 def coverage_of(engine) -> dict | None:
