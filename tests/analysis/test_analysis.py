@@ -289,6 +289,42 @@ def test_range_profile_keeps_each_layers_output_before_later_in_place_ops():
         assert s == ref[(s.layer, s.role)], (s.layer, s.role)
 
 
+def test_a_layer_called_twice_is_profiled_over_both_outputs_and_their_gradients():
+    """A module used twice in a forward (a shared layer): its activation and gradient rows
+    count the values of both calls, as of their concatenation (reference: classify, the
+    histogram and the extremes of the two outputs and gradients, taken directly)."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.head = nn.Linear(5, 5, bias=False), nn.Linear(5, 3)
+
+        def forward(self, x):
+            a = self.shared(x)
+            b = self.shared(a * 3e-5)  # (smaller values: subnormal in fp16)
+            a.retain_grad()
+            b.retain_grad()
+            self.kept = (a, b)
+            return self.head(b + a)
+
+    torch.manual_seed(1)
+    model = Twice()
+    x, y = torch.randn(64, 5), torch.randint(0, 3, (64,))
+    prof = range_profile(model, (x, y), nn.functional.cross_entropy, "fp16")
+    a, b = model.kept
+    for role, vals in (("activations", (a, b)), ("activation_grads", (a.grad, b.grad))):
+        row = next(r for r in prof.stats if r.layer == "shared" and r.role == role)
+        cat = torch.cat([v.detach().reshape(-1) for v in vals])
+        mags = cat.abs()[cat != 0]
+        want = classify(cat, parse_format("fp16"))
+        assert (row.n, row.overflow, row.flush, row.subnormal) == pytest.approx(
+            (want["n"], want["overflow"], want["flush"], want["subnormal"]), rel=1e-12), role
+        assert row.max_abs == mags.max().item() and row.min_abs == mags.min().item()
+        assert row.hist == log2_histogram(mags)
+    assert 0 < next(r for r in prof.stats if r.layer == "shared" and
+                    r.role == "activations").subnormal < 1
+
+
 def test_lost_update_fractions_match_an_elementwise_check():
     g = torch.Generator().manual_seed(2)
     w = quantize(torch.randn(3000, generator=g), "bf16")
