@@ -325,6 +325,30 @@ def test_a_layer_called_twice_is_profiled_over_both_outputs_and_their_gradients(
                     r.role == "activations").subnormal < 1
 
 
+def test_the_analyses_leave_a_model_in_train_mode_as_they_found_it():
+    """A forward in train mode moves a BatchNorm's running statistics and batch count: every
+    measuring pass (range profile, lost updates, loss-scale search, advise) puts the buffers
+    and the gradients back (a new user's network changed under advise: num_batches_tracked +3,
+    running_mean moved by 0.1)."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                        nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).train()
+    x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 3, (32,))
+    nn.functional.cross_entropy(net(x), y).backward()  # the caller's own gradients
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    grads = [p.grad.clone() for p in net.parameters()]
+    ce = nn.functional.cross_entropy
+    for run in (lambda: range_profile(net, (x, y), ce, "fp16"),
+                lambda: lost_updates(net, (x, y), ce, "bf16", lr=0.1),
+                lambda: find_loss_scale(net, (x, y), ce, "fp16"),
+                lambda: advise(net, (x, y), "fp16", batches=1)):
+        run()
+        assert net.training
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
+
+
 def test_lost_update_fractions_match_an_elementwise_check():
     g = torch.Generator().manual_seed(2)
     w = quantize(torch.randn(3000, generator=g), "bf16")

@@ -175,10 +175,14 @@ def tensor_range(t: torch.Tensor) -> dict:
 
 
 @contextlib.contextmanager
-def fresh_grads(model: nn.Module):
-    """Run a measuring backward pass without touching the caller's gradients: they are set
-    aside, cleared for the block, and put back afterwards."""
+def untouched(model: nn.Module):
+    """Run a measuring forward and backward pass on the caller's model and leave it as it was:
+    its gradients set aside, cleared for the block and put back afterwards; its buffers
+    (a BatchNorm's running statistics and batch count, which a forward in train mode moves)
+    copied and restored in place."""
     saved = {p: p.grad for p in model.parameters()}
+    with torch.no_grad():
+        buffers = [(b, b.clone()) for b in model.buffers()]
     try:
         for p in model.parameters():
             p.grad = None
@@ -186,3 +190,6 @@ def fresh_grads(model: nn.Module):
     finally:
         for p, g in saved.items():
             p.grad = g
+        with torch.no_grad():
+            for b, old in buffers:
+                b.copy_(old)

@@ -35,7 +35,7 @@ from ..training.emulation.scaled import RecipeCoverageWarning
 from ..training.policy import Policy
 from ..training.precision import Precision
 from .advise import LOST_MAX, UNDERFLOW_MAX
-from .common import fp32_twin, fresh_grads, run_model
+from .common import fp32_twin, untouched, run_model
 from .plan_costs import MATMUL_KINDS, block_refusal, bytes_of, covered, module_time, role_bits
 from .ranges import classify
 from .roofline import PROFILES
@@ -131,9 +131,8 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
                     out.register_hook(lambda g, name=name: grads[name].append(g.detach()))
         handles.append(mods[name].register_forward_hook(hook))
     inputs, targets = batch
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
     try:
-        with fresh_grads(model):
+        with untouched(model):
             loss = loss_fn(run_model(model, inputs, output_fn), targets)
             loss.float().backward()
             prof = {}
@@ -148,9 +147,6 @@ def module_profile(model: nn.Module, batch, loss_fn, *, output_fn=None
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():  # the pass must not move BatchNorm statistics
-            for n, b in model.named_buffers():
-                b.copy_(buffers[n])
     return prof
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .common import fresh_grads, parameter_groups, run_model, scaled_policy, static_format
+from .common import untouched, parameter_groups, run_model, scaled_policy, static_format
 from ..numerics.formats import FixedFormat, FloatFormat, Format, parse_format
 from ..numerics.quantize import memory_order
 
@@ -210,7 +210,7 @@ def range_profile(model: nn.Module, batch, loss_fn, fmt: str | Format = "fp16", 
                             name, []).append(_tally(g, fmt)))
             handles.append(m.register_forward_hook(hook))
     try:
-        with fresh_grads(model):
+        with untouched(model):
             loss = loss_fn(run_model(model, inputs, output_fn), targets)
             (loss.float() * loss_scale).backward()
             stats: list[RoleStats] = []

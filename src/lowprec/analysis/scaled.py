@@ -16,7 +16,7 @@ from torch import nn
 
 from ..training.emulation.scaled import record_casts
 from ..training.policy import Policy
-from .common import fresh_grads, low_precision_copy, run_model
+from .common import untouched, low_precision_copy, run_model
 
 __all__ = ["scaled_operands", "weighted", "gradient_rows", "largest", "smallest"]
 
@@ -29,7 +29,7 @@ def scaled_operands(model: nn.Module, batch, loss_fn, policy: Policy, output_fn=
     ``subnormal``, ``saturated``, ``amax``, ``amin``, ``nonfinite``)."""
     inputs, targets = batch
     low, prec = low_precision_copy(model, policy)
-    with fresh_grads(low), record_casts() as rows:
+    with untouched(low), record_casts() as rows:
         loss = loss_fn(run_model(low, prec.convert_input(inputs), output_fn), targets)
         loss.float().backward()
     prec.emulation.detach()

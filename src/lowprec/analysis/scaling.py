@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..numerics.formats import Format, parse_format
-from .common import fresh_grads, run_model, scaled_policy, static_format
+from .common import untouched, run_model, scaled_policy, static_format
 
 __all__ = ["LossScaleChoice", "find_loss_scale", "gradient_magnitudes", "power_of_two_scale"]
 
@@ -68,7 +68,7 @@ def gradient_magnitudes(model: torch.nn.Module, batch, loss_fn, output_fn=None) 
         if not list(m.children()):
             handles.append(m.register_forward_hook(watch))
     try:
-        with fresh_grads(model):
+        with untouched(model):
             loss = loss_fn(run_model(model, inputs, output_fn), targets)
             loss.float().backward()
             grads += [p.grad.detach().abs().flatten().float() for p in model.parameters()

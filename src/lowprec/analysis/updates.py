@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .common import fresh_grads, parameter_groups, run_model, scaled_policy, static_format
+from .common import untouched, parameter_groups, run_model, scaled_policy, static_format
 from ..numerics.formats import Format
 from ..numerics.quantize import quantize
 from ..numerics.rounding import check_generator
@@ -64,7 +64,7 @@ def lost_updates(model: nn.Module, batch, loss_fn, fmt: str | Format = "bf16", *
         raise ValueError(f"optimizer={optimizer!r}; accepted: sgd, adam")
     inputs, targets = batch
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
-    with fresh_grads(model):
+    with untouched(model):
         loss_fn(run_model(model, inputs, output_fn), targets).float().backward()
         rows = []
         for mname, m in model.named_modules():
