@@ -107,9 +107,13 @@ def test_json_from_a_config_file_or_an_abbreviation_covers_failures(tmp_path, ca
 
 def test_certify_and_advise_json(capsys):
     args = ["--data", "digits", "--model", "mlp", "--epochs", "0", "--json"]
-    assert main(["certify", *args]) == 0
+    code = main(["certify", *args])
     doc = json.loads(capsys.readouterr().out)
     assert doc["format"] == "fp16" and doc["summary"]["violations"] == 0 and doc["per_class"]
+    # exit code 1 exactly when an input is uncertified (docs/guides/certify.md)
+    assert code == (0 if doc["summary"]["certified"] == 1.0 else 1), doc["summary"]
+    assert main(["certify", *args, "--format", "e4m3fn"]) == 1  # (a new user's run exited 0)
+    assert json.loads(capsys.readouterr().out)["summary"]["certified"] < 1.0
     assert main(["advise", *args, "--batches", "1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] in ("safe", "needs care", "unsafe") and doc["reasons"]
