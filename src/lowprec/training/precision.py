@@ -535,7 +535,10 @@ class Precision:
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What resuming needs, of constant size: the loss scale, the step counts, the
-        generator, the regimes' state. The per-step trace is not in it (it would grow with the
+        generator, the regimes' state. The generator is the one of ``seed=`` or ``generator=``;
+        without one (None here) stochastic rounding draws from torch's global generator, as
+        dropout does, whose state (``torch.get_rng_state()``) an exact resume restores too.
+        The per-step trace is not in it (it would grow with the
         run, in every checkpoint): it stays in ``self.trace``, and the experiment runner stores
         it in results.db as each epoch ends."""
         return {
