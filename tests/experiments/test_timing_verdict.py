@@ -126,6 +126,20 @@ def test_verdict_picks_the_least_memory_within_noise_and_native_speed():
     assert any("also within seed noise: 16-true" in e for e in v.evidence)
 
 
+def test_no_verdict_says_whether_the_baseline_is_missing_or_did_not_finish():
+    """A comparison whose 32-true runs diverged has 32-true in --policies: the verdict says
+    they diverged (it said "add 32-true to --policies"); a single policy's run (lowprec train,
+    which has no --policies) is told the compare command that runs both."""
+    rows = [row("32-true", None, finished=0, diverged=3), row("16-true", 0.9)]
+    v = recommend(NoAnalyses(), rows)
+    assert v.policy is None and "32-true" in v.headline and "3/3 runs diverged" in v.headline
+    assert "--policies" not in v.headline
+    v = recommend(NoAnalyses(), rows_of(row("16-true", 0.9)))
+    assert v.policy is None and "lowprec compare --policies 32-true,16-true" in v.headline
+    v = recommend(NoAnalyses(), rows_of(row("16-true", 0.9), row("bf16-true", 0.9)))
+    assert "add 32-true to --policies" in v.headline
+
+
 def test_verdict_ignores_time_that_is_not_comparable():
     rows = rows_of(row("32-true", 0.98, 0.001),
                    row("bf16-true", 0.98, 0.001, mem=0.59, time=0.3, comparable=False),
@@ -188,7 +202,7 @@ def test_verdict_with_one_seed_assumes_half_a_point_and_says_so():
 
 def test_no_baseline_no_recommendation():
     v = recommend(NoAnalyses(), [row("bf16-true", 0.98)])
-    assert v.policy is None and "no finished 32-true" in v.headline
+    assert v.policy is None and "has no 32-true run" in v.headline
 
 
 # -- schema -----------------------------------------------------------------------------------

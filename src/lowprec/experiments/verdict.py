@@ -161,9 +161,18 @@ def _coverage_note(db: ResultsDB, policy: str) -> str | None:
 def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
     """The verdict of a comparison (``rows``: :func:`lowprec.experiments.summary.summarize`)."""
     base = next((r for r in rows if r["policy"] == BASELINE), None)
-    if base is None or base["acc_mean"] is None:
-        return Verdict(None, f"No recommendation: this comparison has no finished {BASELINE} "
-                       "run to measure the other policies against (add 32-true to --policies).")
+    if base is None:
+        others = [r["policy"] for r in rows]
+        hint = (f"add {BASELINE} to --policies" if len(others) != 1 else
+                f"lowprec compare --policies {BASELINE},{others[0]} runs both")
+        return Verdict(None, f"No recommendation: this comparison has no {BASELINE} run to "
+                       f"measure the other policies against ({hint}).")
+    if base["acc_mean"] is None:
+        why = (f"{base['diverged']}/{base['runs']} runs diverged" if base["diverged"] else
+               f"{base['runs'] - base['finished']}/{base['runs']} runs did not finish")
+        return Verdict(None, f"No recommendation: {BASELINE}, the baseline the other policies "
+                       f"are measured against, has no finished run ({why}); a smaller --lr, "
+                       "or the failed runs' errors, say why.")
     candidates, rejected = [base], []
     for r in rows:
         if r is base:
