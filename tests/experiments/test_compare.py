@@ -117,7 +117,10 @@ def test_resume_says_when_there_is_nothing_to_resume(tmp_path, capsys, monkeypat
     out = tmp_path / "new"
     assert main(["compare", "--data", "digits", "--model", "mlp", "--policies", "32-true",
                  "--seeds", "1", "--epochs", "1", "--out", str(out), "--resume", "--quiet"]) == 0
-    assert f"nothing stored in {out} yet: starting it" in capsys.readouterr().err
+    # (what it starts named: a user whose first start was interrupted resumed with no flags
+    # and got the default experiment, unnamed)
+    assert f"nothing stored in {out} yet: starting it: mlp on digits, 1 policy x 1 seed, 1 " \
+        "epoch" in capsys.readouterr().err
     assert main(["compare", "--out", str(out), "--resume", "--quiet"]) == 0  # all finished
     assert "nothing stored" not in capsys.readouterr().err
 

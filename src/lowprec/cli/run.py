@@ -98,8 +98,13 @@ def _run(cfg, console: Console, quiet: bool, force_config: bool = False,
 
     if cfg.resume and _empty_or_missing(Path(cfg.out)):  # (make demo's first run, on
         # purpose; a folder of other files, or a bad path, is run_compare's one-line refusal)
-        print(f"lowprec {command}: nothing stored in {cfg.out} yet: starting it (--resume "
-              "continues a folder that holds results)", file=sys.stderr)
+        # (what it starts named: a resume of a folder whose start was interrupted before
+        # anything was stored runs these flags', the defaults where none are given)
+        n, s, e = len(cfg.policies), len(cfg.seeds), cfg.epochs
+        print(f"lowprec {command}: nothing stored in {cfg.out} yet: starting it: {cfg.model} on "
+              f"{cfg.data}, {n} polic{'y' if n == 1 else 'ies'} x {s} seed{'s' * (s != 1)}, "
+              f"{e} epoch{'s' * (e != 1)} (--resume continues a folder that holds results)",
+              file=sys.stderr)
     try:
         out = run_compare(cfg, executor, force_config=force_config, config_text=config_text)
     except (RunError, DatasetNotFound, CorruptDatabase, FolderBusy) as err:

@@ -129,7 +129,8 @@ def model_tables(out: str | Path) -> list[tuple[str, list[str], list[list[str]],
                 "-" if r["memory_rel"] is None else f"{r['memory_rel']:.2f}x",
                 "-" if r["sec_per_epoch"] is None else f"{r['sec_per_epoch']:.1f}",
                 f"{r['diverged']}/{r['runs']}", f"{r['failed']}/{r['runs']}"])
-        line = (f"{c.get('data')}, {c.get('epochs')} epochs, batch {c.get('batch_size')}, "
+        e = c.get("epochs")
+        line = (f"{c.get('data')}, {e} epoch{'' if e == 1 else 's'}, batch {c.get('batch_size')}, "
                 f"{c.get('optimizer')} lr {c.get('lr')} momentum {c.get('momentum')} weight "
                 f"decay {c.get('weight_decay')}, {c.get('schedule')} schedule, seeds "
                 f"{c.get('seeds')}") if c else ""

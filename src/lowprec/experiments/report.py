@@ -301,7 +301,9 @@ def _config_line(db: ResultsDB) -> str:
     c = runs[0]["config"]
     v = runs[0]["versions"]
     hw = runs[0]["hardware"]
-    return (f"data {c.get('data')}, model {c.get('model')}, {c.get('epochs')} epochs, batch "
+    epochs = c.get("epochs")
+    return (f"data {c.get('data')}, model {c.get('model')}, {epochs} "
+            f"epoch{'' if epochs == 1 else 's'}, batch "
             f"{c.get('batch_size')}, {c.get('optimizer')} lr {c.get('lr')}, seeds "
             f"{c.get('seeds')}; lowprec {v.get('lowprec')}, torch {v.get('torch')}; "
             f"{hw.get('processor')}, {hw.get('cpus')} CPUs"
