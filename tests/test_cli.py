@@ -160,3 +160,24 @@ def test_needs_ray_is_said_before_a_folder_or_a_bar_exists(tmp_path, capsys, mon
     captured = capsys.readouterr()
     assert "--executor ray needs Ray" in captured.err and captured.out == ""
     assert not out.exists()
+
+
+
+def test_a_warning_under_a_command_is_one_line_naming_the_command(capsys, monkeypatch,
+                                                                   tmp_path):
+    """Python's framing of a warning (a file, a line number and the source line: the console
+    script's own line, for a warning raised inside lowprec) becomes one line on stderr,
+    ``lowprec CMD: Category: message``; Python's own showwarning is back afterwards."""
+    import warnings
+
+    from lowprec.training.backends import choice
+
+    monkeypatch.setattr(choice, "_ANNOUNCED", set())  # (announced once per process)
+    before = warnings.showwarning
+    assert main(["train", "--data", "digits", "--model", "mlp", "--policy", "p=fp16",
+                 "--epochs", "1", "--out", str(tmp_path / "r"), "--quiet"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "Warning" in ln]
+    assert lines and all(ln.startswith("lowprec train: ") for ln in lines), lines
+    assert any(ln.startswith("lowprec train: BackendChoiceWarning: policy p=fp16") for ln in
+               lines), lines
+    assert warnings.showwarning is before

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 
 # Only the standard library (and _names) is imported by this package at import time, and
 # ``main`` installs its signal handling before anything else (rich, the experiments) is loaded;
@@ -101,18 +102,20 @@ def _main(argv: list[str]) -> int:
 
         if getattr(args, "json", False):
             # stdout holds the JSON document alone: tables, progress and notes go to stderr
-            console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+            console = Console(stderr=True) if sys.stderr.isatty() else \
+                Console(stderr=True, width=160, soft_wrap=True)
             from contextlib import redirect_stdout
 
             json_target[0] = sys.stdout
             try:
                 with redirect_stdout(sys.stderr):
-                    return _main_command(args, console)
+                    return _main_command(args, console, command)
             finally:
                 json_target[0] = None
-        # a pipe or a log file gets wide tables rather than rich's 80-column default
-        console = Console() if sys.stdout.isatty() else Console(width=160)
-        return _main_command(args, console)
+        # a pipe or a log file gets wide tables rather than rich's 80-column default, and
+        # its lines of text whole (soft wrap: a reason is not cut at column 160)
+        console = Console() if sys.stdout.isatty() else Console(width=160, soft_wrap=True)
+        return _main_command(args, console, command)
     except UserError as err:
         print_error(command, err)
         return 2
@@ -125,8 +128,22 @@ def _main(argv: list[str]) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _main_command(args, console) -> int:
+def _main_command(args, console, command: str) -> int:
     from ..experiments.system import tune_cpu_allocator
 
     tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
-    return int(args.func(args, console) or 0)
+    with warnings.catch_warnings():  # (restores showwarning: main() called from Python)
+        warnings.showwarning = _one_line_warnings(command)
+        return int(args.func(args, console) or 0)
+
+
+def _one_line_warnings(command: str):
+    """``warnings.showwarning`` for a command: one line on stderr, ``lowprec CMD: Category:
+    message``, instead of Python's file and line and the source line that warned (the
+    console script's own, for a warning raised inside lowprec: training/caller.py)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        text = text[len("lowprec: "):] if text.startswith("lowprec: ") else text
+        print(f"{command}: {category.__name__}: {text}", file=sys.stderr if file is None
+              else file)
+    return show

@@ -48,7 +48,7 @@ def _print_summary(run_dir, console: Console) -> None:
         verdict = recommend(db, rows)
     finally:
         db.close()
-    table = Table(title=f"lowprec compare: {run_dir}", header_style="bold")
+    table = Table(title=f"results in {run_dir}", header_style="bold")
     for c in cols:
         table.add_column(c, justify="left" if c in ("policy", "backend") else "right")
     for row in cells:
