@@ -489,6 +489,32 @@ def test_no_loss_scale_needed_says_how_many_gradients_are_subnormal():
     assert f"up to {adv.loss_scale:g} would lift them" in " ".join(adv.reasons)
 
 
+def test_advice_for_a_regime_is_judged_by_its_own_write_back_and_scale():
+    """A new user's q6.10-sr advice: "loss scale 1 recommended: 92.5% ... underflow at scale 1,
+    92.45% at 1" (no scale helps: said so, with what does), and "use stochastic rounding" for
+    a regime that rounds stochastically (judged by its own write-back's column)."""
+    from lowprec.analysis.advise import judge
+
+    cert = {"n": 10, "certified": 1.0, "agreement": 1.0, "violations": 0}
+    verdict, reasons = judge(cert, underflow_at_1=0.925, loss_scale=1.0, lr=0.1,
+                             underflow_at_scale=0.9245)
+    assert verdict == "needs care" and "recommended" not in reasons[1]
+    assert reasons[1].startswith("92.5% of gradient values underflow at scale 1, and no loss "
+                                 "scale lifts them") and "g=bf16" in reasons[1]
+    lost = [{"layer": "fc", "nearest": 1.0, "stochastic": 0.75, "kahan": 0.0}]
+    _, reasons = judge(cert, underflow_at_1=0.0, loss_scale=8.0, lr=0.1, lost=lost,
+                       write_back="stochastic")
+    assert reasons[-1] == ("layer fc loses 75% of its updates with one stochastic draw (the "
+                           "regime's write-back) at lr 0.1 (100% with nearest rounding): keep "
+                           "fp32 master weights (m=fp32)")
+    verdict, reasons = judge(cert, underflow_at_1=0.0, loss_scale=8.0, lr=0.1, lost=lost,
+                             write_back="kahan")
+    assert verdict == "safe" and reasons[-1] == ("updates survive rounding: at most 0.0% lost "
+                                                 "with Kahan summation (layer fc) at lr 0.1")
+    _, reasons = judge(cert, underflow_at_1=0.0, loss_scale=8.0, lr=0.1, lost=lost)
+    assert reasons[-1].endswith("use stochastic rounding or fp32 master weights")
+
+
 class Scale(nn.Module):
     def __init__(self, c: float) -> None:
         super().__init__()

@@ -83,14 +83,16 @@ def _field(row, name: str):
 
 def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: float,
           underflow_at_scale: float | None = None, lost=(), forward_nonfinite=None,
-          backward_nonfinite=None, subnormal_at_1: float | None = None) -> tuple[str, list[str]]:
+          backward_nonfinite=None, subnormal_at_1: float | None = None,
+          write_back: str = "nearest") -> tuple[str, list[str]]:
     """The verdict ("safe", "needs care", "unsafe") and its reasons from measured numbers, by
     the thresholds of this module: ``certificate`` is :meth:`Certificate.summary` (``n``,
     ``certified``, ``agreement``, ``violations``); ``underflow_at_1`` the fraction of nonzero
     gradient values that flush to zero unscaled and ``loss_scale`` the recommended scale
     (``underflow_at_scale`` the fraction left there, when measured; ``subnormal_at_1`` the
     fraction of nonzero gradient values that are subnormal unscaled, when measured); ``lost`` the per-layer
-    lost updates (:class:`LostUpdates` or their dicts) at ``lr``; the first non-finite op of
+    lost updates (:class:`LostUpdates` or their dicts) at ``lr``, judged by the column of the
+    regime's ``write_back`` (nearest, stochastic or kahan); the first non-finite op of
     the forward and backward passes where it was looked for. :func:`advise` and the compare
     report (from the analyses stored in results.db) both judge with it."""
     s = certificate
@@ -108,10 +110,17 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
     if underflow_at_1 > UNDERFLOW_MAX:
         if verdict == "safe":
             verdict = "needs care"
-        left = ("" if underflow_at_scale is None else
-                f", {100 * underflow_at_scale:.2f}% at {loss_scale:g}")
-        reasons.append(f"loss scale {loss_scale:g} recommended: {100 * underflow_at_1:.1f}% of "
-                       f"gradient values underflow at scale 1{left}")
+        if loss_scale > 1:
+            left = ("" if underflow_at_scale is None else
+                    f", {100 * underflow_at_scale:.2f}% at {loss_scale:g}")
+            reasons.append(f"loss scale {loss_scale:g} recommended: {100 * underflow_at_1:.1f}% "
+                           f"of gradient values underflow at scale 1{left}")
+        else:  # (the largest gradient leaves no room for a scale: "loss scale 1 recommended")
+            reasons.append(f"{100 * underflow_at_1:.1f}% of gradient values underflow at scale "
+                           "1, and no loss scale lifts them: the largest gradient already "
+                           "needs scale 1 to stay below the format's limit, so the gradients "
+                           "span more than the format's range; keep gradients in a wider "
+                           "format (g=bf16, g=fp32) or use dynamic fixed point")
     else:
         sub = ""
         if subnormal_at_1 is not None and subnormal_at_1 > SUBNORMAL_NOTE and loss_scale > 1:
@@ -123,18 +132,29 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
                        f"values underflow at scale 1{sub}")
     if backward_nonfinite is not None:
         reasons.append(f"at scale 1 the backward pass overflows first at {backward_nonfinite}")
-    worst = max(lost, key=lambda r: _field(r, "nearest"), default=None)
-    if worst is not None and _field(worst, "nearest") > LOST_MAX:
+    col = write_back if write_back in ("stochastic", "kahan") else "nearest"
+    worst = max(lost, key=lambda r: _field(r, col), default=None)
+    if worst is not None and _field(worst, col) > LOST_MAX:
         if verdict == "safe":
             verdict = "needs care"
-        reasons.append(f"layer {_field(worst, 'layer')} loses "
-                       f"{100 * _field(worst, 'nearest'):.0f}% of its updates with nearest "
-                       f"rounding at lr {lr:g} ({100 * _field(worst, 'stochastic'):.0f}% of one "
-                       f"stochastic draw, {100 * _field(worst, 'kahan'):.0f}% with Kahan): use "
-                       "stochastic rounding or fp32 master weights")
+        if col == "nearest":
+            reasons.append(f"layer {_field(worst, 'layer')} loses "
+                           f"{100 * _field(worst, 'nearest'):.0f}% of its updates with nearest "
+                           f"rounding at lr {lr:g} ({100 * _field(worst, 'stochastic'):.0f}% of "
+                           f"one stochastic draw, {100 * _field(worst, 'kahan'):.0f}% with "
+                           "Kahan): use stochastic rounding or fp32 master weights")
+        else:  # (the regime writes back so already: its remedy is not the advice)
+            how = "one stochastic draw" if col == "stochastic" else "Kahan summation"
+            reasons.append(f"layer {_field(worst, 'layer')} loses "
+                           f"{100 * _field(worst, col):.0f}% of its updates with {how} (the "
+                           f"regime's write-back) at lr {lr:g} "
+                           f"({100 * _field(worst, 'nearest'):.0f}% with nearest rounding): "
+                           "keep fp32 master weights (m=fp32)")
     elif worst is not None:
-        reasons.append(f"updates survive rounding: at most {100 * _field(worst, 'nearest'):.1f}% "
-                       f"lost with nearest rounding (layer {_field(worst, 'layer')}) at lr {lr:g}")
+        how = {"nearest": "nearest rounding", "stochastic": "one stochastic draw",
+               "kahan": "Kahan summation"}[col]
+        reasons.append(f"updates survive rounding: at most {100 * _field(worst, col):.1f}% "
+                       f"lost with {how} (layer {_field(worst, 'layer')}) at lr {lr:g}")
     return verdict, reasons
 
 
@@ -275,7 +295,8 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
     verdict, reasons = judge(s, underflow_at_1=choice.underflow_at_1, loss_scale=choice.scale,
                              underflow_at_scale=choice.underflow_at_scale, lost=lost, lr=lr,
                              forward_nonfinite=nf.forward, backward_nonfinite=nf.backward,
-                             subnormal_at_1=gradient_subnormals(ranges))
+                             subnormal_at_1=gradient_subnormals(ranges),
+                             write_back=str(regime.update) if regime is not None else "nearest")
     if errs:
         last = errs[-1]
         eps = "" if pol is not None else f" (format eps {fmt.eps:.1e})"
