@@ -181,3 +181,15 @@ def test_a_warning_under_a_command_is_one_line_naming_the_command(capsys, monkey
     assert any(ln.startswith("lowprec train: BackendChoiceWarning: policy p=fp16") for ln in
                lines), lines
     assert warnings.showwarning is before
+
+
+def test_an_unknown_flag_is_named_by_its_command_with_the_closest_one(capsys):
+    """``lowprec train --policies x`` said ``lowprec: error: unrecognized arguments ... (see
+    lowprec --help)``: the command's own parser names it, with the flag meant."""
+    assert main(["train", "--policies", "16-true"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "lowprec train: error: unrecognized arguments: --policies 16-true (did you mean "
+        "--policy?) (see lowprec train --help)")
+    assert main(["formats", "fp16", "--zzz"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "lowprec formats: error: unrecognized arguments: --zzz (see lowprec formats --help)")

@@ -9,6 +9,7 @@ parser without importing torch (lowprec_cmd).
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 
 from .. import _names  # the registries' names, for completion: the standard library alone
@@ -37,6 +38,24 @@ class _Parser(argparse.ArgumentParser):
         # argparse takes "-1e-9", "-inf" and "-nan" for flags (its matcher knows only -1 and
         # -1.5), so "--lr -inf" said "expected one argument" instead of naming the value
         self._negative_number_matcher = _NEGATIVE_NUMBER
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, with arguments no parser took named by the command's parser (``lowprec
+        train: error: ...``, not ``lowprec: error: ...``) and the closest flag it has
+        (``--policies`` given to train: "did you mean --policy?")."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            target = getattr(self, "commands", {}).get(getattr(ns, "command", None), self)
+            msg = f"unrecognized arguments: {' '.join(extra)}"
+            flag = next((a.split("=", 1)[0] for a in extra if a.startswith("--")), None)
+            if flag is not None:
+                opts = [o for a in target._actions for o in a.option_strings
+                        if o.startswith("--")]
+                close = difflib.get_close_matches(flag, opts, n=1, cutoff=0.7)
+                if close:
+                    msg += f" (did you mean {close[0]}?)"
+            target.error(msg)
+        return ns
 
     def error(self, message: str):
         origin = ""
