@@ -447,6 +447,10 @@ def test_advise_reports_measurements():
                      r"the fp32 class, (\d+) violations", ok.reasons[0])
     assert m is not None, ok.reasons[0]
     assert m[1] == f"{100 * cert['certified']:.1f}" and int(m[2]) == cert["n"] == 128
+    # a batch given (not a data set's test split) is certified as "inputs"
+    d = _dataset()
+    pair = advise(model, (d.x_train[:40], d.y_train[:40]), "fp16", batches=1)
+    assert re.match(r"[\d.]+% of 40 inputs certified", pair.reasons[0]), pair.reasons[0]
     assert m[3] == f"{100 * cert['agreement']:.2f}" and int(m[4]) == cert["violations"]
     assert ok.certificate.summary()["certified"] == cert["certified"]
     under = f"{100 * ok.underflow_at_1:.2f}% of gradient values underflow at scale 1"

@@ -84,19 +84,21 @@ def _field(row, name: str):
 def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: float,
           underflow_at_scale: float | None = None, lost=(), forward_nonfinite=None,
           backward_nonfinite=None, subnormal_at_1: float | None = None,
-          write_back: str = "nearest") -> tuple[str, list[str]]:
+          write_back: str = "nearest", certified_on: str = "test inputs"
+          ) -> tuple[str, list[str]]:
     """The verdict ("safe", "needs care", "unsafe") and its reasons from measured numbers, by
     the thresholds of this module: ``certificate`` is :meth:`Certificate.summary` (``n``,
     ``certified``, ``agreement``, ``violations``); ``underflow_at_1`` the fraction of nonzero
     gradient values that flush to zero unscaled and ``loss_scale`` the recommended scale
     (``underflow_at_scale`` the fraction left there, when measured; ``subnormal_at_1`` the
-    fraction of nonzero gradient values that are subnormal unscaled, when measured); ``lost`` the per-layer
-    lost updates (:class:`LostUpdates` or their dicts) at ``lr``, judged by the column of the
-    regime's ``write_back`` (nearest, stochastic or kahan); the first non-finite op of
+    fraction of nonzero gradient values that are subnormal unscaled, when measured); ``lost``
+    the per-layer lost updates (:class:`LostUpdates` or their dicts) at ``lr``, judged by the column of the
+    regime's ``write_back`` (nearest, stochastic or kahan); ``certified_on`` names what was
+    certified ("test inputs" of a data set, "inputs" of a batch given); the first non-finite op of
     the forward and backward passes where it was looked for. :func:`advise` and the compare
     report (from the analyses stored in results.db) both judge with it."""
     s = certificate
-    reasons = [f"{100 * s['certified']:.1f}% of {s['n']} test inputs certified (Γ > 2δ), "
+    reasons = [f"{100 * s['certified']:.1f}% of {s['n']} {certified_on} certified (Γ > 2δ), "
                f"{100 * s['agreement']:.2f}% predict the fp32 class, {s['violations']} violations"]
     verdict = "safe"
     if forward_nonfinite is not None:
@@ -296,7 +298,9 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
                              underflow_at_scale=choice.underflow_at_scale, lost=lost, lr=lr,
                              forward_nonfinite=nf.forward, backward_nonfinite=nf.backward,
                              subnormal_at_1=gradient_subnormals(ranges),
-                             write_back=str(regime.update) if regime is not None else "nearest")
+                             write_back=str(regime.update) if regime is not None else "nearest",
+                             certified_on="inputs" if isinstance(data, (tuple, list))
+                             else "test inputs")
     if errs:
         last = errs[-1]
         eps = "" if pol is not None else f" (format eps {fmt.eps:.1e})"
