@@ -193,3 +193,6 @@ def test_an_unknown_flag_is_named_by_its_command_with_the_closest_one(capsys):
     assert main(["formats", "fp16", "--zzz"]) == 2
     assert capsys.readouterr().err.strip() == (
         "lowprec formats: error: unrecognized arguments: --zzz (see lowprec formats --help)")
+    assert main(["--zzz", "formats"]) == 2  # given before the command: lowprec's own
+    assert capsys.readouterr().err.strip() == (
+        "lowprec: error: unrecognized arguments: --zzz (see lowprec --help)")

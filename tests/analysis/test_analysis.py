@@ -349,6 +349,40 @@ def test_the_analyses_leave_a_model_in_train_mode_as_they_found_it():
         assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads))
 
 
+def test_the_analyses_restore_a_rebound_buffer_and_take_lazy_and_inference_buffers():
+    """A forward that rebinds a buffer (``self.seen = self.seen + n``) gets the caller's
+    tensor and values back (module_profile had, by name); a lazy module's uninitialised
+    buffer and a buffer made under inference_mode do not stop a profile (a review found
+    both raising)."""
+    from lowprec.analysis.plan_scores import module_profile
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.register_buffer("seen", torch.zeros(()))
+            with torch.inference_mode():
+                self.register_buffer("frozen", torch.ones(3))
+
+        def forward(self, x):
+            self.seen = self.seen + x.shape[0]  # rebinds
+            return self.fc(x)  # (an inference tensor cannot enter autograd: kept only)
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    ce = nn.functional.cross_entropy
+    for run in (lambda m: range_profile(m, (x, y), ce, "fp16"),
+                lambda m: module_profile(m, (x, y), ce),
+                lambda m: find_loss_scale(m, (x, y), ce, "fp16")):
+        m = Counting().train()
+        seen = m.seen
+        run(m)
+        assert m.seen is seen and m.seen.item() == 0.0
+        assert torch.equal(m.frozen, torch.ones(3))
+    lazy = nn.Sequential(nn.Linear(4, 5), nn.LazyBatchNorm1d(), nn.Linear(5, 3)).train()
+    prof = range_profile(lazy, (x, y), ce, "fp16")
+    assert any(r.layer == "1" and r.role == "activations" for r in prof.stats)
+
+
 def test_lost_update_fractions_match_an_elementwise_check():
     g = torch.Generator().manual_seed(2)
     w = quantize(torch.randn(3000, generator=g), "bf16")
@@ -517,6 +551,12 @@ def test_advice_for_a_regime_is_judged_by_its_own_write_back_and_scale():
                                                  "with Kahan summation (layer fc) at lr 0.1")
     _, reasons = judge(cert, underflow_at_1=0.0, loss_scale=8.0, lr=0.1, lost=lost)
     assert reasons[-1].endswith("use stochastic rounding or fp32 master weights")
+    # a scale below 1 (the largest gradient beyond the format's range) is recommended as it
+    # is; a scaled-GEMM recipe, which scales each operand itself, is told what would help it
+    _, reasons = judge(cert, underflow_at_1=0.3, loss_scale=0.25, lr=0.1)
+    assert reasons[1].startswith("loss scale 0.25 recommended: 30.0% of gradient values")
+    _, reasons = judge(cert, underflow_at_1=0.3, loss_scale=1.0, lr=0.1, scaled=True)
+    assert "after the recipe's own scaling" in reasons[1] and "g=bf16" not in reasons[1]
 
 
 class Scale(nn.Module):

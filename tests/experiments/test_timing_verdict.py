@@ -138,6 +138,10 @@ def test_no_verdict_says_whether_the_baseline_is_missing_or_did_not_finish():
     assert v.policy is None and "lowprec compare --policies 32-true,16-true" in v.headline
     v = recommend(NoAnalyses(), rows_of(row("16-true", 0.9), row("bf16-true", 0.9)))
     assert "add 32-true to --policies" in v.headline
+    rows = [row("32-true", None, finished=0, diverged=1), row("16-true", 0.9)]  # (1 failed)
+    assert "1/3 runs diverged; 2/3 runs did not finish" in recommend(NoAnalyses(), rows).headline
+    rows = [row("32-true", None), row("16-true", 0.9)]
+    assert "no test accuracy was recorded" in recommend(NoAnalyses(), rows).headline
 
 
 def test_verdict_ignores_time_that_is_not_comparable():

@@ -66,3 +66,18 @@ def test_an_optimizer_warning_of_a_setup_lowprec_made_names_the_users_line():
     caught = [w for w in _caught(ns["set_up"]) if w.category is OptimizerPrecisionWarning]
     assert len(caught) == 1 and caught[0].filename == __file__, [
         (w.filename, w.lineno, str(w.message)) for w in caught]
+
+
+def test_a_warning_raised_while_torch_compile_traces_adds_no_dynamo_warning():
+    """warn() walks frames with sys._getframe, which Dynamo cannot trace (it warned of that
+    too): while compiling it warns at its caller, lowprec's one warning alone."""
+    from lowprec.training.emulation.engine import _warn_if_compiling  # noqa: F401 (exists)
+
+    torch._dynamo.reset()
+    model = nn.Linear(4, 2)
+    Precision("p=q6.10,c=q6.10,g=q6.10,b=emulated").setup(model)
+    compiled = torch.compile(model, backend="eager")
+    caught = _caught(lambda: compiled(torch.ones(3, 4)))
+    texts = [str(w.message) for w in caught]
+    assert any("runs the model eagerly under torch.compile" in t for t in texts), texts
+    assert not any("_getframe" in t for t in texts), texts

@@ -84,7 +84,7 @@ def _field(row, name: str):
 def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: float,
           underflow_at_scale: float | None = None, lost=(), forward_nonfinite=None,
           backward_nonfinite=None, subnormal_at_1: float | None = None,
-          write_back: str = "nearest", certified_on: str = "test inputs"
+          write_back: str = "nearest", certified_on: str = "test inputs", scaled: bool = False
           ) -> tuple[str, list[str]]:
     """The verdict ("safe", "needs care", "unsafe") and its reasons from measured numbers, by
     the thresholds of this module: ``certificate`` is :meth:`Certificate.summary` (``n``,
@@ -94,7 +94,8 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
     fraction of nonzero gradient values that are subnormal unscaled, when measured); ``lost``
     the per-layer lost updates (:class:`LostUpdates` or their dicts) at ``lr``, judged by the column of the
     regime's ``write_back`` (nearest, stochastic or kahan); ``certified_on`` names what was
-    certified ("test inputs" of a data set, "inputs" of a batch given); the first non-finite op of
+    certified ("test inputs" of a data set, "inputs" of a batch given); ``scaled``: a
+    scaled-GEMM recipe, whose casts scale each gradient operand; the first non-finite op of
     the forward and backward passes where it was looked for. :func:`advise` and the compare
     report (from the analyses stored in results.db) both judge with it."""
     s = certificate
@@ -112,7 +113,12 @@ def judge(certificate: dict, *, underflow_at_1: float, loss_scale: float, lr: fl
     if underflow_at_1 > UNDERFLOW_MAX:
         if verdict == "safe":
             verdict = "needs care"
-        if loss_scale > 1:
+        if scaled:  # (each gradient operand scaled by its cast: no loss scale to give)
+            reasons.append(f"{100 * underflow_at_1:.1f}% of gradient values flush to zero after "
+                           "the recipe's own scaling: they span more than the cast format's "
+                           "range; a finer-grained recipe (rowwise, blockwise) or a wider "
+                           "gradient cast keeps them")
+        elif loss_scale != 1:
             left = ("" if underflow_at_scale is None else
                     f", {100 * underflow_at_scale:.2f}% at {loss_scale:g}")
             reasons.append(f"loss scale {loss_scale:g} recommended: {100 * underflow_at_1:.1f}% "
@@ -300,7 +306,7 @@ def advise(model: nn.Module, data, fmt: str | Format = "fp16", *, loss_fn=None,
                              subnormal_at_1=gradient_subnormals(ranges),
                              write_back=str(regime.update) if regime is not None else "nearest",
                              certified_on="inputs" if isinstance(data, (tuple, list))
-                             else "test inputs")
+                             else "test inputs", scaled=pol is not None)
     if errs:
         last = errs[-1]
         eps = "" if pol is not None else f" (format eps {fmt.eps:.1e})"

@@ -181,8 +181,14 @@ def untouched(model: nn.Module):
     (a BatchNorm's running statistics and batch count, which a forward in train mode moves)
     copied and restored in place."""
     saved = {p: p.grad for p in model.parameters()}
+    buffers = []  # (module, name, the caller's tensor, its values): by name, so that a buffer
+    # the pass rebinds (``self.seen = self.seen + n``) gets the caller's tensor back; a lazy
+    # module's uninitialised buffer has no values to keep (its first forward makes them)
     with torch.no_grad():
-        buffers = [(b, b.clone()) for b in model.buffers()]
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None and not nn.parameter.is_lazy(b):
+                    buffers.append((m, name, b, b.clone()))
     try:
         for p in model.parameters():
             p.grad = None
@@ -190,6 +196,8 @@ def untouched(model: nn.Module):
     finally:
         for p, g in saved.items():
             p.grad = g
-        with torch.no_grad():
-            for b, old in buffers:
+        for m, name, b, old in buffers:
+            m._buffers[name] = b
+            # (a buffer made under inference_mode is written back in it)
+            with torch.inference_mode() if b.is_inference() else torch.no_grad():
                 b.copy_(old)

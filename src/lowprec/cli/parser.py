@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import sys
 
 from .. import _names  # the registries' names, for completion: the standard library alone
 from .analyse import cmd_advise, cmd_certify
@@ -43,9 +44,13 @@ class _Parser(argparse.ArgumentParser):
         """argparse's, with arguments no parser took named by the command's parser (``lowprec
         train: error: ...``, not ``lowprec: error: ...``) and the closest flag it has
         (``--policies`` given to train: "did you mean --policy?")."""
-        ns, extra = self.parse_known_args(args, namespace)
+        argv = list(sys.argv[1:] if args is None else args)
+        ns, extra = self.parse_known_args(argv, namespace)
         if extra:
-            target = getattr(self, "commands", {}).get(getattr(ns, "command", None), self)
+            command = getattr(ns, "command", None)
+            target = getattr(self, "commands", {}).get(command, self)
+            if command in argv and extra[0] in argv[:argv.index(command)]:
+                target = self  # (given before the command: lowprec's own flags)
             msg = f"unrecognized arguments: {' '.join(extra)}"
             flag = next((a.split("=", 1)[0] for a in extra if a.startswith("--")), None)
             if flag is not None:

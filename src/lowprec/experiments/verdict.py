@@ -168,8 +168,10 @@ def recommend(db: ResultsDB, rows: list[dict]) -> Verdict:
         return Verdict(None, f"No recommendation: this comparison has no {BASELINE} run to "
                        f"measure the other policies against ({hint}).")
     if base["acc_mean"] is None:
-        why = (f"{base['diverged']}/{base['runs']} runs diverged" if base["diverged"] else
-               f"{base['runs'] - base['finished']}/{base['runs']} runs did not finish")
+        n, failed = base["runs"], base["runs"] - base["finished"] - base["diverged"]
+        why = "; ".join([f"{base['diverged']}/{n} runs diverged"] * bool(base["diverged"])
+                        + [f"{failed}/{n} runs did not finish"] * (failed > 0)) or \
+            "no test accuracy was recorded"
         return Verdict(None, f"No recommendation: {BASELINE}, the baseline the other policies "
                        f"are measured against, has no finished run ({why}); a smaller --lr, "
                        "or the failed runs' errors, say why.")

@@ -28,5 +28,10 @@ def _user_level(frame) -> int:
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message, category)`` attributed to the user's line (module docstring)."""
+    """``warnings.warn(message, category)`` attributed to the user's line (module docstring);
+    while torch.compile traces, attributed to the caller (Dynamo cannot trace the frame walk,
+    and would warn of that too)."""
+    if torch.compiler.is_compiling():
+        warnings.warn(message, category, stacklevel=2)
+        return
     warnings.warn(message, category, stacklevel=_user_level(sys._getframe(0)))
