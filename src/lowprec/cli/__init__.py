@@ -132,18 +132,22 @@ def _main_command(args, console, command: str) -> int:
     from ..experiments.system import tune_cpu_allocator
 
     tune_cpu_allocator()  # the application's choice, not the library's (experiments/system)
-    with warnings.catch_warnings():  # (restores showwarning: main() called from Python)
-        warnings.showwarning = _one_line_warnings(command)
+    # the format, not showwarning: a caller recording warnings (pytest.warns,
+    # catch_warnings(record=True)) still gets them; put back after (main() called from Python)
+    previous = warnings.formatwarning
+    warnings.formatwarning = _one_line_warnings(command)
+    try:
         return int(args.func(args, console) or 0)
+    finally:
+        warnings.formatwarning = previous
 
 
 def _one_line_warnings(command: str):
-    """``warnings.showwarning`` for a command: one line on stderr, ``lowprec CMD: Category:
+    """``warnings.formatwarning`` for a command: one line, ``lowprec CMD: Category:
     message``, instead of Python's file and line and the source line that warned (the
     console script's own, for a warning raised inside lowprec: training/caller.py)."""
-    def show(message, category, filename, lineno, file=None, line=None):
+    def fmt(message, category, filename, lineno, line=None) -> str:
         text = " ".join(str(message).split())
         text = text[len("lowprec: "):] if text.startswith("lowprec: ") else text
-        print(f"{command}: {category.__name__}: {text}", file=sys.stderr if file is None
-              else file)
-    return show
+        return f"{command}: {category.__name__}: {text}\n"
+    return fmt
