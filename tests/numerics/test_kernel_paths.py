@@ -94,9 +94,11 @@ def bit_patterns(n: int = 1 << 14, seed: int = 0) -> torch.Tensor:
 
 # q12.12: a 24-bit word, the widest whose limits lie below 2**(qsub + 23) (nearest even by the
 # addition trick); q13.12, 25 bits, takes the general rule
-# (e4m3fn-sat, e5m2-sat, e2m1fn and the fixed formats saturate: the fast rule takes the limit)
+# (e4m3fn-sat, e5m2-sat, e2m1fn and the fixed formats saturate: the fast rule takes the limit;
+# uq4.4 is unsigned, a negative value's limit 0; q-5.15 has no integer bits, its step 2**-15
+# below the largest value 2**-5; fixed<25,0> is an integer format beyond the addition trick)
 FORMATS = ["fp16", "bf16", "e4m3fn", "e4m3fn-sat", "e5m2", "e5m2-sat", "e2m1fn", "q6.10",
-           "q12.12", "q13.12"]
+           "q12.12", "q13.12", "uq4.4", "q-5.15", "fixed<25,0>"]
 MODES = ["nearest", "nearest_away", "toward_zero", "up", "down", "stochastic", "sr4"]
 
 
