@@ -54,7 +54,9 @@ def test_auto_emulates_16_bit_formats_on_an_avx2_only_cpu(policy):
     c = choose_backend(parse_policy(policy), AVX2)
     assert c.backend is Backend.EMULATED and c.automatic
     assert "AVX2" in c.reason
-    assert ("no AVX512" in c.reason) if "bf16" in policy else ("reference kernel" in c.reason)
+    # fp16: no AVX512-FP16 either, so its matmuls are slow too (not only convolutions)
+    assert ("no AVX512-BF16" in c.reason) if "bf16" in policy else \
+        ("no AVX512-FP16" in c.reason and "matmuls" in c.reason)
 
 
 @pytest.mark.parametrize("facts", [COOPER_LAKE, SAPPHIRE_RAPIDS, AMX_BF16_ONLY, A100],
@@ -73,6 +75,8 @@ def test_auto_decides_fp16_by_its_own_instructions():
     assert choose_backend(pol, COOPER_LAKE).backend is Backend.EMULATED  # bf16 only
     slow = choose_backend(pol, SAPPHIRE_RAPIDS)
     assert slow.backend is Backend.EMULATED and "reference kernel" in slow.reason
+    assert "matmuls" not in slow.reason  # (oneDNN takes its fp16 matmuls)
+    assert "matmuls" in choose_backend(pol, AVX512).reason  # (no AVX512-FP16)
     assert choose_backend(pol, GRAVITON3).backend is Backend.EMULATED
     assert choose_backend(pol, A100).backend is Backend.NATIVE
     assert choose_backend(pol, T4).backend is Backend.NATIVE

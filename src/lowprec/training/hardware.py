@@ -45,9 +45,14 @@ _FAST_CPU = {
     BF16: (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"), ("bf16", "Arm BF16"),
            ("sve_bf16", "Arm SVE BF16")),
 }
-# formats whose torch CPU kernels are slow for training whatever the CPU has, and why
-_SLOW_CPU = {FP16: "torch's CPU fp16 convolution backward is a reference kernel, even with "
-                   "AVX512-FP16 (a LeNet-5 step 52x fp32's on an Intel Xeon with it)"}
+# formats whose torch CPU kernels are slow for training whatever the CPU has, and why: with
+# the features of the first entry, the first reason; without them, the second (fp16: oneDNN
+# takes fp16 matmuls with AVX512-FP16 or AMX-FP16, its convolution backward never)
+_SLOW_CPU = {FP16: (("avx512_fp16", "amx_fp16"),
+                    "torch's CPU fp16 convolution backward is a reference kernel, even with "
+                    "AVX512-FP16 (a LeNet-5 step 52x fp32's on an Intel Xeon with it)",
+                    "no AVX512-FP16 or AMX-FP16: torch's fp16 matmuls and convolutions run "
+                    "generic kernels (an MLP step 24x fp32's on an AMD EPYC with AVX2)")}
 # format -> the CUDA compute capability from which tensor cores run it
 _FAST_CUDA = {FP16: (7, 0), BF16: (8, 0)}
 
@@ -132,7 +137,8 @@ def native_speed(fmt: Format, facts: DeviceFacts) -> tuple[bool, str]:
         return True, "fp32"
     if facts.type == "cpu":
         if fmt in _SLOW_CPU:
-            return False, _SLOW_CPU[fmt]
+            features, with_them, without = _SLOW_CPU[fmt]
+            return False, with_them if facts.features & set(features) else without
         rules = _FAST_CPU.get(fmt)
         if rules is None:
             return False, f"{fmt} has no torch kernels"
