@@ -56,9 +56,23 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+_BUILT: dict = {}  # march -> the loaded build (one compilation per module run)
+
+
 @pytest.fixture(scope="module", params=list(PATHS))
 def path_lib(request, tmp_path_factory):
-    march = request.param
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def baseline_lib(tmp_path_factory):
+    """The x86-64 build: no F16C, its loops the plain ones every other path must agree with."""
+    return _build("x86-64", tmp_path_factory)
+
+
+def _build(march: str, tmp_path_factory):
+    if march in _BUILT:
+        return _BUILT[march]
     cc = shutil.which("gcc")
     if platform.machine() != "x86_64" or cc is None:
         pytest.skip("the clones exist on x86-64 with GCC only")
@@ -74,6 +88,7 @@ def path_lib(request, tmp_path_factory):
     assert build.returncode == 0, build.stderr[-3000:]
     lib = kernel.open_kernel(str(out))
     assert lib is not None, f"the {march} build did not load"
+    _BUILT[march] = lib
     return lib
 
 
@@ -300,6 +315,66 @@ def test_the_fused_optimizer_step_gives_the_torch_paths_bits(on_path, cls, kw, d
     for key, val in st_f.items():
         if torch.is_tensor(val):
             assert_same_bits(val, st_t[key], key)
+
+
+def _sgd_16_bit_carriers(lib, monkeypatch, pf: str) -> list[torch.Tensor]:
+    """Three SGD steps on float32 carriers of ``pf`` values by ``lib``'s fused kernel: lowprec's
+    SGD (plain; momentum and Nesterov kept in ``pf``'s dtype) and a wrapped torch.optim.SGD
+    (float32 momentum), 4,101 values, gradients holding NaNs with payloads (high bits that
+    float16 keeps, low bits it drops, a negative one), infinities and values past float16's
+    range; a float16 momentum given signalling NaNs after the first step. Returns parameters
+    and momenta."""
+    from lowprec import parse_format
+    from lowprec.training.optim import FormatOptimizer
+
+    monkeypatch.setattr(kernel.library, "lib", lambda: lib)
+    n = 4096 + 5
+    nans = torch.tensor([0x7FE00000, 0x7FC00001, -0x2F0000, 0x7FD01234], dtype=torch.int32)
+    out = []
+    for kind, kw in [("lowprec", dict(lr=1.0, weight_decay=0.7)),
+                     ("lowprec", dict(lr=0.75, momentum=0.9, dampening=0.2, weight_decay=0.6)),
+                     ("lowprec", dict(lr=0.5, momentum=0.7, nesterov=True, weight_decay=0.9)),
+                     ("torch", dict(lr=0.75, momentum=0.9, weight_decay=0.6))]:
+        w = quantize(torch.randn(n, generator=torch.Generator().manual_seed(3)) * 4, pf)
+        if kind == "lowprec":
+            opt = SGD([w], param_format=pf, state_format=pf, **kw)
+            state = opt.state
+        else:
+            inner = torch.optim.SGD([w], **kw)
+            opt = FormatOptimizer(inner, param_format=parse_format(pf),
+                                  state_format=parse_format(pf))
+            state = inner.state
+        for i in range(3):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(50 + i)) * 3
+            g[[9 + i, 700, 2050 + i, n - 1]] = nans.view(torch.float32)
+            g[[40 + i, 2001]] = float("inf")
+            g[[41, n - 3]] = -float("inf")
+            g[[60 + i, 61]] = 7e4
+            w.grad = g
+            opt.step()
+            buf = state[w].get("momentum_buffer")
+            if i == 0 and buf is not None and buf.dtype == torch.float16:
+                # signalling float16 NaNs, which F16C's widening would quiet
+                buf.view(torch.int16)[[100, 2100]] = torch.tensor([0x7D00, -0x2FF],
+                                                                  dtype=torch.int16)
+        out += [w] + [v for v in state[w].values() if torch.is_tensor(v) and v.dim()]
+    return out
+
+
+@pytest.mark.parametrize("pf", ["fp16", "bf16"])
+def test_the_one_loop_sgd_step_gives_the_tile_loops_bits(path_lib, baseline_lib, monkeypatch,
+                                                        pf):
+    """SGD on float32 carriers of float16 / bfloat16 values: where the CPU has F16C and FMA the
+    kernel steps whole vectors in one loop (optimizer.c's sgd_f32_fast), the baseline build its
+    tiles; every stored bit the same, NaN payloads included (the torch path does not fix those:
+    its momentum in a 16-bit dtype carries a NaN otherwise)."""
+    want = _sgd_16_bit_carriers(baseline_lib, monkeypatch, pf)
+    got = _sgd_16_bit_carriers(path_lib, monkeypatch, pf)
+    assert len(got) == len(want) == 7
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.isnan().any(), i
+        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), i
 
 
 def test_counting_and_reference_order_dot_products(on_path):

@@ -49,6 +49,10 @@ STORAGE = {
     "e5m2": (torch.float32, "e5m2", "e5m2"),
     "q6.10+bf16": (torch.float32, "q6.10", "bf16"),
     "bf16+fp32": (torch.bfloat16, None, "fp32"),
+    # float32 carriers of float16 / bfloat16 values (emulation's parameters): SGD's whole
+    # vectors take the kernel's one-loop path (sgd_f32_fast), the partial one its tiles
+    "fp16-in-fp32": (torch.float32, "fp16", "fp16"),
+    "bf16-in-fp32": (torch.float32, "bf16", "bf16"),
 }
 SHAPE = (37, 301)  # 11137 elements: the kernel's tiles are 256, the last one partial
 BIG = (229, 307)  # 70303 elements: split between threads (2**15 or more each)
@@ -326,8 +330,9 @@ def _raw_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not kernel.available(), reason="kernel not built")
-@pytest.mark.parametrize("storage", ["fp16", "bf16", "fp32+bf16", "e5m2"])
-@pytest.mark.parametrize("name", ["sgd-momentum-wd", "adam"])
+@pytest.mark.parametrize("storage", ["fp16", "bf16", "fp32+bf16", "e5m2", "fp16-in-fp32",
+                                     "bf16-in-fp32"])
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-wd", "sgd-nesterov-wd", "adam"])
 def test_fused_step_with_nonfinite_gradients_equals_torch_path(name, storage):
     """NaN and infinite gradients in a few groups of eight values and in the last, partial tile:
     the fused kernel's float16 loads and stores take F16C's conversions for eight values at a time
@@ -555,3 +560,63 @@ def test_the_fused_wrapped_sgd_leaves_what_torchs_step_leaves():
     assert opt._sgd_fuses()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+@pytest.mark.skipif(not kernel.available(), reason="kernel not built")
+@pytest.mark.parametrize("pf", ["fp16", "bf16"])
+@pytest.mark.parametrize("kw, wrapped", [
+    (dict(lr=1.0, weight_decay=0.7), False),
+    (dict(lr=1.0, weight_decay=0.7), True),
+    (dict(lr=0.75, momentum=0.9, dampening=0.2, weight_decay=0.6), True),
+    (dict(lr=0.5, momentum=0.7, nesterov=True, weight_decay=0.9), True)],
+    ids=["lowprec-sgd", "torch-sgd", "torch-sgd-momentum", "torch-sgd-nesterov"])
+def test_sgd_of_16_bit_values_in_float32_carriers_equals_torch_path(pf, kw, wrapped):
+    """The kernel's one-loop SGD step of float32 carriers (sgd_f32_fast: float16 or bfloat16
+    parameters and momentum, eight values a vector, its fused multiply-adds and roundings in
+    registers) against the torch path, every bit: 2**16 + 5 values (a partial vector last), a
+    large weight decay and rate (so that a multiply-add computed as two roundings would move
+    some stored value: the fused one is what torch's CPU add with alpha computes), NaNs with
+    payload bits float16 and bfloat16 cannot hold (the stored carrier keeps the float32 NaN's
+    bits, as quantize does), infinities, and values past float16's range. lowprec's SGD updates
+    from the rounded momentum, a wrapped torch.optim.SGD from the raw one. (lowprec's SGD keeps
+    a 16-bit momentum in a 16-bit dtype, which the tiles step: not here.)"""
+    n = 2**16 + 5
+    gen = torch.Generator().manual_seed(3)
+    w0 = quantize(torch.randn(n, generator=gen) * 4, pf)
+    payload = torch.tensor([0x7FC00001, 0x7FC01234, -0x3FF0000], dtype=torch.int32).view(
+        torch.float32)  # (the last: a negative quiet NaN, 0xfc010000)
+
+    def grads(i):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(50 + i)) * 3
+        g[[17 + i, 1000, n - 1]] = payload
+        g[[40 + i, 2001]] = float("inf")
+        g[[41, n - 3]] = -float("inf")
+        g[[60 + i, 61]] = 7e4  # past float16's largest, 65504
+        return g
+
+    def run(fuse):
+        w = w0.clone()
+        if wrapped:
+            inner = torch.optim.SGD([w], **kw)
+            opt = FormatOptimizer(inner, param_format=parse_format(pf),
+                                  state_format=parse_format(pf))
+            if not fuse:
+                opt._sgd_fuses = lambda: False
+            state = inner.state
+        else:
+            opt = SGD([w], param_format=pf, state_format=pf, **kw)
+            if not fuse:
+                opt._can_fuse = lambda p, s: False
+            state = opt.state
+        for i in range(3):
+            w.grad = grads(i)
+            opt.step()
+            if fuse and not wrapped:
+                assert opt._can_fuse(w, opt.state[w]), "the fused kernel did not run"
+        return [w] + [v for v in state[w].values() if torch.is_tensor(v) and v.dim()]
+
+    fused, plain = run(True), run(False)
+    assert len(fused) == len(plain) == 1 + ("momentum" in kw)
+    for a, b in zip(fused, plain):
+        assert a.isnan().any()
+        assert_same_bits(a, b, f"{pf} {kw} wrapped={wrapped}")
