@@ -317,64 +317,111 @@ def test_the_fused_optimizer_step_gives_the_torch_paths_bits(on_path, cls, kw, d
             assert_same_bits(val, st_t[key], key)
 
 
-def _sgd_16_bit_carriers(lib, monkeypatch, pf: str) -> list[torch.Tensor]:
-    """Three SGD steps on float32 carriers of ``pf`` values by ``lib``'s fused kernel: lowprec's
-    SGD (plain; momentum and Nesterov kept in ``pf``'s dtype) and a wrapped torch.optim.SGD
-    (float32 momentum), 4,101 values, gradients holding NaNs with payloads (high bits that
-    float16 keeps, low bits it drops, a negative one), infinities and values past float16's
-    range; a float16 momentum given signalling NaNs after the first step. Returns parameters
-    and momenta."""
+def _sgd_16_bit_carriers(lib, monkeypatch, pf: str, sf: str, threads: int,
+                         flush: bool) -> list[torch.Tensor]:
+    """Three SGD steps on float32 carriers of ``pf`` values by ``lib``'s fused kernel on
+    ``threads`` threads (``flush``: denormals are zero): lowprec's SGD (plain; momentum and
+    Nesterov kept in ``sf``'s dtype, a grad_scale) and a wrapped torch.optim.SGD (float32
+    momentum of ``sf`` values), 70,001 values (split between threads, a partial vector last),
+    gradients holding NaNs with payloads (high bits that float16 keeps, low bits it drops, a
+    negative one), infinities, values past float16's range and subnormals; a float16 momentum
+    given signalling NaNs, and subnormals beside a NaN, after the first step. Returns
+    parameters and momenta."""
     from lowprec import parse_format
     from lowprec.training.optim import FormatOptimizer
 
     monkeypatch.setattr(kernel.library, "lib", lambda: lib)
-    n = 4096 + 5
+    n = 70001
     nans = torch.tensor([0x7FE00000, 0x7FC00001, -0x2F0000, 0x7FD01234], dtype=torch.int32)
     out = []
-    for kind, kw in [("lowprec", dict(lr=1.0, weight_decay=0.7)),
-                     ("lowprec", dict(lr=0.75, momentum=0.9, dampening=0.2, weight_decay=0.6)),
-                     ("lowprec", dict(lr=0.5, momentum=0.7, nesterov=True, weight_decay=0.9)),
-                     ("torch", dict(lr=0.75, momentum=0.9, weight_decay=0.6))]:
-        w = quantize(torch.randn(n, generator=torch.Generator().manual_seed(3)) * 4, pf)
-        if kind == "lowprec":
-            opt = SGD([w], param_format=pf, state_format=pf, **kw)
-            state = opt.state
-        else:
-            inner = torch.optim.SGD([w], **kw)
-            opt = FormatOptimizer(inner, param_format=parse_format(pf),
-                                  state_format=parse_format(pf))
-            state = inner.state
-        for i in range(3):
-            g = torch.randn(n, generator=torch.Generator().manual_seed(50 + i)) * 3
-            g[[9 + i, 700, 2050 + i, n - 1]] = nans.view(torch.float32)
-            g[[40 + i, 2001]] = float("inf")
-            g[[41, n - 3]] = -float("inf")
-            g[[60 + i, 61]] = 7e4
-            w.grad = g
-            opt.step()
-            buf = state[w].get("momentum_buffer")
-            if i == 0 and buf is not None and buf.dtype == torch.float16:
-                # signalling float16 NaNs, which F16C's widening would quiet
-                buf.view(torch.int16)[[100, 2100]] = torch.tensor([0x7D00, -0x2FF],
-                                                                  dtype=torch.int16)
-        out += [w] + [v for v in state[w].values() if torch.is_tensor(v) and v.dim()]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(flush)
+    try:
+        for kind, kw in [("lowprec", dict(lr=1.0, weight_decay=0.7)),
+                         ("lowprec", dict(lr=0.75, momentum=0.9, dampening=0.2,
+                                          weight_decay=0.6)),
+                         ("lowprec", dict(lr=0.5, momentum=0.7, nesterov=True,
+                                          weight_decay=0.9)),
+                         ("torch", dict(lr=0.75, momentum=0.9, weight_decay=0.6))]:
+            w = quantize(torch.randn(n, generator=torch.Generator().manual_seed(3)) * 4, pf)
+            w[192:216] = 0.0  # (with zero gradients there: the momentum alone moves them)
+            if kind == "lowprec":
+                opt = SGD([w], param_format=pf, state_format=sf, **kw)
+                state = opt.state
+            else:
+                inner = torch.optim.SGD([w], **kw)
+                opt = FormatOptimizer(inner, param_format=parse_format(pf),
+                                      state_format=parse_format(sf))
+                state = inner.state
+            for i in range(3):
+                g = torch.randn(n, generator=torch.Generator().manual_seed(50 + i)) * 3
+                g[[9 + i, 700, 2050 + i, 40000, n - 1]] = torch.cat(
+                    [nans, nans[:1]]).view(torch.float32)
+                g[[40 + i, 2001]] = float("inf")
+                g[[41, n - 3]] = -float("inf")
+                g[[60 + i, 61]] = 7e4
+                g[80:96] = 3e-8  # (subnormal in float16)
+                g[192:216] = 0.0
+                w.grad = g
+                if kind == "lowprec":
+                    opt.step(grad_scale=0.37)
+                else:
+                    opt.step()
+                buf = state[w].get("momentum_buffer")
+                if i == 0 and buf is not None and buf.dtype == torch.float16:
+                    # signalling NaNs, which F16C's widening would quiet, and float16
+                    # subnormals beside a NaN, which the integer widening flushes under DAZ
+                    bits = buf.view(torch.int16)
+                    bits[[100, 2100]] = torch.tensor([0x7D00, -0x2FF], dtype=torch.int16)
+                    bits[[200, 201, 202]] = torch.tensor([0x7E00, 0x0001, 0x0200],
+                                                         dtype=torch.int16)
+            out += [w] + [v for v in state[w].values() if torch.is_tensor(v) and v.dim()]
+    finally:
+        torch.set_num_threads(before)
+        torch.set_flush_denormal(False)
     return out
 
 
-@pytest.mark.parametrize("pf", ["fp16", "bf16"])
-def test_the_one_loop_sgd_step_gives_the_tile_loops_bits(path_lib, baseline_lib, monkeypatch,
-                                                        pf):
-    """SGD on float32 carriers of float16 / bfloat16 values: where the CPU has F16C and FMA the
-    kernel steps whole vectors in one loop (optimizer.c's sgd_f32_fast), the baseline build its
-    tiles; every stored bit the same, NaN payloads included (the torch path does not fix those:
-    its momentum in a 16-bit dtype carries a NaN otherwise)."""
-    want = _sgd_16_bit_carriers(baseline_lib, monkeypatch, pf)
-    got = _sgd_16_bit_carriers(path_lib, monkeypatch, pf)
+PF_SF = [("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "bf16"), ("bf16", "fp16")]
+
+
+def _same_steps(got, want) -> None:
     assert len(got) == len(want) == 7
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and a.isnan().any(), i
         assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
                            b.view(torch.int16 if b.element_size() == 2 else torch.int32)), i
+
+
+@pytest.mark.parametrize("pf, sf", PF_SF)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_one_loop_sgd_step_gives_the_tile_loops_bits(path_lib, baseline_lib, monkeypatch,
+                                                        pf, sf, threads):
+    """SGD on float32 carriers of float16 / bfloat16 values: where the CPU has F16C and FMA the
+    kernel steps whole vectors in one loop (optimizer.c's sgd_f32_fast), the baseline build its
+    tiles (by its integer conversions); every stored bit the same, NaN payloads included (the
+    torch path does not fix those: its momentum in a 16-bit dtype carries a NaN otherwise),
+    split between two threads."""
+    want = _sgd_16_bit_carriers(baseline_lib, monkeypatch, pf, sf, threads, False)
+    _same_steps(_sgd_16_bit_carriers(path_lib, monkeypatch, pf, sf, threads, False), want)
+
+
+@pytest.mark.parametrize("pf, sf", PF_SF)
+@pytest.mark.parametrize("flush", [False, True], ids=["ieee", "flush-denormal"])
+def test_the_one_loop_sgd_step_gives_its_own_builds_tile_bits(path_lib, monkeypatch, pf, sf,
+                                                              flush):
+    """The same against the tiles of the same build (``ONE_LOOP`` off), also with denormals
+    flushed (torch.set_flush_denormal: a float16 momentum's subnormal beside a NaN is widened by
+    the integer conversion, which flushes it, as the tiles widen it; F16C would keep it). (Across
+    builds the flushed steps differ already: the baseline's integer rounding and F16C's
+    conversion round a flushed step apart.)"""
+    from lowprec.numerics.kernel import optimizer as kernel_optimizer
+
+    monkeypatch.setattr(kernel_optimizer, "ONE_LOOP", False)
+    want = _sgd_16_bit_carriers(path_lib, monkeypatch, pf, sf, 1, flush)
+    monkeypatch.setattr(kernel_optimizer, "ONE_LOOP", True)
+    _same_steps(_sgd_16_bit_carriers(path_lib, monkeypatch, pf, sf, 1, flush), want)
 
 
 def test_counting_and_reference_order_dot_products(on_path):

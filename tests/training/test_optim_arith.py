@@ -578,8 +578,10 @@ def test_sgd_of_16_bit_values_in_float32_carriers_equals_torch_path(pf, kw, wrap
     some stored value: the fused one is what torch's CPU add with alpha computes), NaNs with
     payload bits float16 and bfloat16 cannot hold (the stored carrier keeps the float32 NaN's
     bits, as quantize does), infinities, and values past float16's range. lowprec's SGD updates
-    from the rounded momentum, a wrapped torch.optim.SGD from the raw one. (lowprec's SGD keeps
-    a 16-bit momentum in a 16-bit dtype, which the tiles step: not here.)"""
+    from the rounded momentum, a wrapped torch.optim.SGD from the raw one. (lowprec's SGD with
+    momentum, kept in a 16-bit dtype, is left to the nonfinite test's plain NaNs: its torch path
+    carries a payload NaN through that dtype otherwise than the kernel, tiles or loop, whose two
+    paths tests/numerics/test_kernel_paths.py compares.)"""
     n = 2**16 + 5
     gen = torch.Generator().manual_seed(3)
     w0 = quantize(torch.randn(n, generator=gen) * 4, pf)

@@ -38,6 +38,8 @@ typedef struct {
      * stepping float32 carriers, whose state FormatOptimizer rounds after the step); 0: the
      * stored, rounded one (lowprec's SGD, as a 16-bit buffer holds it) */
     int32_t raw_state;
+    /* 1: SGD takes the tiles even where sgd_f32_fast applies (the tests compare the two) */
+    int32_t tiles_only;
 } lp_opt;
 
 /* float16 <-> float32 by integer operations, so that every clone vectorizes (no AVX512-FP16 or
@@ -224,10 +226,10 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 sgd_round(__m256 x
     return _mm256_castsi256_ps(_mm256_blendv_epi8(r, quiet, nan));
 }
 
-/* Eight momentum values of dtype dt (DT_F32, DT_F16, DT_BF16) at s + i, widened: float16 by
- * F16C even for a NaN, whose signalling form it quiets where load_tile keeps it; the step only
- * multiplies a loaded momentum, which quiets it the same way, so the stored bits are the tiles'
- * (tests/numerics/test_kernel_paths.py gives it signalling NaNs). */
+/* Eight momentum values of dtype dt (DT_F32, DT_F16, DT_BF16) at s + i, widened as load_tile
+ * widens them: float16 by F16C, but eight values holding a NaN by the integer conversion (whose
+ * multiplication by 2**112 flushes a subnormal to zero under denormals-are-zero, which F16C does
+ * not: torch.set_flush_denormal(True)). */
 __attribute__((target("avx2,fma,f16c"))) static inline __m256 sgd_load_state(const void *s,
                                                                              int64_t i, int dt) {
     if (dt == DT_F32) return _mm256_loadu_ps((const float *)s + i);
@@ -235,6 +237,12 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 sgd_load_state(con
     const __m128i h = _mm_loadu_si128((const __m128i *)h16);
     if (dt == DT_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (_mm_movemask_epi8(_mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)),
+                                          _mm_set1_epi16(0x7c00)))) {
+        float t[8];
+        for (int k = 0; k < 8; ++k) t[k] = f16_to_f32(h16[k]);
+        return _mm256_loadu_ps(t);
+    }
     return _mm256_cvtph_ps(h);
 }
 
@@ -295,7 +303,7 @@ __attribute__((target("avx2,fma,f16c"))) static void sgd_f32_fast(const lp_opt_j
 static int sgd_fast_applies(const lp_opt *o, int pfast, int sfast) {
     const int state_ok = (sfast && (o->s_dtype == DT_F32 || o->s_dtype == DT_F16)) ||
                          (o->s_is_bf16 && (o->s_dtype == DT_F32 || o->s_dtype == DT_BF16));
-    return o->kind == 0 && o->p_dtype == DT_F32 && o->g_dtype == DT_F32 &&
+    return !o->tiles_only && o->kind == 0 && o->p_dtype == DT_F32 && o->g_dtype == DT_F32 &&
            (pfast || o->p_is_bf16) && (!o->has_momentum || state_ok) &&
            lp_has_f16c() && __builtin_cpu_supports("fma");
 }

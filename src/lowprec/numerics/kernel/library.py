@@ -50,7 +50,7 @@ class LPOpt(ctypes.Structure):
         "sqrt_storage", "has_momentum")] + [(name, ctypes.c_float) for name in (
         "neg_lr", "momentum", "damp_c", "wd", "decay", "lerp_w", "beta2", "beta2_c", "eps",
         "neg_step", "bc2_sqrt", "grad_scale")] + [(name, ctypes.c_int32) for name in (
-        "p_is_bf16", "s_is_bf16", "raw_state")]
+        "p_is_bf16", "s_is_bf16", "raw_state", "tiles_only")]
 
 
 class LPAccFmt(ctypes.Structure):

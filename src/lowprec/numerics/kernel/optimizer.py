@@ -22,6 +22,11 @@ def opt_dtype_code(dtype: torch.dtype) -> int | None:
 
 _PREPARED: dict = {}  # (element parameters, deterministic rounding) -> the kernel's parameters
 
+#: whether SGD steps whole vectors in one loop where the kernel can (float32 carriers of float16
+#: or bfloat16 values, a CPU with AVX2, FMA and F16C: ``sgd_f32_fast``); False: its tiles, the
+#: same bits (the tests compare the two in one build)
+ONE_LOOP = True
+
 
 def _prepared(ep: ElementParams, rounding: int):
     """A deterministic rounding's kernel parameters, built once (the kernel only reads them)."""
@@ -40,6 +45,7 @@ def opt_step(p, g, s1, s2, opt: LPOpt, pq: ElementParams, p_rounding: int, seed,
     else:
         pp = _prepared(pq, p_rounding)
     sp = _prepared(sq, 0)
+    opt.tiles_only = 0 if ONE_LOOP else 1
     dummy = p.data_ptr()
     library.lib().lp_opt_step(p.data_ptr(), g.data_ptr(),
                               s1.data_ptr() if s1 is not None else dummy,
