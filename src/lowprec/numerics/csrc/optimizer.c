@@ -204,8 +204,9 @@ static void round_state(const uint32_t *a, uint32_t *q, int n, const lp_inv *si,
  * bfloat16 rounded to nearest even, eight values a vector in one loop: the operations of
  * opt_range's SGD branch in its order (the same fused multiply-adds), rounded as its tiles
  * round (float16: fp16_ne_f16c's conversions, a NaN kept as it is; bfloat16: round_tile_bf16's
- * integer trick, a NaN quieted), with no tile buffers between the stages: 4-5x faster than the
- * tiles on an AMD EPYC with AVX2 (benchmarks/RESULTS.md, "Issue 37, twentieth session").
+ * integer trick, a NaN quieted), with no tile buffers between the stages: the kernel 1.9-2.1x
+ * faster than the tiles, a whole step 1.3-2.8x, on an AMD EPYC with AVX2 (benchmarks/RESULTS.md,
+ * "Issue 37, twentieth session").
  * [begin, end) a multiple of 8 values; p16 / s16: the parameter's / state's format is float16
  * (else bfloat16); the momentum loaded and stored in its tensor's dtype as load_tile and
  * store_tile do. */
