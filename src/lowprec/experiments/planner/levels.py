@@ -58,7 +58,7 @@ def parse_menu(menu) -> tuple[str, ...]:
                          f"{', '.join(LEVELS)}, separated by single commas")
     for n in names:
         if n not in LEVELS:
-            raise ValueError(f"menu level {n!r}; accepted: {', '.join(LEVELS)}")
+            raise ValueError(f"unknown menu level {n!r}; accepted: {', '.join(LEVELS)}")
     if len(set(names)) != len(names):
         raise ValueError(f"menu {','.join(names)} names a level twice")
     if "fp32" not in names:
