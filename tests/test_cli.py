@@ -162,8 +162,6 @@ def test_needs_ray_is_said_before_a_folder_or_a_bar_exists(tmp_path, capsys, mon
     assert not out.exists()
 
 
-
-
 def test_a_warning_under_a_command_is_one_line_naming_the_command(tmp_path):
     """Python's framing of a warning (a file, a line number and the source line: the console
     script's own line, for a warning raised inside lowprec) becomes one line on stderr,
@@ -175,8 +173,7 @@ def test_a_warning_under_a_command_is_one_line_naming_the_command(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "lowprec", "train", "--data", "digits", "--model", "mlp",
          "--policy", "p=fp16", "--epochs", "1", "--out", str(tmp_path / "r"), "--quiet"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(src)})
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(src)})
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stderr.splitlines()
     assert any(ln.startswith("lowprec train: BackendChoiceWarning: policy p=fp16") for ln in
